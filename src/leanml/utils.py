@@ -1,0 +1,130 @@
+"""Small shared helpers: user-facing errors, cache dir, atomic outputs, JSON reports, machine facts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class LeanmlError(Exception):
+    """An error caused by the user's input. The CLI prints its message on one line and exits with code 2.
+
+    The message must say what was wrong and what to do about it.
+    """
+
+
+def cache_dir() -> Path:
+    """The cache directory: ``$LEANML_CACHE`` or ``~/.cache/leanml``. Created on first use."""
+    path = Path(os.environ.get("LEANML_CACHE") or Path.home() / ".cache" / "leanml").expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_device() -> torch.device:
+    """``cuda`` when a GPU is present, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
+    """Refuse an existing output directory unless ``overwrite`` (raises :class:`LeanmlError`)."""
+    path = Path(out)
+    if path.exists() and not overwrite:
+        raise LeanmlError(f"output directory {path} already exists; choose another --out or pass --overwrite")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success rename it to ``out`` (replacing it if ``overwrite``).
+
+    On an exception the temporary directory is removed, so ``out`` never appears half-written.
+    """
+    final = check_output_dir(out, overwrite)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item"):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def machine_info() -> dict[str, Any]:
+    """Facts about this machine for benchmark tables and reports."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    return info
+
+
+def machine_line() -> str:
+    """One line naming the machine, for the top of a benchmark table."""
+    m = machine_info()
+    gpu = f", GPU {m['gpu']}" if m["gpu"] else ", no GPU"
+    return f"{m['cpu']}, {m['cores']} cores{gpu}, torch {m['torch']}"
+
+
+class Timer:
+    """``with Timer() as t: ...; t.seconds``"""
+
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start
