@@ -1,0 +1,1 @@
+"""Post-training LLM pruning: a layer-wise engine, masks, and pruning methods."""
