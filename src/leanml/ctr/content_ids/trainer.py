@@ -1,0 +1,298 @@
+"""Text-supervised training of an extractor + soft product quantizer (the content-ID model).
+
+The model maps content (an image, or a content vector) to a continuous ``D``-dim vector ``x`` whose
+``M`` sub-vectors are L2-normalized, then quantizes it with :class:`SoftProductQuantizer`. Training
+makes the *quantized* vector predict the item's text:
+
+- ``loss="infonce"`` (default): image <-> text InfoNCE with a frozen MiniLM text embedding and two
+  small trainable projections; captions that are identical count as positives of each other.
+- ``loss="tokens"``: multi-label classification of the caption's tokens (bag of words) from the
+  quantized vector.
+
+Schedule: ``warmup_epochs`` without quantization (heads see ``x``), then k-means initialization of the
+codebooks on ``x`` of all training items, then ``epochs`` with the soft quantizer and ``tau`` annealed
+geometrically from ``tau_start`` to ``tau_end``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from leanml.ctr.content_ids.encoders import ContentEncoder, MLPEncoder, SmallCNN
+from leanml.ctr.content_ids.quantizer import SoftProductQuantizer, anneal_tau, usage_stats
+from leanml.utils import LeanmlError, atomic_dir, write_json
+
+STOPWORDS = frozenset("a an the and or of with in on for to is it this that its by at as".split())
+
+
+@dataclass
+class ContentIDConfig:
+    """Hyper-parameters of the content-ID model and its training."""
+
+    kind: str = "cnn"  # "cnn" (images) or "mlp" (content vectors)
+    in_dim: int = 0  # vector length for kind="mlp"
+    dim: int = 32  # D, the quantized vector length; must be divisible by m
+    m: int = 4
+    k: int = 16
+    loss: str = "infonce"  # or "tokens"
+    width: int = 16  # CNN width / MLP hidden = 8 * width
+    epochs: int = 6
+    warmup_epochs: int = 1
+    batch_size: int = 256
+    lr: float = 3e-3
+    tau_start: float = 1.0
+    tau_end: float = 0.02
+    straight_through: bool = False
+    commit_weight: float = 0.05
+    temperature: float = 0.1  # InfoNCE logit temperature
+    proj_dim: int = 64
+    vocab: list[str] = field(default_factory=list)  # caption tokens, for loss="tokens"
+    text_dim: int = 384
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.kind not in ("cnn", "mlp"):
+            raise LeanmlError(f"unknown encoder kind {self.kind!r}; use 'cnn' or 'mlp'")
+        if self.loss not in ("infonce", "tokens"):
+            raise LeanmlError(f"unknown loss {self.loss!r}; use 'infonce' or 'tokens'")
+        if self.k < 2:
+            raise LeanmlError(f"K={self.k}: a codebook needs at least 2 codewords; use K >= 2")
+        if self.m < 1 or self.dim % self.m:
+            raise LeanmlError(f"M={self.m} must divide the vector dim D={self.dim}; change --M or --dim")
+        if self.kind == "mlp" and self.in_dim <= 0:
+            raise LeanmlError("kind='mlp' needs in_dim > 0 (the content vector length)")
+
+
+def tokenize(text: str) -> list[str]:
+    """Lower-case alphanumeric tokens of ``text`` without stopwords."""
+    return [t for t in re.findall(r"[a-z0-9]+", text.lower()) if t not in STOPWORDS and len(t) > 1]
+
+
+def build_vocab(captions: Sequence[str], max_size: int = 512, min_count: int = 2) -> list[str]:
+    """The ``max_size`` most frequent caption tokens seen at least ``min_count`` times."""
+    counts = Counter(t for c in captions for t in set(tokenize(c)))
+    return [t for t, n in counts.most_common(max_size) if n >= min_count]
+
+
+def token_targets(captions: Sequence[str], vocab: Sequence[str]) -> np.ndarray:
+    """Multi-hot ``(N, V)`` float32 matrix of caption tokens."""
+    index = {t: i for i, t in enumerate(vocab)}
+    out = np.zeros((len(captions), len(vocab)), dtype=np.float32)
+    for row, c in enumerate(captions):
+        for t in tokenize(c):
+            if t in index:
+                out[row, index[t]] = 1.0
+    return out
+
+
+class ContentIDModel(nn.Module):
+    """Extractor + soft product quantizer + text-supervision heads.
+
+    ``embed(x)`` gives the continuous vector (sub-vectors L2-normalized), ``forward(x, tau)`` the
+    quantized vector and the soft assignment, ``codes(x)`` the hard ``(N, M)`` codes.
+    """
+
+    def __init__(self, config: ContentIDConfig, backbone: nn.Module | None = None) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        if backbone is None:
+            backbone = SmallCNN(width=config.width) if config.kind == "cnn" else MLPEncoder(config.in_dim, 8 * config.width)
+        self.encoder = ContentEncoder(backbone, config.dim)
+        self.quantizer = SoftProductQuantizer(config.dim, config.m, config.k, config.straight_through)
+        self.img_proj = nn.Linear(config.dim, config.proj_dim)
+        self.txt_proj = nn.Linear(config.text_dim, config.proj_dim)
+        self.token_head = nn.Linear(config.dim, max(len(config.vocab), 1))
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.encoder(x)
+        n, d = z.shape
+        return F.normalize(z.reshape(n, self.config.m, d // self.config.m), dim=-1).reshape(n, d)
+
+    def forward(self, x: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(continuous, quantized, probs)``."""
+        z = self.embed(x)
+        q, probs = self.quantizer(z, tau)
+        return z, q, probs
+
+    @torch.no_grad()
+    def codes(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantizer.codes(self.embed(x))
+
+
+def info_nce(img: torch.Tensor, txt: torch.Tensor, group: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Symmetric InfoNCE between normalized ``img`` and ``txt`` ``(B, P)``; rows with equal ``group``
+    (identical captions) are all positives: ``-log(sum_pos exp(s) / sum_all exp(s))``."""
+    logits = F.normalize(img, dim=-1) @ F.normalize(txt, dim=-1).T / temperature
+    pos = group[:, None] == group[None, :]
+    neg_inf = torch.finfo(logits.dtype).min
+    i2t = torch.logsumexp(logits, 1) - torch.logsumexp(logits.masked_fill(~pos, neg_inf), 1)
+    t2i = torch.logsumexp(logits.T, 1) - torch.logsumexp(logits.T.masked_fill(~pos, neg_inf), 1)
+    return 0.5 * (i2t.mean() + t2i.mean())
+
+
+def _supervision_loss(
+    model: ContentIDModel, v: torch.Tensor, text: torch.Tensor | None, group: torch.Tensor | None,
+    tokens: torch.Tensor | None,
+) -> torch.Tensor:
+    if model.config.loss == "infonce":
+        assert text is not None and group is not None
+        return info_nce(model.img_proj(v), model.txt_proj(text), group, model.config.temperature)
+    assert tokens is not None
+    return F.binary_cross_entropy_with_logits(model.token_head(v), tokens)
+
+
+@torch.no_grad()
+def embed_all(model: ContentIDModel, inputs: torch.Tensor, batch_size: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    """Continuous vectors ``(N, D)`` and hard codes ``(N, M)`` for ``inputs`` (eval mode)."""
+    model.eval()
+    device = next(model.parameters()).device
+    zs, cs = [], []
+    for i in range(0, len(inputs), batch_size):
+        z = model.embed(inputs[i : i + batch_size].to(device))
+        zs.append(z.cpu())
+        cs.append(model.quantizer.codes(z).cpu())
+    return torch.cat(zs).numpy(), torch.cat(cs).numpy().astype(np.int64)
+
+
+def fit_content_ids(
+    inputs: torch.Tensor,
+    captions: Sequence[str],
+    config: ContentIDConfig,
+    text_emb: np.ndarray | None = None,
+    backbone: nn.Module | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> tuple[ContentIDModel, dict[str, Any]]:
+    """Train a content-ID model on ``inputs`` (images ``(N, H, W)`` or vectors ``(N, F)``) and captions.
+
+    ``text_emb`` (``(N, 384)``) is required for ``loss="infonce"`` (see ``encoders.embed_texts``).
+    Returns the model (eval mode) and a report with per-epoch losses and codebook usage statistics.
+    """
+    config.validate()
+    n = len(inputs)
+    if len(captions) != n:
+        raise LeanmlError(f"{n} inputs but {len(captions)} captions; every item needs exactly one caption")
+    if n < config.k:
+        raise LeanmlError(f"only {n} items to fit K={config.k} codewords; use more items or a smaller K")
+    torch.manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    if config.loss == "tokens" and not config.vocab:
+        config.vocab = build_vocab(captions)
+        if not config.vocab:
+            raise LeanmlError("captions have no token seen twice; token supervision needs repeated words")
+    model = ContentIDModel(config, backbone).to(device)
+    _, group_np = np.unique(np.asarray(list(captions), dtype=object), return_inverse=True)
+    group = torch.as_tensor(group_np.ravel(), dtype=torch.long)
+    text = None
+    if config.loss == "infonce":
+        if text_emb is None or len(text_emb) != n:
+            raise LeanmlError("loss='infonce' needs one text embedding per item (embed_texts(captions))")
+        text = torch.as_tensor(np.asarray(text_emb), dtype=torch.float32)
+    tokens = torch.as_tensor(token_targets(captions, config.vocab)) if config.loss == "tokens" else None
+    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    steps_per_epoch = (n + config.batch_size - 1) // config.batch_size
+    total_q = config.epochs * steps_per_epoch
+    history: list[dict[str, float]] = []
+    step_q = 0
+    total_epochs = config.warmup_epochs + config.epochs
+    bar = tqdm(total=total_epochs * steps_per_epoch, desc=f"content-ids {config.loss}", disable=not progress, leave=False)
+    for epoch in range(total_epochs):
+        quantize = epoch >= config.warmup_epochs
+        if quantize and epoch == config.warmup_epochs:
+            z_all, _ = embed_all(model, inputs)
+            model.quantizer.init_kmeans(torch.as_tensor(z_all).to(device), seed=config.seed)
+        model.train()
+        perm = rng.permutation(n)
+        losses, tau = [], config.tau_start
+        for i in range(0, n, config.batch_size):
+            idx = torch.as_tensor(perm[i : i + config.batch_size])
+            if len(idx) < 2:
+                continue
+            x = inputs[idx].to(device)
+            if quantize:
+                tau = anneal_tau(step_q, total_q, config.tau_start, config.tau_end)
+                z, v, probs = model(x, tau)
+                hard = model.quantizer.codebooks.detach()[torch.arange(config.m, device=device), probs.argmax(-1)]
+                commit = ((z.reshape(hard.shape) - hard) ** 2).sum(-1).mean()
+                step_q += 1
+            else:
+                v, commit = model.embed(x), torch.zeros((), device=device)
+            loss = _supervision_loss(
+                model, v,
+                text[idx].to(device) if text is not None else None,
+                group[idx].to(device),
+                tokens[idx].to(device) if tokens is not None else None,
+            ) + config.commit_weight * commit
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+            bar.update(1)
+        history.append({"epoch": epoch, "quantized": quantize, "tau": tau, "loss": float(np.mean(losses))})
+    bar.close()
+    model.eval()
+    _, codes = embed_all(model, inputs)
+    report = {
+        "config": asdict(config),
+        "n_items": n,
+        "history": history,
+        "usage": usage_stats(codes, config.k).as_dict(),
+        "final_loss": history[-1]["loss"] if history else float("nan"),
+    }
+    if config.loss == "infonce":
+        report["caption_top1"] = caption_retrieval_top1(model, inputs, text, group)
+    return model, report
+
+
+@torch.no_grad()
+def caption_retrieval_top1(model: ContentIDModel, inputs: torch.Tensor, text: torch.Tensor, group: torch.Tensor) -> float:
+    """Fraction of items whose hard-quantized vector retrieves its own caption among all distinct captions."""
+    model.eval()
+    device = next(model.parameters()).device
+    uniq_group, first = np.unique(group.numpy(), return_index=True)
+    txt = F.normalize(model.txt_proj(text[first].to(device)), dim=-1)
+    hits = 0
+    for i in range(0, len(inputs), 1024):
+        _, q, _ = model(inputs[i : i + 1024].to(device), 1.0)
+        sim = F.normalize(model.img_proj(q), dim=-1) @ txt.T
+        hits += int((torch.as_tensor(uniq_group, device=device)[sim.argmax(1)] == group[i : i + 1024].to(device)).sum())
+    return hits / len(inputs)
+
+
+def save_content_model(model: ContentIDModel, out: str | Path, report: dict[str, Any], overwrite: bool = False) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and ``report.json`` into ``out`` atomically."""
+    from safetensors.torch import save_file
+
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        (tmp / "config.json").write_text(json.dumps(asdict(model.config), indent=2) + "\n")
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"))
+        write_json(tmp / "report.json", report)
+    return Path(out)
+
+
+def load_content_model(path: str | Path, device: torch.device | str = "cpu") -> ContentIDModel:
+    """Load a model written by :func:`save_content_model` (built-in backbones only)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
+        raise LeanmlError(f"{path} is not a content-ID model folder (config.json + model.safetensors); "
+                          "create one with `leanml ctr content-ids fit --out DIR`")
+    config = ContentIDConfig(**json.loads((path / "config.json").read_text()))
+    model = ContentIDModel(config)
+    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    return model.to(device).eval()
