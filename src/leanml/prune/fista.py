@@ -1,0 +1,436 @@
+"""Numeric core of FISTAPruner: convex l1 layer-wise pruning solved by FISTA, then an exact hard threshold.
+
+For one linear operator with dense weight ``W`` (m x n), dense input ``X`` and pruned-path input ``X*``
+(columns are tokens), the engine gives the token-averaged statistics ``H = X* X*^T / N`` and
+``G = X X*^T / N`` (and ``Hd = X X^T / N``). With ``C = W G`` the problem
+
+    minimise over W*:  1/2 tr(W* H W*^T) - tr(C W*^T) + lambda * ||W*||_1
+
+equals ``1/(2N) ||W* X* - W X||_F^2 + lambda ||W*||_1`` up to a constant. It separates by output row,
+so every function here works on all rows at once with matrix products; ``lambda`` is a scalar or one
+value per row.
+
+Everything in this module is a pure function of tensors (no model objects, no I/O):
+
+- :func:`power_iteration` -- the Lipschitz constant ``L = lambda_max(H)``,
+- :func:`soft_threshold`, :func:`hard_threshold` (exact unstructured per row / per layer or N:M),
+- :func:`lasso_objective`, :func:`row_output_errors`,
+- :func:`fista_solve` -- FISTA with a per-row function-value restart, so the objective never rises,
+- :func:`refine_on_mask` -- optional least-squares refit of the kept weights (accelerated projected
+  gradient on a fixed support),
+- :func:`tune_lambda` -- the T-round lambda search by bisection on ``E_round / E_total`` against ``xi``,
+- :func:`fista_prune` -- the whole per-operator procedure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from leanml.prune.masks import MaskSpec, keep_mask
+
+
+def power_iteration(H: torch.Tensor, iters: int = 100, tol: float = 1e-6, seed: int = 0) -> float:
+    """Largest eigenvalue of the symmetric positive semi-definite matrix ``H`` by power iteration.
+
+    Deterministic (seeded start vector). Returns 0.0 for an all-zero ``H``.
+    """
+    if H.dim() != 2 or H.shape[0] != H.shape[1]:
+        raise ValueError(f"H must be square, got shape {tuple(H.shape)}")
+    n = H.shape[0]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    v = torch.randn(n, 1, generator=gen, dtype=torch.float64).to(device=H.device, dtype=H.dtype)
+    v = v / v.norm()
+    est = 0.0
+    for _ in range(iters):
+        w = H @ v
+        norm = float(w.norm())
+        if norm == 0.0 or not math.isfinite(norm):
+            return 0.0 if norm == 0.0 else float("nan")
+        v = w / norm
+        if abs(norm - est) <= tol * norm:
+            est = norm
+            break
+        est = norm
+    # Rayleigh quotient of the final vector (a lower bound that converges to lambda_max)
+    return float(max(est, float((v.T @ (H @ v)).squeeze())))
+
+
+def soft_threshold(X: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
+    """``sign(x) * max(|x| - tau, 0)`` elementwise; ``tau`` is a scalar or broadcasts (e.g. (m, 1))."""
+    return torch.sign(X) * torch.clamp(X.abs() - tau, min=0.0)
+
+
+def hard_threshold(W: torch.Tensor, spec: MaskSpec, scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep the largest ``|W|`` (or ``scores``) under ``spec`` exactly, zero the rest.
+
+    Unstructured per row (``spec.scope == "row"``) keeps the same count in every row, per layer one
+    threshold for the matrix; ``spec.pattern = (n, m)`` keeps the ``n`` largest of every ``m``
+    consecutive weights along the input dimension.
+    """
+    mask = keep_mask(W.abs() if scores is None else scores, spec)
+    return W * mask
+
+
+def prune_scores(W: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores for the final hard threshold: ``|W|`` for non-zeros; zeros rank below every non-zero.
+
+    Among exact zeros (common in l1 solutions) the one with the larger gradient magnitude ``|grad|``
+    ranks higher (its coordinate would decrease the objective most), so when a row or N:M block has
+    fewer non-zeros than it may keep, the kept zero positions are the most useful ones to refill.
+    """
+    if grad is None:
+        return W.abs()
+    return torch.where(W != 0, W.abs(), -1.0 / (1.0 + grad.abs()))
+
+
+def fill_kept_zeros(
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, dense_const: torch.Tensor
+) -> torch.Tensor:
+    """Give kept-but-zero weights their coordinate-wise optimal value (one Jacobi step).
+
+    Rows whose output error would rise keep their old values, so the error never increases.
+    """
+    Z = mask & (W == 0)
+    if not bool(Z.any()):
+        return W
+    WH = W @ H
+    diag = torch.diagonal(H).clamp_min(1e-30)
+    W_new = torch.where(Z, (C - WH) / diag, W)
+    old = row_output_errors(W, H, C, dense_const, WH)
+    new = row_output_errors(W_new, H, C, dense_const)
+    return torch.where((new < old).unsqueeze(1), W_new, W)
+
+
+def _as_row_lambda(lam: torch.Tensor | float, m: int, like: torch.Tensor) -> torch.Tensor:
+    lam_t = torch.as_tensor(lam, dtype=like.dtype, device=like.device)
+    if lam_t.dim() == 0:
+        lam_t = lam_t.expand(m)
+    lam_t = lam_t.reshape(-1)
+    if lam_t.numel() != m:
+        raise ValueError(f"lambda must be a scalar or have one value per row ({m}), got {lam_t.numel()}")
+    if bool((lam_t < 0).any()):
+        raise ValueError("lambda must be non-negative")
+    return lam_t.reshape(m, 1)
+
+
+def lasso_objective(
+    W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, lam: torch.Tensor | float, WH: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row objective ``1/2 w H w^T - c w^T + lambda_row ||w||_1`` (shape (m,)).
+
+    ``WH`` may pass a precomputed ``W @ H``.
+    """
+    if WH is None:
+        WH = W @ H
+    lam_r = _as_row_lambda(lam, W.shape[0], W).reshape(-1)
+    return 0.5 * (WH * W).sum(1) - (C * W).sum(1) + lam_r * W.abs().sum(1)
+
+
+def row_output_errors(
+    W_new: torch.Tensor, H: torch.Tensor, C: torch.Tensor, dense_const: torch.Tensor, WH: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row mean squared output error ``||w* X* - w X||^2 / N`` (shape (m,), clamped at 0).
+
+    ``dense_const`` is the per-row ``w Hd w^T`` (the dense output energy), ``C = W G``.
+    """
+    if WH is None:
+        WH = W_new @ H
+    err = (WH * W_new).sum(1) - 2.0 * (C * W_new).sum(1) + dense_const
+    return err.clamp_min(0.0)
+
+
+@dataclass
+class FistaResult:
+    """Output of :func:`fista_solve`."""
+
+    W: torch.Tensor
+    objective: list[float] = field(default_factory=list)  # sum over rows, index 0 = start point
+    iters: int = 0
+    restarts: int = 0
+    row_objective: torch.Tensor | None = None
+
+
+def fista_solve(
+    H: torch.Tensor,
+    C: torch.Tensor,
+    lam: torch.Tensor | float,
+    W0: torch.Tensor | None = None,
+    L: float | None = None,
+    iters: int = 20,
+    tol: float = 0.0,
+    restart: bool = True,
+    track: bool = True,
+) -> FistaResult:
+    """Minimise ``1/2 tr(W H W^T) - tr(C W^T) + sum_rows lambda_r ||w_r||_1`` by FISTA, all rows at once.
+
+    Step ``1/L`` with ``L = lambda_max(H)`` (computed by :func:`power_iteration` when not given).
+    With ``restart`` (default) a row whose objective would rise keeps its previous iterate and its
+    momentum is reset (``t = 1``), so the next step is a plain proximal-gradient step from there: the
+    per-row objective never rises. One ``n x n`` product per iteration (``Y H`` is carried as a linear
+    combination of ``W_k H``). Stops after ``iters`` iterations or when the relative change
+    ``||W_k - W_{k-1}||_F / ||W_{k-1}||_F`` falls below ``tol``.
+    """
+    m, n = C.shape
+    if H.shape != (n, n):
+        raise ValueError(f"H must be {n}x{n} to match C {tuple(C.shape)}, got {tuple(H.shape)}")
+    if iters < 0:
+        raise ValueError("iters must be >= 0")
+    lam_r = _as_row_lambda(lam, m, C)
+    if L is None:
+        L = power_iteration(H) * 1.001
+    W_prev = torch.zeros_like(C) if W0 is None else W0.to(C.dtype).clone()
+    if L <= 0.0:
+        # H == 0: the smooth part is linear, the minimiser is unbounded unless C == 0; keep the start
+        return FistaResult(W=W_prev, objective=[], iters=0)
+    WH_prev = W_prev @ H
+    F_prev = lasso_objective(W_prev, H, C, lam_r, WH_prev)
+    history = [float(F_prev.sum())] if track else []
+    Y, YH = W_prev, WH_prev
+    t = torch.ones(m, 1, dtype=C.dtype, device=C.device)
+    tau = lam_r / L
+    restarts = 0
+    done = 0
+    for k in range(iters):
+        Z = soft_threshold(Y - (YH - C) / L, tau)
+        ZH = Z @ H
+        F = lasso_objective(Z, H, C, lam_r, ZH)
+        if restart:
+            bad = F > F_prev
+            restarts += int(bad.sum())
+            badc = bad.unsqueeze(1)
+            Z = torch.where(badc, W_prev, Z)
+            ZH = torch.where(badc, WH_prev, ZH)
+            F = torch.where(bad, F_prev, F)
+        t_next = (1.0 + torch.sqrt(1.0 + 4.0 * t * t)) / 2.0
+        beta = (t - 1.0) / t_next
+        if restart:
+            beta = torch.where(badc, torch.zeros_like(beta), beta)
+            t_next = torch.where(badc, torch.ones_like(t_next), t_next)
+        Y = Z + beta * (Z - W_prev)
+        YH = ZH + beta * (ZH - WH_prev)
+        change = float((Z - W_prev).norm()) / max(float(W_prev.norm()), 1e-30)
+        W_prev, WH_prev, F_prev, t = Z, ZH, F, t_next
+        done = k + 1
+        if track:
+            history.append(float(F.sum()))
+        if tol > 0.0 and change < tol:
+            break
+    return FistaResult(W=W_prev, objective=history, iters=done, restarts=restarts, row_objective=F_prev)
+
+
+def refine_on_mask(
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, L: float, iters: int
+) -> torch.Tensor:
+    """Refit the kept weights: minimise ``1/2 tr(W H W^T) - tr(C W^T)`` over ``W`` supported on ``mask``.
+
+    Accelerated projected gradient (the projection zeroes the pruned weights) with a per-row
+    function-value restart, so the output error of every row never rises; starts at ``W``.
+    """
+    W = W * mask
+    if iters <= 0 or L <= 0.0:
+        return W
+    zero = torch.zeros(W.shape[0], dtype=W.dtype, device=W.device)
+    res_W, WH = W, W @ H
+    F_prev = lasso_objective(W, H, C, zero, WH)
+    Y, YH = W, WH
+    t = torch.ones(W.shape[0], 1, dtype=W.dtype, device=W.device)
+    for _ in range(iters):
+        Z = (Y - (YH - C) / L) * mask
+        ZH = Z @ H
+        F = lasso_objective(Z, H, C, zero, ZH)
+        bad = (F > F_prev).unsqueeze(1)
+        Z = torch.where(bad, res_W, Z)
+        ZH = torch.where(bad, WH, ZH)
+        F = torch.where(bad.squeeze(1), F_prev, F)
+        t_next = (1.0 + torch.sqrt(1.0 + 4.0 * t * t)) / 2.0
+        beta = torch.where(bad, torch.zeros_like(t), (t - 1.0) / t_next)
+        t_next = torch.where(bad, torch.ones_like(t_next), t_next)
+        Y = Z + beta * (Z - res_W)
+        YH = ZH + beta * (ZH - WH)
+        res_W, WH, F_prev, t = Z, ZH, F, t_next
+    return res_W
+
+
+@dataclass
+class TuneResult:
+    """Output of :func:`tune_lambda` / :func:`fista_prune`."""
+
+    W: torch.Tensor  # exactly sparse
+    lam: torch.Tensor  # final lambda per row (m,)
+    error: torch.Tensor  # per-row output error of W (m,)
+    start_error: torch.Tensor  # per-row output error of the hard-thresholded start point (m,)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    L: float = 0.0
+
+
+def tune_lambda(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    C: torch.Tensor,
+    dense_const: torch.Tensor,
+    spec: MaskSpec,
+    lam0: torch.Tensor | float,
+    *,
+    W_start: torch.Tensor | None = None,
+    rounds: int = 3,
+    iters: int = 20,
+    xi: float = 0.3,
+    lambda_scope: str = "row",
+    L: float | None = None,
+    H_solve: torch.Tensor | None = None,
+    refine_iters: int = 0,
+    tol: float = 0.0,
+) -> TuneResult:
+    """T rounds of FISTA + hard threshold, keeping the sparse solution of least output error.
+
+    Round ``t`` runs ``iters`` FISTA iterations at the current lambda, warm-started from the best
+    FISTA iterate so far (round 1: ``W_start``, default ``W``), hard-thresholds it to ``spec``
+    (optionally refits the kept weights), and measures per row the rounding error
+    ``E_round = ||(W_round - W_fista) X*||`` and the total error ``E_total = ||W_round X* - W X||``.
+    A row (``lambda_scope="row"``) or the whole matrix (``"layer"``) keeps the candidate with the least
+    ``E_total``; with a per-layer mask (``spec.scope == "layer"``) candidates are compared for the whole
+    matrix so the exact layer sparsity holds. Lambda then moves by geometric bisection: if
+    ``E_round / E_total > xi`` the FISTA solution was too dense, lambda rises (x10 until an upper
+    bound is known), else it falls (/10 until a lower bound is known).
+
+    The hard-thresholded ``W_start`` is itself a candidate, so the result never has a larger output
+    error than the start point rounded to ``spec``. ``H_solve`` (e.g. damped ``H``) is used inside
+    FISTA; errors are always measured with ``H``.
+    """
+    if lambda_scope not in ("row", "layer"):
+        raise ValueError("lambda_scope must be 'row' or 'layer'")
+    m = W.shape[0]
+    Hs = H if H_solve is None else H_solve
+    if L is None:
+        L = power_iteration(Hs) * 1.001
+    lam = _as_row_lambda(lam0, m, C).reshape(-1).clone()
+    if lambda_scope == "layer":
+        lam = lam.mean().expand(m).clone()
+    lo = torch.zeros_like(lam)
+    hi = torch.full_like(lam, float("inf"))
+    start = (W if W_start is None else W_start).to(C.dtype)
+
+    start_mask = keep_mask(prune_scores(start, start @ Hs - C), spec)
+    best_sparse = start * start_mask
+    if refine_iters > 0:
+        best_sparse = refine_on_mask(best_sparse, start_mask, Hs, C, L, refine_iters)
+    best_err = row_output_errors(best_sparse, H, C, dense_const)
+    start_err = best_err.clone()
+    best_iterate = start.clone()
+    history: list[dict[str, Any]] = []
+    layer_choice = spec.scope == "layer" and spec.pattern is None
+    for r in range(rounds):
+        res = fista_solve(Hs, C, lam, W0=best_iterate, L=L, iters=iters, tol=tol, track=False)
+        Wf = res.W
+        mask = keep_mask(prune_scores(Wf, Wf @ Hs - C), spec)
+        Wr = Wf * mask
+        D = Wr - Wf
+        e_round = row_output_errors(D, H, torch.zeros_like(C), torch.zeros_like(dense_const)).sqrt()
+        if refine_iters > 0:
+            Wr = refine_on_mask(Wr, mask, Hs, C, L, refine_iters)
+        else:
+            Wr = fill_kept_zeros(Wr, mask, H, C, dense_const)
+        err = row_output_errors(Wr, H, C, dense_const)
+        e_total = err.sqrt()
+        if layer_choice:
+            better = torch.full_like(err, bool(err.sum() < best_err.sum()), dtype=torch.bool)
+        elif lambda_scope == "layer":
+            better = torch.full_like(err, bool(err.sum() < best_err.sum()), dtype=torch.bool)
+        else:
+            better = err < best_err
+        bc = better.unsqueeze(1)
+        best_sparse = torch.where(bc, Wr, best_sparse)
+        best_iterate = torch.where(bc, Wf, best_iterate)
+        best_err = torch.where(better, err, best_err)
+        if lambda_scope == "layer":
+            ratio_l = float(e_round.pow(2).sum().sqrt()) / max(float(e_total.pow(2).sum().sqrt()), 1e-30)
+            ratio = torch.full_like(lam, ratio_l)
+        else:
+            ratio = e_round / e_total.clamp_min(1e-30)
+        history.append(
+            {
+                "round": r + 1,
+                "lambda_mean": float(lam.mean()),
+                "ratio_mean": float(ratio.mean()),
+                "error": float(err.sum()),
+                "best_error": float(best_err.sum()),
+                "fista_nonzero": float((Wf != 0).float().mean()),
+                "restarts": res.restarts,
+            }
+        )
+        up = ratio > xi
+        lo = torch.where(up, lam, lo)
+        hi = torch.where(up, hi, lam)
+        lam = torch.where(
+            up,
+            torch.where(torch.isfinite(hi), (lo * hi).sqrt(), lam * 10.0),
+            torch.where(lo > 0, (lo * hi).sqrt(), lam / 10.0),
+        )
+    return TuneResult(W=best_sparse, lam=lam, error=best_err, start_error=start_err, history=history, L=L)
+
+
+def fista_prune(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    spec: MaskSpec,
+    *,
+    G: torch.Tensor | None = None,
+    Hd: torch.Tensor | None = None,
+    W_start: torch.Tensor | None = None,
+    lam: float = 1e-3,
+    rounds: int = 3,
+    iters: int = 20,
+    xi: float = 0.3,
+    lambda_scope: str = "row",
+    damp: float = 0.0,
+    refine_iters: int = 0,
+    tol: float = 0.0,
+) -> TuneResult:
+    """Prune one weight matrix ``W`` (m x n) to ``spec`` with FISTAPruner.
+
+    ``H``/``G``/``Hd`` are the token-averaged statistics (``G``/``Hd`` default to ``H``: no dense/pruned
+    distinction). ``lam`` is *relative*: the initial per-row lambda is ``lam * max_j |C_rj|`` (the
+    smallest lambda whose solution is the zero row), the per-layer one ``lam`` times the mean of those.
+    ``damp`` adds ``damp * mean(diag H) * I`` to ``H`` inside FISTA. Computes in float32 (or ``H``'s
+    dtype if wider) and returns weights in ``W``'s dtype inside :class:`TuneResult`.
+    """
+    if lam < 0:
+        raise ValueError("lambda must be >= 0")
+    dtype = torch.promote_types(H.dtype, torch.float32)
+    Wc = W.to(dtype)
+    Hc = H.to(dtype)
+    Gc = Hc if G is None else G.to(dtype)
+    Hdc = Hc if Hd is None else Hd.to(dtype)
+    C = Wc @ Gc
+    dense_const = ((Wc @ Hdc) * Wc).sum(1)
+    Hs = Hc
+    if damp > 0:
+        Hs = Hc + damp * float(torch.diagonal(Hc).mean()) * torch.eye(Hc.shape[0], dtype=dtype, device=Hc.device)
+    L = power_iteration(Hs) * 1.001
+    lam_max = C.abs().amax(1)
+    lam0 = lam * lam_max
+    if lambda_scope == "layer":
+        lam0 = torch.full_like(lam0, float(lam0.mean()))
+    res = tune_lambda(
+        Wc,
+        Hc,
+        C,
+        dense_const,
+        spec,
+        lam0,
+        W_start=None if W_start is None else W_start.to(dtype),
+        rounds=rounds,
+        iters=iters,
+        xi=xi,
+        lambda_scope=lambda_scope,
+        L=L,
+        H_solve=Hs,
+        refine_iters=refine_iters,
+        tol=tol,
+    )
+    res.W = res.W.to(W.dtype)
+    return res

@@ -1,0 +1,194 @@
+"""Pure numeric core of FISTAPruner against independent references (scikit-learn Lasso, eigvalsh, lstsq)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.linear_model import Lasso
+
+from leanml.prune.fista import (
+    fista_prune,
+    fista_solve,
+    hard_threshold,
+    lasso_objective,
+    power_iteration,
+    refine_on_mask,
+    row_output_errors,
+    soft_threshold,
+    tune_lambda,
+)
+from leanml.prune.masks import MaskSpec, satisfies_nm, sparsity_of
+
+
+def _problem(N: int = 300, n: int = 24, m: int = 5, seed: int = 0, cond: float = 0.3):
+    """Correlated inputs X (N x n), dense weights W (m x n); H = X^T X / N, C = W H."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(N, n, generator=g, dtype=torch.float64) @ (
+        torch.eye(n, dtype=torch.float64) + cond * torch.randn(n, n, generator=g, dtype=torch.float64)
+    )
+    W = torch.randn(m, n, generator=g, dtype=torch.float64)
+    H = X.T @ X / N
+    return X, W, H, W @ H
+
+
+def test_power_iteration_matches_eigvalsh():
+    _, _, H, _ = _problem(n=40)
+    assert power_iteration(H, iters=500, tol=1e-12) == pytest.approx(float(torch.linalg.eigvalsh(H).max()), rel=1e-6)
+    assert power_iteration(torch.zeros(5, 5)) == 0.0
+
+
+def test_soft_threshold_elementwise():
+    x = torch.tensor([[-3.0, -0.5, 0.0, 0.2, 2.0]])
+    expected = np.sign(x.numpy()) * np.maximum(np.abs(x.numpy()) - 1.0, 0)
+    assert torch.allclose(soft_threshold(x, 1.0), torch.from_numpy(expected).float())
+    per_row = soft_threshold(torch.ones(2, 3), torch.tensor([[0.25], [2.0]]))
+    assert torch.allclose(per_row, torch.tensor([[0.75] * 3, [0.0] * 3]))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fista_matches_sklearn_lasso_per_row(per_row: bool):
+    X, W, H, C = _problem()
+    lam = torch.tensor([0.02, 0.05, 0.1, 0.2, 0.4], dtype=torch.float64) if per_row else 0.05
+    res = fista_solve(H, C, lam, iters=4000, tol=1e-13)
+    lams = lam.tolist() if per_row else [lam] * W.shape[0]
+    for i, a in enumerate(lams):
+        # sklearn minimises 1/(2 N) ||y - X w||^2 + alpha ||w||_1; ours is the same up to a constant
+        ref = Lasso(alpha=a, fit_intercept=False, tol=1e-12, max_iter=100_000).fit(X.numpy(), (X @ W[i]).numpy())
+        assert np.abs(ref.coef_ - res.W[i].numpy()).max() < 1e-4
+        assert np.array_equal(ref.coef_ == 0, res.W[i].numpy() == 0) or np.abs(ref.coef_).min() < 1e-6
+
+
+def test_objective_never_rises_with_restart_and_does_without():
+    # near its minimum plain FISTA overshoots (momentum) and the objective ripples upwards
+    _, _, H, C = _problem()
+    plain = fista_solve(H, C, 0.1, iters=300, restart=False)
+    assert np.diff(plain.objective).max() > 0  # the restart below has something to prevent
+    mono = fista_solve(H, C, 0.1, iters=300, restart=True)
+    assert np.diff(mono.objective).max() <= 1e-12 * abs(mono.objective[0])
+    assert mono.restarts > 0
+    assert mono.objective[-1] <= plain.objective[-1] + 1e-6 * abs(plain.objective[-1])
+    # the reported per-row objective equals a fresh evaluation
+    assert torch.allclose(mono.row_objective, lasso_objective(mono.W, H, C, 0.1))
+
+
+def test_fista_warm_start_and_tolerance():
+    _, W, H, C = _problem()
+    cold = fista_solve(H, C, 0.05, iters=2000, tol=1e-12)
+    warm = fista_solve(H, C, 0.05, W0=cold.W, iters=2000, tol=1e-9)
+    assert warm.iters < 50
+    assert torch.allclose(warm.W, cold.W, atol=1e-6)
+    with pytest.raises(ValueError):
+        fista_solve(H, C, -1.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 7),
+    blocks=st.integers(1, 6),
+    sparsity=st.floats(0.05, 0.95),
+    scope=st.sampled_from(["row", "layer"]),
+    nm=st.sampled_from([None, (2, 4), (4, 8), (1, 4)]),
+    seed=st.integers(0, 1000),
+)
+def test_hard_threshold_is_exact(rows, blocks, sparsity, scope, nm, seed):
+    cols = 8 * blocks
+    W = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    spec = MaskSpec(sparsity=sparsity, pattern=nm, scope=scope)
+    P = hard_threshold(W, spec)
+    kept = P != 0
+    assert torch.equal(P[kept], W[kept])
+    if nm is not None:
+        assert satisfies_nm(P, *nm)
+        assert sparsity_of(P) == pytest.approx(1 - nm[0] / nm[1])
+    elif scope == "row":
+        assert (kept.sum(1) == cols - round(sparsity * cols)).all()
+    else:
+        assert int(kept.sum()) == W.numel() - round(sparsity * W.numel())
+    # what is kept is never smaller than what is dropped (per row / per layer)
+    if nm is None and scope == "row":
+        for r in range(rows):
+            if kept[r].any() and (~kept[r]).any():
+                assert W[r][kept[r]].abs().min() >= W[r][~kept[r]].abs().max()
+
+
+def test_row_output_errors_match_direct_computation():
+    X, W, H, C = _problem()
+    g = torch.Generator().manual_seed(7)
+    Xp = X + 0.1 * torch.randn(X.shape, generator=g, dtype=X.dtype)  # pruned-path input
+    Hp, G, Hd = Xp.T @ Xp / len(X), X.T @ Xp / len(X), H
+    Wn = hard_threshold(W, MaskSpec(0.5))
+    direct = ((Xp @ Wn.T - X @ W.T) ** 2).mean(0)
+    assert torch.allclose(row_output_errors(Wn, Hp, W @ G, ((W @ Hd) * W).sum(1)), direct, rtol=1e-9)
+
+
+def test_refine_on_mask_matches_least_squares_on_support():
+    X, W, H, C = _problem(n=16)
+    mask = hard_threshold(W, MaskSpec(0.5)) != 0
+    L = power_iteration(H) * 1.001
+    R = refine_on_mask(W, mask, H, C, L, iters=3000)
+    for i in range(W.shape[0]):
+        idx = mask[i].nonzero().squeeze(1)
+        ref = torch.linalg.lstsq(X[:, idx], X @ W[i]).solution
+        assert torch.allclose(R[i, idx], ref, atol=1e-6)
+        assert (R[i, ~mask[i]] == 0).all()
+
+
+def test_tune_lambda_bisection_direction_and_best_candidate():
+    _, W, H, C = _problem(n=32, m=6)
+    const = ((W @ H) * W).sum(1)
+    spec = MaskSpec(0.5)
+    lam0 = 1e-3 * C.abs().amax(1)
+    # xi = 0: every ratio exceeds it -> lambda rises x10 each round (no upper bound yet)
+    up = tune_lambda(W, H, C, const, spec, lam0, rounds=3, iters=5, xi=0.0)
+    assert torch.allclose(up.lam, lam0 * 1000)
+    # xi huge: lambda falls /10 each round
+    down = tune_lambda(W, H, C, const, spec, lam0, rounds=2, iters=5, xi=1e9)
+    assert torch.allclose(down.lam, lam0 / 100)
+    # a rise then a fall bisects geometrically between the two bounds
+    res = tune_lambda(W, H, C, const, spec, lam0, rounds=1, iters=5, xi=0.0)
+    assert torch.allclose(res.lam, lam0 * 10)
+    # the result is exact, never worse than the start rounded, and more rounds never hurt
+    one = tune_lambda(W, H, C, const, spec, lam0, rounds=1, iters=20)
+    three = tune_lambda(W, H, C, const, spec, lam0, rounds=3, iters=20)
+    assert (three.error <= one.error + 1e-12).all()
+    assert (three.error <= three.start_error + 1e-12).all()
+    assert ((three.W != 0).sum(1) == 16).all()
+    assert torch.allclose(three.error, row_output_errors(three.W, H, C, const))
+
+
+def test_tune_lambda_bisects_between_bounds():
+    _, W, H, C = _problem(n=32, m=1)
+    const = ((W @ H) * W).sum(1)
+    lam0 = torch.tensor([0.01], dtype=torch.float64)
+    res = tune_lambda(W, H, C, const, MaskSpec(0.5), lam0, rounds=4, iters=10, xi=0.3)
+    lams = [h["lambda_mean"] for h in res.history] + [float(res.lam)]
+    ratios = [h["ratio_mean"] for h in res.history]
+    lo, hi = 0.0, float("inf")
+    for r, lam_r in enumerate(ratios):
+        if lam_r > 0.3:
+            lo = lams[r]
+        else:
+            hi = lams[r]
+        expected = (lo * hi) ** 0.5 if (lo > 0 and np.isfinite(hi)) else (lams[r] * 10 if lam_r > 0.3 else lams[r] / 10)
+        assert lams[r + 1] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("pattern,scope", [(None, "row"), (None, "layer"), ((2, 4), "row")])
+def test_fista_prune_beats_magnitude_and_is_exact(pattern, scope):
+    X, W, H, C = _problem(N=400, n=64, m=12, cond=0.5, seed=1)
+    spec = MaskSpec(0.5, pattern=pattern, scope=scope)
+    const = ((W @ H) * W).sum(1)
+    mag = row_output_errors(hard_threshold(W, spec), H, C, const).sum()
+    res = fista_prune(W.float(), H.float(), spec, rounds=3, iters=20)
+    assert res.W.dtype == torch.float32
+    err = row_output_errors(res.W.double(), H, C, const).sum()
+    assert err < 0.8 * mag
+    if pattern:
+        assert satisfies_nm(res.W, *pattern)
+    assert sparsity_of(res.W) == pytest.approx(0.5)
+    lam_layer = fista_prune(W.float(), H.float(), spec, lambda_scope="layer")
+    assert lam_layer.lam.unique().numel() == 1
+    assert sparsity_of(lam_layer.W) == pytest.approx(0.5)
