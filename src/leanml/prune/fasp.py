@@ -1,0 +1,150 @@
+"""Numeric core of structured pruning of interlinked layer pairs (FASP and its baselines).
+
+A *pair* is a producer linear (or several, e.g. LLaMA's gate and up projections) whose output rows
+feed, elementwise, the input columns of a consumer linear (down projection, attention output
+projection). Removing a *unit* -- a set of producer rows and the consumer columns they feed -- is exact
+for the rest of the network. Everything here is a pure function of tensors:
+
+- unit scores: :func:`fasp_scores` (``S_j = sum_i |W_ij| * ||X_j||``, summed over a unit's columns),
+  :func:`magnitude_scores` (consumer column norms), :func:`flap_scores` (FLAP's fluctuation
+  ``Var(X_j) * ||W_:,j||^2``);
+- selection: :func:`num_kept` (the rounding rule) and :func:`select_units`;
+- consumer updates: :func:`restore_least_squares` (FASP), :func:`zero_columns` (magnitude-sp,
+  wanda-sp), :func:`bias_compensation` (FLAP).
+
+Notation: ``W`` is the consumer weight (out x n); ``H = E[x* x*^T]`` the second moment of its input on
+the pruned path, ``G = E[x x*^T]`` the cross moment with the dense model's input ``x``, ``mean = E[x*]``;
+``columns`` a (units x cols_per_unit) long tensor of consumer columns per unit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leanml.utils import LeanmlError
+
+
+def column_to_unit(col_scores: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Sum per-column scores over each unit's columns -> (units,)."""
+    return col_scores[columns.to(col_scores.device)].sum(dim=1)
+
+
+def fasp_scores(W: torch.Tensor, sq_norms: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """FASP's Wanda-like unit score: ``sum over the unit's columns j of sum_i |W_ij| * ||X_j||_2``.
+
+    ``sq_norms`` is ``diag(H)`` (mean squared input per column); the constant token-count factor of
+    ``||X_j||`` does not change the ranking and is left out.
+    """
+    col = W.abs().sum(dim=0).to(sq_norms.dtype) * sq_norms.clamp_min(0).sqrt()
+    return column_to_unit(col, columns)
+
+
+def magnitude_scores(W: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Magnitude-structured unit score: the sum of the L2 norms of the unit's consumer columns."""
+    return column_to_unit(W.float().norm(dim=0), columns)
+
+
+def flap_scores(
+    W: torch.Tensor, sq_norms: torch.Tensor, mean: torch.Tensor, columns: torch.Tensor
+) -> torch.Tensor:
+    """FLAP's fluctuation score: ``sum over the unit's columns j of Var(X_j) * ||W_:,j||_2^2``.
+
+    ``Var(X_j) = E[x_j^2] - E[x_j]^2`` over the calibration tokens: a column whose input barely moves
+    can be replaced by its mean (see :func:`bias_compensation`), whatever its magnitude.
+    """
+    var = (sq_norms - mean.to(sq_norms.dtype) ** 2).clamp_min(0)
+    col = W.to(sq_norms.dtype).pow(2).sum(dim=0) * var
+    return column_to_unit(col, columns)
+
+
+def num_kept(n_units: int, sparsity: float, multiple: int = 1) -> int:
+    """How many of ``n_units`` units to keep at ``sparsity`` (uniform per layer).
+
+    Rounding rule: prune ``round(sparsity * n_units)`` units (Python's round-half-to-even), keep the
+    rest; with ``multiple > 1`` the kept count is then rounded to the nearest multiple of ``multiple``
+    (never above ``n_units``), which gives matrix sizes fast kernels like. Raises :class:`LeanmlError`
+    when the sparsity is outside [0, 1) or would leave no unit.
+    """
+    if not 0.0 <= sparsity < 1.0:
+        raise LeanmlError(f"structured sparsity must be in [0, 1), got {sparsity}; e.g. --sparsity 0.2")
+    if multiple < 1:
+        raise LeanmlError(f"the kept-unit multiple must be >= 1, got {multiple}")
+    keep = n_units - int(round(sparsity * n_units))
+    if multiple > 1:
+        keep = min(n_units, int(round(keep / multiple)) * multiple)
+    if keep <= 0:
+        raise LeanmlError(
+            f"sparsity {sparsity} would remove all {n_units} units of a layer pair; use a smaller --sparsity"
+        )
+    return keep
+
+
+def select_units(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices (ascending) of the ``keep`` highest-scoring units; ties go to the lower index."""
+    if not 0 < keep <= scores.numel():
+        raise ValueError(f"keep must be in [1, {scores.numel()}], got {keep}")
+    # stable descending sort so equal scores keep the lower index (deterministic across runs)
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return order[:keep].sort().values
+
+
+def unit_columns(columns: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """The sorted consumer columns belonging to ``units``."""
+    return columns[units.to(columns.device)].flatten().sort().values
+
+
+def complement(index: torch.Tensor, n: int) -> torch.Tensor:
+    """Sorted indices in ``range(n)`` that are not in ``index``."""
+    mask = torch.ones(n, dtype=torch.bool, device=index.device)
+    mask[index] = False
+    return mask.nonzero().flatten()
+
+
+def zero_columns(W: torch.Tensor, keep_cols: torch.Tensor) -> torch.Tensor:
+    """A copy of ``W`` with every column outside ``keep_cols`` set to exactly zero."""
+    out = torch.zeros_like(W)
+    out[:, keep_cols] = W[:, keep_cols]
+    return out
+
+
+def restore_least_squares(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    keep_cols: torch.Tensor,
+    G: torch.Tensor | None = None,
+    damp: float = 0.01,
+) -> torch.Tensor:
+    """FASP's restoration: refit the consumer on the kept columns by (damped) least squares.
+
+    Returns ``W_new`` (same shape as ``W``, zeros outside ``keep_cols``) with
+    ``W_new[:, S] = W G[:, S] (H[S, S] + delta I)^-1``, the minimiser of
+    ``E ||W_new[:, S] x*_S - W x||^2 + delta ||W_new[:, S]||^2`` over the calibration tokens.
+    ``G`` defaults to ``H`` (dense input = pruned-path input). ``delta = damp * mean(diag(H[S, S]))``;
+    if the damped matrix is still not positive definite the damping is raised tenfold (up to 4 times).
+    Computed in ``H``'s dtype; returned in ``W``'s.
+    """
+    dtype = H.dtype
+    cross = (G if G is not None else H)[:, keep_cols]
+    Hs = H[keep_cols][:, keep_cols]
+    rhs = W.to(dtype) @ cross  # (out, |S|)
+    base = torch.diagonal(Hs).mean().clamp_min(torch.finfo(dtype).tiny)
+    eye = torch.eye(Hs.shape[0], dtype=dtype, device=Hs.device)
+    d = damp
+    for _ in range(5):
+        L, info = torch.linalg.cholesky_ex(Hs + (d * base) * eye)
+        if int(info) == 0:
+            break
+        d = max(d * 10, 1e-6)
+    else:
+        raise LeanmlError("least-squares restoration failed: the input statistics are not positive definite")
+    # W_S (Hs + dI) = rhs  ->  (Hs + dI) W_S^T = rhs^T
+    W_S = torch.cholesky_solve(rhs.T, L).T
+    out = torch.zeros_like(W)
+    out[:, keep_cols] = W_S.to(W.dtype)
+    return out
+
+
+def bias_compensation(W: torch.Tensor, mean: torch.Tensor, prune_cols: torch.Tensor) -> torch.Tensor:
+    """FLAP's bias compensation: the bias change ``W[:, P] E[x_P]`` that keeps the removed columns'
+    mean contribution (add it to the consumer's bias)."""
+    return W[:, prune_cols].to(mean.dtype) @ mean[prune_cols]
