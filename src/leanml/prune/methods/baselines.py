@@ -1,0 +1,186 @@
+"""Baseline pruning methods as pure functions of weights and input statistics, plus their engine classes.
+
+- :func:`magnitude_prune`: keep the largest ``|W|``.
+- :func:`wanda_prune`: keep the largest ``|W_ij| * ||X_j||`` (Sun et al., 2023).
+- :func:`sparsegpt_prune`: blocked OBS with the upper Cholesky factor of ``(H + damp I)^-1``,
+  lazy batch updates per block of columns (Frantar & Alistarh, 2023).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, ClassVar
+
+import torch
+
+from leanml.prune.base import Group, GroupStats, Pruner
+from leanml.prune.masks import MaskSpec, keep_mask
+from leanml.utils import LeanmlError
+
+
+def magnitude_prune(W: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
+    """Zero the smallest-magnitude weights."""
+    return W * keep_mask(W.abs(), spec)
+
+
+def wanda_prune(W: torch.Tensor, sq_norms: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
+    """Zero the weights with the smallest ``|W_ij| * ||X_j||``; ``sq_norms[j]`` is ``||X_j||^2`` (any scale)."""
+    if sq_norms.shape != (W.shape[1],):
+        raise ValueError(f"sq_norms must have shape ({W.shape[1]},), got {tuple(sq_norms.shape)}")
+    scores = W.abs() * sq_norms.to(W.dtype).clamp_min(0).sqrt().unsqueeze(0)
+    return W * keep_mask(scores, spec)
+
+
+def hinv_upper(H: torch.Tensor, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upper Cholesky factor ``U`` of ``(H + damp * mean(diag H) * I)^-1`` and the mask of dead inputs.
+
+    Inputs whose ``H_jj`` is zero (never active) get ``H_jj = 1`` so the factorisation exists.
+    """
+    if damp < 0:
+        raise LeanmlError(f"damping must be >= 0, got {damp}")
+    H = H.to(torch.float32).clone()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    diag = torch.arange(H.shape[0], device=H.device)
+    H[diag, diag] += damp * torch.mean(torch.diagonal(H))
+    L = torch.linalg.cholesky(H)
+    Hinv = torch.cholesky_inverse(L)
+    return torch.linalg.cholesky(Hinv, upper=True), dead
+
+
+def sparsegpt_prune(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    spec: MaskSpec,
+    damp: float = 0.01,
+    blocksize: int = 128,
+    U: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SparseGPT: prune ``W`` (out x in) given ``H = E[x x^T]`` (in x in), updating the kept weights.
+
+    Columns are processed left to right in blocks of ``blocksize``. Unstructured masks are chosen per
+    block by the OBS saliency ``w^2 / U_jj^2`` — per row within the block for ``spec.scope == "row"``,
+    over the whole block (the original method) for ``"layer"``. N:M masks are chosen every ``M``
+    columns. ``U`` may pass a precomputed :func:`hinv_upper` factor (shared by linears of one input).
+    """
+    if blocksize < 1:
+        raise LeanmlError(f"blocksize must be >= 1, got {blocksize}")
+    rows, cols = W.shape
+    if H.shape != (cols, cols):
+        raise ValueError(f"H must be ({cols}, {cols}) for W of shape {tuple(W.shape)}, got {tuple(H.shape)}")
+    nm = spec.pattern
+    if nm is not None and blocksize % nm[1]:
+        raise LeanmlError(f"blocksize {blocksize} must be a multiple of M={nm[1]} for the {nm[0]}:{nm[1]} pattern")
+    dtype = W.dtype
+    if U is None:
+        U, dead = hinv_upper(H, damp)
+    else:
+        dead = torch.diagonal(H) == 0
+    W = W.to(torch.float32).clone()
+    W[:, dead] = 0
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        count = i2 - i1
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        d1 = torch.diagonal(U1)
+        if nm is None:
+            scores = W1**2 / d1.unsqueeze(0) ** 2
+            prune1 = ~keep_mask(scores, MaskSpec(spec.sparsity, None, spec.scope))
+        else:
+            prune1 = torch.zeros_like(W1, dtype=torch.bool)
+        for i in range(count):
+            w = W1[:, i]
+            d = d1[i]
+            if nm is not None and i % nm[1] == 0:
+                n, m = nm
+                scores = W1[:, i : i + m] ** 2 / d1[i : i + m].unsqueeze(0) ** 2
+                drop = scores.topk(m - n, dim=1, largest=False).indices
+                prune1[:, i : i + m].scatter_(1, drop, True)
+            q = torch.where(prune1[:, i], torch.zeros_like(w), w)
+            Q1[:, i] = q
+            err = (w - q) / d
+            W1[:, i:] -= err.unsqueeze(1) @ U1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        W[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    return W.to(dtype)
+
+
+def _relative_error(W: torch.Tensor, W_new: torch.Tensor, H: torch.Tensor) -> float:
+    D = (W_new - W).to(H.dtype)
+    num = torch.einsum("ij,jk,ik->", D, H, D)
+    den = torch.einsum("ij,jk,ik->", W.to(H.dtype), H, W.to(H.dtype)).clamp_min(1e-30)
+    return float(num / den)
+
+
+class _UnstructuredPruner(Pruner):
+    """Shared driver: prune every linear of every group with :meth:`prune_weight`."""
+
+    default_scope: ClassVar[str] = "row"
+
+    def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
+        out = {}
+        shared = self.prepare(stats)
+        for name, lin in group.linears.items():
+            W = lin.weight.data
+            W_new = self.prune_weight(W, stats, spec, shared)
+            out[name] = {"rel_error_pruned_input": _relative_error(W, W_new, stats.H)}
+            lin.weight.data.copy_(W_new)
+        return out
+
+    def prepare(self, stats: GroupStats) -> Any:
+        return None
+
+    def prune_weight(self, W: torch.Tensor, stats: GroupStats, spec: MaskSpec, shared: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MagnitudePruner(_UnstructuredPruner):
+    name = "magnitude"
+    default_scope = "layer"
+
+    def prune_weight(self, W, stats, spec, shared):
+        return magnitude_prune(W, spec)
+
+
+class WandaPruner(_UnstructuredPruner):
+    name = "wanda"
+    default_scope = "row"
+
+    def prune_weight(self, W, stats, spec, shared):
+        return wanda_prune(W, stats.sq_norms, spec)
+
+
+class SparseGPTPruner(_UnstructuredPruner):
+    name = "sparsegpt"
+    default_scope = "layer"
+
+    def __init__(self, damp: float = 0.01, blocksize: int = 128) -> None:
+        if damp < 0:
+            raise LeanmlError(f"--sparsegpt-damp must be >= 0, got {damp}")
+        if blocksize < 1:
+            raise LeanmlError(f"--sparsegpt-blocksize must be >= 1, got {blocksize}")
+        self.damp = damp
+        self.blocksize = blocksize
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("sparsegpt")
+        g.add_argument("--sparsegpt-damp", type=float, default=0.01, help="damping, fraction of mean diag(H)")
+        g.add_argument("--sparsegpt-blocksize", type=int, default=128, help="columns per lazy-update block")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SparseGPTPruner:
+        return cls(damp=args.sparsegpt_damp, blocksize=args.sparsegpt_blocksize)
+
+    def config(self) -> dict[str, Any]:
+        return {"damp": self.damp, "blocksize": self.blocksize}
+
+    def prepare(self, stats):
+        return hinv_upper(stats.H, self.damp)[0]
+
+    def prune_weight(self, W, stats, spec, shared):
+        return sparsegpt_prune(W, stats.H, spec, self.damp, self.blocksize, U=shared)
