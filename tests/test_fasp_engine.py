@@ -9,7 +9,12 @@ from transformers import AutoModelForCausalLM
 from leanml.models.adapters import get_adapter
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec
-from leanml.prune.methods.fasp import FaspPruner, MagnitudeStructuredPruner, WandaStructuredPruner
+from leanml.prune.methods.fasp import (
+    FaspPruner,
+    FlapPruner,
+    MagnitudeStructuredPruner,
+    WandaStructuredPruner,
+)
 from leanml.prune.structured import count_parameters, live_units
 from leanml.utils import LeanmlError
 from test_fasp import tiny_llama, tiny_opt
@@ -21,12 +26,16 @@ def _ids(n: int, seqlen: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, seqlen), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_opt], ids=["llama-gqa", "opt"])
-def test_engine_prunes_pairs_and_finalize_shrinks_exactly(make, tmp_path):
+@pytest.mark.parametrize(
+    "make, cls",
+    [(tiny_llama, FaspPruner), (tiny_opt, FaspPruner), (tiny_llama, FlapPruner)],
+    ids=["fasp-llama-gqa", "fasp-opt", "flap-llama-gqa"],
+)
+def test_engine_prunes_pairs_and_finalize_shrinks_exactly(make, cls, tmp_path):
     model = make()
     params0 = count_parameters(model)
     calib, test = _ids(8, 32, 0), _ids(2, 32, 1)
-    pruner = FaspPruner()
+    pruner = cls()
     report = prune_model(model, calib, pruner, MaskSpec(sparsity=0.5), progress=False, finalize=False)
     adapter = get_adapter(model)
     # attn_in / mlp_in untouched, pairs at exactly 50% of units
@@ -60,7 +69,7 @@ def test_fasp_beats_wanda_sp_and_magnitude_sp_on_held_out_loss():
     with torch.no_grad():
         target = dense(test).logits.softmax(-1)
     losses = {}
-    for cls in (FaspPruner, WandaStructuredPruner, MagnitudeStructuredPruner):
+    for cls in (FaspPruner, WandaStructuredPruner, MagnitudeStructuredPruner, FlapPruner):
         model = tiny_llama()
         prune_model(model, calib, cls(), MaskSpec(sparsity=0.3), progress=False)
         with torch.no_grad():
@@ -68,6 +77,7 @@ def test_fasp_beats_wanda_sp_and_magnitude_sp_on_held_out_loss():
         losses[cls.name] = float(-(target * logp).sum(-1).mean())
     assert losses["fasp"] < losses["wanda-sp"]
     assert losses["fasp"] < losses["magnitude-sp"]
+    assert losses["fasp"] < losses["flap"]
 
 
 def test_engine_rejects_patterns_for_structured_methods():

@@ -40,6 +40,8 @@ class GroupStats:
     G: torch.Tensor | None = None
     Hd: torch.Tensor | None = None
     ntokens: int = 0
+    #: per input feature, the mean of the pruned-path input (FLAP's fluctuation and bias compensation)
+    mean: torch.Tensor | None = None
 
     @property
     def sq_norms(self) -> torch.Tensor:

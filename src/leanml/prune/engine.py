@@ -364,10 +364,12 @@ def _group_stats(
         if H is None:
             n = xs.shape[1]
             H = torch.zeros(n, n, device=device)
+            total = torch.zeros(n, device=device)
             if needs_dense:
                 G = torch.zeros(n, n, device=device)
                 Hd = torch.zeros(n, n, device=device)
         H += xs.T @ xs
+        total += xs.sum(0)
         if needs_dense:
             same = streams.dense is None and not intra_layer
             x = xs if same else _capture_group_input(dense_layer, first, dense_in[start : start + batch_size].to(device), kw)
@@ -379,4 +381,4 @@ def _group_stats(
     if needs_dense:
         G /= ntokens
         Hd /= ntokens
-    return GroupStats(H=H, G=G, Hd=Hd, ntokens=ntokens)
+    return GroupStats(H=H, G=G, Hd=Hd, ntokens=ntokens, mean=total / ntokens)

@@ -176,16 +176,13 @@ class StructuredPairPruner(Pruner):
 def _to_device(stats: GroupStats, device: torch.device) -> GroupStats:
     if stats.H.device == device:
         return stats
-    moved = GroupStats(
+    return GroupStats(
         H=stats.H.to(device),
         G=None if stats.G is None else stats.G.to(device),
         Hd=None if stats.Hd is None else stats.Hd.to(device),
         ntokens=stats.ntokens,
+        mean=None if stats.mean is None else stats.mean.to(device),
     )
-    mean = getattr(stats, "mean", None)
-    if mean is not None:
-        moved.mean = mean.to(device)  # type: ignore[attr-defined]
-    return moved
 
 
 class FaspPruner(StructuredPairPruner):
@@ -245,17 +242,15 @@ class MagnitudeStructuredPruner(StructuredPairPruner):
 class FlapPruner(StructuredPairPruner):
     """FLAP-style: fluctuation score ``Var(X_j) ||W_:,j||^2`` and bias compensation.
 
-    Needs the per-column input mean (``stats.mean``, accumulated by the engine for pruners that set
-    ``needs_mean``). On LLaMA the compensated consumers gain a bias; :meth:`finalize` turns on the
+    Uses the per-column input mean ``stats.mean`` accumulated by the engine. On LLaMA the compensated consumers gain a bias; :meth:`finalize` turns on the
     config's bias flag so the stock classes load it.
     """
 
     name: ClassVar[str] = "flap"
-    needs_mean: ClassVar[bool] = True
 
     @staticmethod
     def _mean(stats: GroupStats) -> torch.Tensor:
-        mean = getattr(stats, "mean", None)
+        mean = stats.mean
         if mean is None:
             raise LeanmlError("flap needs the calibration input means, which this engine did not provide")
         return mean.to(stats.H.dtype)
