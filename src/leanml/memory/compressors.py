@@ -1,0 +1,218 @@
+"""Activation compressors: pure ``pack``/``unpack`` pairs in plain torch.
+
+Every compressor maps a tensor to a :class:`Packed` payload (a few tensors plus metadata) and back.
+Lossy float compressors:
+
+* ``bf16`` - round to bfloat16 (2x).
+* ``int8-channel`` / ``int8-token`` - symmetric 8-bit quantization with one scale per channel (last
+  dimension) or per token (row), about 4x.
+* ``int4-channel`` / ``int4-token`` - the same with 15 levels, two values per byte, about 8x.
+
+The integer compressors keep the ``outlier_frac`` channels with the largest magnitude in full precision.
+LLM activations carry a few channels that are orders of magnitude larger than the rest; a per-token
+scale that has to cover them leaves almost no resolution for everything else, which is why naive INT4
+breaks. Removing them first makes per-token scales usable and tightens per-channel ones.
+
+``bitpack`` is lossless: boolean masks stored one bit per element (8x).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+MIN_COMPRESS_NUMEL = 4096  # smaller float tensors are kept as they are (scales would dominate)
+
+
+@dataclass
+class Packed:
+    """A compressed tensor: payload tensors plus what is needed to rebuild the original."""
+
+    method: str
+    tensors: dict[str, torch.Tensor]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    meta: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the payload tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's own elements (not of its whole storage)."""
+    return t.numel() * t.element_size()
+
+
+def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``||x - y|| / ||x||`` in float64 (0 for an all-zero ``x`` reconstructed exactly)."""
+    x64, y64 = x.detach().double(), y.detach().double()
+    num = torch.linalg.vector_norm(x64 - y64).item()
+    den = torch.linalg.vector_norm(x64).item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+# ---------------------------------------------------------------- bit packing helpers
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Pack int values in [-7, 7] two per byte (flattened, padded to even length)."""
+    flat = (q.reshape(-1).to(torch.int16) + 8).to(torch.uint8)
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    pairs = flat.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    lo = (packed & 0x0F).to(torch.int16) - 8
+    hi = (packed >> 4).to(torch.int16) - 8
+    return torch.stack([lo, hi], dim=1).reshape(-1)[:numel]
+
+
+_BIT_WEIGHTS = {}
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    if device not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[device] = (2 ** torch.arange(8, device=device)).to(torch.uint8)
+    return _BIT_WEIGHTS[device]
+
+
+def bitpack(mask: torch.Tensor) -> Packed:
+    """Lossless: a boolean tensor stored as one bit per element."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"bitpack needs a bool tensor, got {mask.dtype}")
+    flat = mask.reshape(-1)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    bits = flat.view(-1, 8).to(torch.uint8) * _bit_weights(mask.device)
+    return Packed("bitpack", {"bits": bits.sum(1, dtype=torch.uint8)}, tuple(mask.shape), mask.dtype)
+
+
+def bitunpack(p: Packed) -> torch.Tensor:
+    """Inverse of :func:`bitpack`."""
+    bits = p.tensors["bits"]
+    numel = math.prod(p.shape)
+    out = (bits.unsqueeze(1) & _bit_weights(bits.device)).ne(0).reshape(-1)[:numel]
+    return out.reshape(p.shape)
+
+
+# ---------------------------------------------------------------- float compressors
+
+
+def _bf16_pack(x: torch.Tensor, outlier_frac: float = 0.0) -> Packed:
+    return Packed("bf16", {"x": x.detach().to(torch.bfloat16)}, tuple(x.shape), x.dtype)
+
+
+def _bf16_unpack(p: Packed) -> torch.Tensor:
+    return p.tensors["x"].to(p.dtype)
+
+
+def _split_outliers(x2: torch.Tensor, outlier_frac: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Indices of the outlier channels (largest absmax) of a [rows, C] matrix, or None."""
+    channels = x2.shape[1]
+    k = min(channels - 1, math.ceil(outlier_frac * channels)) if outlier_frac > 0 else 0
+    if k <= 0:
+        return x2, None
+    absmax = x2.abs().amax(dim=0)
+    idx = torch.topk(absmax, k).indices.sort().values
+    return x2, idx
+
+
+def _quant_pack(x: torch.Tensor, bits: int, axis: str, outlier_frac: float) -> Packed:
+    """Symmetric quantization of ``x`` viewed as [rows, C] (C = last dim) with outlier channels kept."""
+    if axis not in ("channel", "token"):
+        raise ValueError(f"axis must be 'channel' or 'token', got {axis!r}")
+    qmax = 127 if bits == 8 else 7
+    shape = tuple(x.shape)
+    x2 = x.detach().reshape(-1, shape[-1]).float()
+    x2, idx = _split_outliers(x2, outlier_frac)
+    tensors: dict[str, torch.Tensor] = {}
+    if idx is not None:
+        tensors["out_idx"] = idx.to(torch.int32)
+        tensors["out_val"] = x2[:, idx].to(x.dtype)
+        x2 = x2.clone()
+        x2[:, idx] = 0.0
+    dim = 0 if axis == "channel" else 1
+    scale = x2.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / qmax
+    q = torch.round(x2 / scale).clamp_(-qmax, qmax)
+    if bits == 8:
+        tensors["q"] = q.to(torch.int8)
+    else:
+        tensors["q"] = _pack_nibbles(q)
+    tensors["scale"] = scale.to(torch.float32)
+    method = f"int{bits}-{axis}"
+    return Packed(method, tensors, shape, x.dtype, {"rows": x2.shape[0], "cols": x2.shape[1]})
+
+
+def _quant_unpack(p: Packed) -> torch.Tensor:
+    rows, cols = p.meta["rows"], p.meta["cols"]
+    q = p.tensors["q"]
+    if q.dtype != torch.int8:
+        q = _unpack_nibbles(q, rows * cols)
+    x2 = q.reshape(rows, cols).float() * p.tensors["scale"]
+    if "out_idx" in p.tensors:
+        x2[:, p.tensors["out_idx"].long()] = p.tensors["out_val"].float()
+    return x2.to(p.dtype).reshape(p.shape)
+
+
+@dataclass(frozen=True)
+class Compressor:
+    """A named lossy or lossless pack/unpack pair."""
+
+    name: str
+    pack_fn: Callable[[torch.Tensor], Packed]
+    unpack_fn: Callable[[Packed], torch.Tensor]
+    lossless: bool = False
+
+    def pack(self, x: torch.Tensor) -> Packed:
+        """Compress ``x`` (no autograd history is kept)."""
+        with torch.no_grad():
+            return self.pack_fn(x)
+
+    def unpack(self, p: Packed) -> torch.Tensor:
+        """Rebuild a tensor with the original shape and dtype."""
+        with torch.no_grad():
+            return self.unpack_fn(p)
+
+
+def make_compressor(name: str, outlier_frac: float = 0.01) -> Compressor:
+    """Build a compressor by name: ``bf16``, ``int8-channel``, ``int8-token``, ``int4-channel``,
+    ``int4-token`` or ``bitpack``. ``outlier_frac`` is the fraction of channels kept in full precision."""
+    if name == "bf16":
+        return Compressor(name, _bf16_pack, _bf16_unpack)
+    if name == "bitpack":
+        return Compressor(name, bitpack, bitunpack, lossless=True)
+    parts = name.split("-")
+    if len(parts) == 2 and parts[0] in ("int8", "int4") and parts[1] in ("channel", "token"):
+        bits = int(parts[0][3:])
+        axis = parts[1]
+        return Compressor(
+            name, lambda x: _quant_pack(x, bits, axis, outlier_frac), _quant_unpack
+        )
+    raise ValueError(
+        f"unknown compressor {name!r}; choose from {', '.join(FLOAT_COMPRESSORS + ('bitpack',))}"
+    )
+
+
+FLOAT_COMPRESSORS: tuple[str, ...] = ("bf16", "int8-channel", "int8-token", "int4-channel", "int4-token")
+
+
+def compressible(t: torch.Tensor) -> bool:
+    """Whether a float compressor applies to ``t`` (a float tensor with at least 2 dims and enough elements)."""
+    return t.is_floating_point() and t.dim() >= 2 and t.numel() >= MIN_COMPRESS_NUMEL and t.dtype != torch.bfloat16
+
+
+def outlier_ratio(t: torch.Tensor) -> float:
+    """Largest channel absmax over the median channel absmax (last dim = channel): how spiky ``t`` is."""
+    absmax = t.detach().reshape(-1, t.shape[-1]).abs().amax(dim=0).float()
+    med = absmax.median().item()
+    return float(absmax.max().item() / med) if med > 0 else math.inf

@@ -1,0 +1,127 @@
+"""Honest peak saved-activation memory on any device.
+
+:class:`ActivationMeter` counts, at every moment of a training step, the bytes of the distinct storages
+that hold activations:
+
+* everything autograd saves (a ``saved_tensors_hooks`` pack hook), de-duplicated by storage and
+  skipping parameters and buffers;
+* what a compression hook stores instead (payloads, reported by the runtime through :func:`note`);
+* inputs held by checkpointed regions (checkpoint saves them through autograd, so the hook sees them);
+* outputs kept by selective checkpointing policies;
+* the transient recompute workspace: every tensor created while a checkpointed region is recomputed
+  during backward, and every tensor rebuilt by decompression, for as long as it is alive.
+
+Liveness is tracked with weak references to the storages, polled at every event, so the peak is exact
+at event granularity. On CUDA, ``torch.cuda.max_memory_allocated`` is reported alongside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_ACTIVE: list[ActivationMeter] = []
+
+
+def active_meter() -> ActivationMeter | None:
+    """The innermost active meter, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def note(obj: object) -> None:
+    """Report tensors (any nesting of tensors) that are now held as activations to the active meter."""
+    if _ACTIVE:
+        _ACTIVE[-1].track(obj)
+
+
+class ActivationMeter:
+    """Tracks live activation storages and their peak total. Use as a context manager around a step."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._cuda_start = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _sweep(self) -> None:
+        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        for k in dead:
+            self.current -= self._live.pop(k)[1]
+
+    def track(self, obj: object) -> None:
+        """Count every tensor in ``obj`` whose storage is not yet counted (and not a parameter)."""
+        self._sweep()
+        for t in tree_leaves(obj):
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            key = st.data_ptr()
+            if key in self._exclude or st.nbytes() == 0:
+                continue
+            entry = self._live.get(key)
+            if entry is not None and not entry[0].expired():
+                continue
+            self._live[key] = (StorageWeakRef(st), st.nbytes())
+            self.current += st.nbytes()
+        self.peak = max(self.peak, self.current)
+
+    # ------------------------------------------------------------------ context
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.track(t)
+        return t
+
+    def __enter__(self) -> ActivationMeter:
+        _ACTIVE.append(self)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self._cuda_start = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._hooks is not None
+        self._hooks.__exit__(*exc)
+        _ACTIVE.remove(self)
+
+    @property
+    def cuda_peak(self) -> int | None:
+        """Peak CUDA bytes allocated above the start of the step (None on CPU)."""
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.max_memory_allocated() - self._cuda_start
+
+
+class _TrackOutputs(TorchDispatchMode):
+    """Reports every op output to the active meter (recompute workspace)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        note(out)
+        return out
+
+
+@contextlib.contextmanager
+def track_outputs() -> Iterator[None]:
+    """Inside, every tensor created is counted by the active meter (no-op without a meter)."""
+    if not _ACTIVE:
+        yield
+        return
+    with _TrackOutputs():
+        yield
+
+
+def param_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers of a module (what a meter must not count)."""
+    return [p for p in module.parameters()] + [b for b in module.buffers()]

@@ -1,0 +1,367 @@
+"""The memory planner: choose, per activation group, retain / recompute / compress-with-X.
+
+Pure numeric core: a :class:`Problem` holds, for every layer, the options of each of its groups (bytes
+kept until the layer's backward, transient bytes while the group's backward runs, seconds added per
+step, relative error) and an optional whole-layer checkpoint; plus bytes retained before the layers
+(``pre_bytes``) and the options of the group after them (``post``: head and loss).
+
+Memory model of one training step (layers run 0..L-1 forward, then L-1..0 backward):
+
+* the head's backward runs first: ``pre + sum_l R_l + R_post + T_post <= budget``;
+* while layer ``l`` runs backward, layers ``< l`` still hold what they kept and layer ``l`` adds a
+  transient (recomputed or decompressed tensors): ``pre + sum_{l' <= l} R_l' + T_l <= budget`` with
+  ``T_l = max`` over the layer's groups of the chosen option's transient.
+
+:func:`solve_plan` writes this as a MILP for ``scipy.optimize.milp`` (HiGHS): one binary per
+(group, option), one per whole-layer checkpoint, one continuous ``T_l`` per layer; minimise added time.
+On a time limit without a solution it falls back to :func:`greedy_plan`. :func:`evaluate` is the
+plain definition of the model above, used for checking and brute force.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to treat a group of activations."""
+
+    name: str
+    keep: float  # bytes held from forward until this layer's backward
+    transient: float = 0.0  # extra bytes alive while this group's backward runs
+    time: float = 0.0  # seconds added per step
+    error: float = 0.0  # relative error of the reconstructed activations
+
+
+@dataclass
+class LayerSpec:
+    """The groups of one layer (each a list of options) and its whole-layer checkpoint option."""
+
+    groups: list[list[Option]]
+    checkpoint: Option | None = None
+
+    def signature(self) -> tuple:
+        opts = tuple(tuple((o.name, o.keep, o.transient, o.time) for o in g) for g in self.groups)
+        ck = None if self.checkpoint is None else (self.checkpoint.keep, self.checkpoint.transient, self.checkpoint.time)
+        return (opts, ck)
+
+
+@dataclass
+class Problem:
+    """A planning instance. ``post`` may be empty (nothing after the layers)."""
+
+    layers: list[LayerSpec]
+    pre_bytes: float = 0.0
+    post: list[Option] = field(default_factory=list)
+
+
+@dataclass
+class Solution:
+    """A plan: per layer either checkpointed or one option index per group; and the post option."""
+
+    checkpoint: list[bool]
+    choices: list[list[int]]  # option index per group (ignored where checkpoint[l])
+    post: int
+    peak: float
+    time: float
+    status: str  # "optimal", "uniform" (one layer plan reused, proven optimal), "greedy"
+    solve_s: float = 0.0
+
+
+def evaluate(problem: Problem, checkpoint: list[bool], choices: list[list[int]], post: int) -> tuple[float, float]:
+    """Peak bytes and added seconds of a plan under the memory model (the definition, no solver)."""
+    pre = problem.pre_bytes
+    prefix = pre
+    peak = pre
+    total_time = 0.0
+    for spec, ck, ch in zip(problem.layers, checkpoint, choices):
+        if ck:
+            opt = spec.checkpoint
+            assert opt is not None
+            keep, trans, tm = opt.keep, opt.transient, opt.time
+        else:
+            chosen = [g[i] for g, i in zip(spec.groups, ch)]
+            keep = sum(o.keep for o in chosen)
+            trans = max((o.transient for o in chosen), default=0.0)
+            tm = sum(o.time for o in chosen)
+        prefix += keep
+        peak = max(peak, prefix + trans)
+        total_time += tm
+    if problem.post:
+        p = problem.post[post]
+        peak = max(peak, prefix + p.keep + p.transient)
+        total_time += p.time
+    return peak, total_time
+
+
+class _Builder:
+    """Variable indexing and sparse rows for the MILP."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.n = 0
+        self.x: list[list[list[int]]] = []
+        self.z: list[int | None] = []
+        self.t: list[int] = []
+        for spec in problem.layers:
+            self.x.append([[self._new() for _ in g] for g in spec.groups])
+            self.z.append(self._new() if spec.checkpoint is not None else None)
+            self.t.append(self._new())
+        self.post = [self._new() for _ in problem.post]
+        self.rows: list[dict[int, float]] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def _new(self) -> int:
+        self.n += 1
+        return self.n - 1
+
+    def add(self, coefs: dict[int, float], lo: float, hi: float) -> None:
+        self.rows.append(coefs)
+        self.lo.append(lo)
+        self.hi.append(hi)
+
+    def keep_terms(self, layer: int) -> dict[int, float]:
+        spec = self.problem.layers[layer]
+        terms: dict[int, float] = {}
+        for g, xs in zip(spec.groups, self.x[layer]):
+            for o, v in zip(g, xs):
+                terms[v] = o.keep
+        if self.z[layer] is not None:
+            terms[self.z[layer]] = spec.checkpoint.keep
+        return terms
+
+    def build(self, budget: float | None, peak_var: int | None = None) -> None:
+        """Assignment, transient and memory rows; ``budget=None`` with ``peak_var`` minimises the peak."""
+        pr = self.problem
+        for layer, spec in enumerate(pr.layers):
+            z = self.z[layer]
+            for g, xs in zip(spec.groups, self.x[layer]):
+                row = {v: 1.0 for v in xs}
+                if z is not None:
+                    row[z] = 1.0
+                self.add(row, 1.0, 1.0)
+                # T_l >= transient of the chosen option of this group
+                row = {v: o.transient for o, v in zip(g, xs) if o.transient}
+                row[self.t[layer]] = -1.0
+                self.add(row, -np.inf, 0.0)
+            if z is not None:
+                self.add({z: spec.checkpoint.transient, self.t[layer]: -1.0}, -np.inf, 0.0)
+        if self.post:
+            self.add({v: 1.0 for v in self.post}, 1.0, 1.0)
+        prefix: dict[int, float] = {}
+        for layer in range(len(pr.layers)):
+            for k, v in self.keep_terms(layer).items():
+                prefix[k] = prefix.get(k, 0.0) + v
+            row = dict(prefix)
+            row[self.t[layer]] = 1.0
+            self._memory_row(row, budget, peak_var)
+        if self.post:
+            row = dict(prefix)
+            for o, v in zip(pr.post, self.post):
+                row[v] = o.keep + o.transient
+            self._memory_row(row, budget, peak_var)
+
+    def _memory_row(self, row: dict[int, float], budget: float | None, peak_var: int | None) -> None:
+        pre = self.problem.pre_bytes
+        if budget is not None:
+            self.add(row, -np.inf, budget - pre)
+        else:
+            assert peak_var is not None
+            row = dict(row)
+            row[peak_var] = -1.0
+            self.add(row, -np.inf, -pre)
+
+    def matrix(self, n: int) -> LinearConstraint:
+        r, c, d = [], [], []
+        for i, row in enumerate(self.rows):
+            for j, v in row.items():
+                r.append(i)
+                c.append(j)
+                d.append(v)
+        a = coo_array((d, (r, c)), shape=(len(self.rows), n)).tocsr()
+        return LinearConstraint(a, np.array(self.lo), np.array(self.hi))
+
+    def integrality(self, n: int) -> np.ndarray:
+        integ = np.ones(n)
+        for t in self.t:
+            integ[t] = 0
+        if n > self.n:
+            integ[self.n:] = 0
+        return integ
+
+    def bounds(self, n: int) -> Bounds:
+        hi = np.ones(n)
+        for t in self.t:
+            hi[t] = np.inf
+        if n > self.n:
+            hi[self.n:] = np.inf
+        return Bounds(np.zeros(n), hi)
+
+    def decode(self, xv: np.ndarray) -> tuple[list[bool], list[list[int]], int]:
+        checkpoint, choices = [], []
+        for layer in range(len(self.problem.layers)):
+            z = self.z[layer]
+            ck = z is not None and xv[z] > 0.5
+            checkpoint.append(bool(ck))
+            choices.append([int(np.argmax([xv[v] for v in xs])) if xs else 0 for xs in self.x[layer]])
+        post = int(np.argmax([xv[v] for v in self.post])) if self.post else 0
+        return checkpoint, choices, post
+
+
+def _costs(b: _Builder, n: int) -> np.ndarray:
+    c = np.zeros(n)
+    for layer, spec in enumerate(b.problem.layers):
+        for g, xs in zip(spec.groups, b.x[layer]):
+            for o, v in zip(g, xs):
+                c[v] = o.time
+        if b.z[layer] is not None:
+            c[b.z[layer]] = spec.checkpoint.time
+    for o, v in zip(b.problem.post, b.post):
+        c[v] = o.time
+    return c
+
+
+def min_peak(problem: Problem, time_limit: float = 10.0) -> float:
+    """The smallest peak any plan reaches (a MILP minimising the peak)."""
+    b = _Builder(problem)
+    peak_var = b.n
+    n = b.n + 1
+    b.build(None, peak_var)
+    c = np.zeros(n)
+    c[peak_var] = 1.0
+    res = milp(c, constraints=b.matrix(n), integrality=b.integrality(n), bounds=b.bounds(n),
+               options={"time_limit": time_limit})
+    if res.x is None:
+        return greedy_min_peak(problem)
+    ck, ch, post = b.decode(res.x)
+    return evaluate(problem, ck, ch, post)[0]
+
+
+def greedy_min_peak(problem: Problem) -> float:
+    """Peak of the plan that takes the smallest-keep option everywhere (an upper bound on the minimum)."""
+    ck, ch = [], []
+    for spec in problem.layers:
+        per_group = [min(range(len(g)), key=lambda i, g=g: (g[i].keep, g[i].transient)) for g in spec.groups]
+        ck.append(False)
+        ch.append(per_group)
+    post = min(range(len(problem.post)), key=lambda i: problem.post[i].keep) if problem.post else 0
+    best = evaluate(problem, ck, ch, post)[0]
+    if all(s.checkpoint is not None for s in problem.layers):
+        best = min(best, evaluate(problem, [True] * len(problem.layers), ch, post)[0])
+    return best
+
+
+def _solve_milp(problem: Problem, budget: float, time_limit: float, relax: bool = False):  # noqa: ANN202
+    b = _Builder(problem)
+    b.build(budget)
+    n = b.n
+    integ = np.zeros(n) if relax else b.integrality(n)
+    res = milp(_costs(b, n), constraints=b.matrix(n), integrality=integ, bounds=b.bounds(n),
+               options={"time_limit": time_limit})
+    return b, res
+
+
+def _uniform(problem: Problem, budget: float, time_limit: float) -> Solution | None:
+    """Solve for one plan shared by all (identical) layers; None when infeasible."""
+    n_layers = len(problem.layers)
+    spec = problem.layers[0]
+    scaled_groups = [[Option(o.name, o.keep * n_layers, o.transient, o.time * n_layers, o.error) for o in g]
+                     for g in spec.groups]
+    ck = spec.checkpoint
+    scaled_ck = None if ck is None else Option(ck.name, ck.keep * n_layers, ck.transient, ck.time * n_layers)
+    single = Problem([LayerSpec(scaled_groups, scaled_ck)], problem.pre_bytes, problem.post)
+    b, res = _solve_milp(single, budget, time_limit)
+    if res.x is None or res.status != 0:
+        return None
+    c, ch, post = b.decode(res.x)
+    sol_ck, sol_ch = c * n_layers, [list(ch[0]) for _ in range(n_layers)]
+    peak, tm = evaluate(problem, sol_ck, sol_ch, post)
+    if peak > budget * (1 + 1e-9):
+        return None
+    return Solution(sol_ck, sol_ch, post, peak, tm, "uniform")
+
+
+def solve_plan(problem: Problem, budget: float, time_limit: float = 5.0, reuse: bool = True) -> Solution:
+    """Cheapest plan (least added time) whose modelled peak stays within ``budget`` bytes.
+
+    When every layer is identical, one layer plan reused across all layers is solved first and kept
+    when it is proven optimal (its time equals the LP relaxation bound of the full problem). On a time
+    limit without a feasible solution the greedy plan is returned (logged). Raises ``ValueError`` when
+    no plan fits (the message names the smallest feasible peak).
+    """
+    t0 = time.perf_counter()
+    if reuse and len(problem.layers) > 1 and len({s.signature() for s in problem.layers}) == 1:
+        uni = _uniform(problem, budget, time_limit)
+        if uni is not None:
+            _, lp = _solve_milp(problem, budget, time_limit, relax=True)
+            if lp.x is not None and uni.time <= lp.fun + 1e-9 * max(1.0, abs(lp.fun)):
+                uni.solve_s = time.perf_counter() - t0
+                return uni
+    b, res = _solve_milp(problem, budget, time_limit)
+    if res.x is not None and res.status in (0, 1):
+        ck, ch, post = b.decode(res.x)
+        peak, tm = evaluate(problem, ck, ch, post)
+        status = "optimal" if res.status == 0 else "time-limit"
+        return Solution(ck, ch, post, peak, tm, status, time.perf_counter() - t0)
+    if res.status == 2:  # infeasible
+        raise ValueError(f"no plan fits {budget:.0f} bytes; the smallest feasible peak is {min_peak(problem):.0f}")
+    log.warning("MILP ended without a solution (%s); using the greedy plan", res.message)
+    sol = greedy_plan(problem, budget)
+    sol.solve_s = time.perf_counter() - t0
+    return sol
+
+
+def greedy_plan(problem: Problem, budget: float) -> Solution:
+    """Fallback: start from the fastest option everywhere, then repeatedly apply the change with the best
+    peak reduction per added second until the modelled peak fits. Raises ``ValueError`` if it cannot."""
+    n_layers = len(problem.layers)
+    ck = [False] * n_layers
+    ch = [[min(range(len(g)), key=lambda i, g=g: (g[i].time, g[i].keep)) for g in s.groups] for s in problem.layers]
+    post = min(range(len(problem.post)), key=lambda i: (problem.post[i].time, problem.post[i].keep)) if problem.post else 0
+    peak, tm = evaluate(problem, ck, ch, post)
+    while peak > budget:
+        best = None
+        for layer, spec in enumerate(problem.layers):
+            cands = []
+            if spec.checkpoint is not None and not ck[layer]:
+                cands.append(("ck", layer, None, None))
+            if not ck[layer]:
+                for gi, g in enumerate(spec.groups):
+                    for oi in range(len(g)):
+                        if oi != ch[layer][gi]:
+                            cands.append(("opt", layer, gi, oi))
+            for kind, lyr, gi, oi in cands:
+                ck2 = list(ck)
+                ch2 = [list(c) for c in ch]
+                if kind == "ck":
+                    ck2[lyr] = True
+                else:
+                    ch2[lyr][gi] = oi
+                p2, t2 = evaluate(problem, ck2, ch2, post)
+                gain = peak - p2
+                if gain <= 0:
+                    continue
+                score = gain / max(t2 - tm, 1e-12)
+                if best is None or score > best[0]:
+                    best = (score, ck2, ch2, post, p2, t2)
+        for pi in range(len(problem.post)):
+            if pi != post:
+                p2, t2 = evaluate(problem, ck, ch, pi)
+                if peak - p2 > 0:
+                    score = (peak - p2) / max(t2 - tm, 1e-12)
+                    if best is None or score > best[0]:
+                        best = (score, ck, ch, pi, p2, t2)
+        if best is None:
+            raise ValueError(f"no plan fits {budget:.0f} bytes; the smallest feasible peak is {min_peak(problem):.0f}")
+        _, ck, ch, post, peak, tm = best
+    return Solution(ck, ch, post, peak, tm, "greedy")

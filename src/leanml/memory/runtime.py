@@ -1,0 +1,240 @@
+"""Applying a memory plan to a live model.
+
+* **Recompute** a group or a whole layer: the module's ``forward`` is wrapped in non-reentrant
+  ``torch.utils.checkpoint`` (RNG state preserved, so dropout masks are replayed exactly).
+* **Compress** a group: one ``saved_tensors_hooks`` pair, pushed for the model's forward, packs every
+  tensor autograd saves while that group runs with the group's compressor and unpacks it in backward.
+  Repeated saves of one tensor share one payload; one payload is decompressed once per backward use.
+* **Retain** otherwise.
+
+Baseline strategies for comparison share the same machinery: ``checkpoint`` (every layer),
+``sac`` (every layer with torch's selective checkpointing: save matmul and attention outputs,
+recompute pointwise ops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from leanml.memory.compressors import (
+    Compressor,
+    Packed,
+    bitpack,
+    bitunpack,
+    compressible,
+    make_compressor,
+    outlier_ratio,
+    relative_error,
+)
+from leanml.memory.meter import note, track_outputs
+from leanml.memory.structure import GroupKey, ScopeTracker, param_storage_ptrs
+
+RETAIN = "retain"
+RECOMPUTE = "recompute"
+BITPACK = "bitpack"
+
+aten = torch.ops.aten
+SAC_SAVE_OPS = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
+    """The standard selective-checkpointing policy: save matmuls and attention, recompute the rest."""
+    if func in SAC_SAVE_OPS:
+        if not ctx.is_recompute:
+            note(ctx.op_output)
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _plain_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    return contextlib.nullcontext(), track_outputs()
+
+
+@contextlib.contextmanager
+def _stack(*cms: contextlib.AbstractContextManager) -> Iterator[None]:
+    with contextlib.ExitStack() as es:
+        for cm in cms:
+            es.enter_context(cm)
+        yield
+
+
+def _sac_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    fwd, rec = create_selective_checkpoint_contexts(sac_policy)
+    return fwd, _stack(rec, track_outputs())
+
+
+def wrap_checkpoint(module: nn.Module, selective: bool = False) -> Callable[[], None]:
+    """Make ``module`` recompute its forward in backward; returns a function that undoes it."""
+    orig = module.forward
+    context_fn = _sac_context if selective else _plain_context
+
+    def forward(*args, **kwargs):  # noqa: ANN202
+        if not torch.is_grad_enabled():
+            return orig(*args, **kwargs)
+        return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    module.forward = forward
+
+    def undo() -> None:
+        if module.__dict__.get("forward") is forward:
+            del module.forward
+
+    return undo
+
+
+@dataclass
+class DriftStats:
+    """Errors and outlier ratios sampled at run time, per group label."""
+
+    error: dict[str, float] = field(default_factory=dict)
+    outlier: dict[str, float] = field(default_factory=dict)
+
+
+class CompressionHooks:
+    """One pack/unpack pair that compresses what each group saves with that group's compressor."""
+
+    def __init__(self, tracker: ScopeTracker, compressors: dict[GroupKey, Compressor | None],
+                 params: set[int]) -> None:
+        self.tracker = tracker
+        self.compressors = compressors
+        self.params = params
+        self._cache: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.sample = False  # when True, measure error and outliers of the next packs (drift tracking)
+        self.drift = DriftStats()
+
+    def pack(self, t: torch.Tensor) -> object:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.params:
+            return t
+        key = self.tracker.current()
+        comp = self.compressors.get(key)
+        if comp is None:
+            note(t)
+            return t
+        if t.dtype == torch.bool:
+            ck = ("b", ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version)
+            p = self._cache.get(ck)
+            if p is None:
+                p = bitpack(t)
+                self._cache[ck] = p
+                note(p.tensors)
+            return p
+        if comp.name == BITPACK or not compressible(t):
+            note(t)
+            return t
+        ck = (comp.name, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version)
+        p = self._cache.get(ck)
+        if p is None:
+            p = comp.pack(t)
+            p.__dict__["_comp"] = comp
+            self._cache[ck] = p
+            note(p.tensors)
+            if self.sample:
+                label = key.label()
+                err = relative_error(t, comp.unpack(p))
+                self.drift.error[label] = max(self.drift.error.get(label, 0.0), err)
+                self.drift.outlier[label] = max(self.drift.outlier.get(label, 0.0), outlier_ratio(t))
+        return p
+
+    def unpack(self, obj: object) -> torch.Tensor:
+        if not isinstance(obj, Packed):
+            return obj  # type: ignore[return-value]
+        ref = obj.__dict__.get("_out")
+        out = ref() if ref is not None else None
+        if out is None:
+            out = bitunpack(obj) if obj.method == BITPACK else obj.__dict__["_comp"].unpack(obj)
+            obj.__dict__["_out"] = weakref.ref(out)
+            note(out)
+        return out
+
+
+class AppliedPlan:
+    """Hooks and wrappers installed on a model; :meth:`remove` restores it."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], layer_checkpoint: list[bool],
+                 options: dict[GroupKey, str], outlier_frac: float = 0.01, selective: bool = False) -> None:
+        self.model = model
+        self.blocks = blocks
+        disable_kv_cache(model)
+        self.layer_checkpoint = list(layer_checkpoint)
+        self.options = dict(options)
+        self._undo: list[Callable[[], None]] = []
+        children = [dict(b.named_children()) for b in blocks]
+        for i, ck in enumerate(layer_checkpoint):
+            if ck:
+                self._undo.append(wrap_checkpoint(blocks[i], selective=selective))
+        comps: dict[GroupKey, Compressor | None] = {}
+        for key, opt in options.items():
+            if key.layer is not None and layer_checkpoint[key.layer]:
+                continue
+            if opt == RECOMPUTE:
+                if key.layer is None or key.child not in children[key.layer]:
+                    raise ValueError(f"group {key.label()} cannot be recomputed (not a module)")
+                self._undo.append(wrap_checkpoint(children[key.layer][key.child]))
+            elif opt == BITPACK:
+                comps[key] = Compressor(BITPACK, bitpack, bitunpack, lossless=True)
+            elif opt != RETAIN:
+                comps[key] = make_compressor(opt, outlier_frac)
+        self.tracker: ScopeTracker | None = None
+        self.hooks: CompressionHooks | None = None
+        self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        if comps:
+            self.tracker = ScopeTracker(model, blocks)
+            self.hooks = CompressionHooks(self.tracker, comps, param_storage_ptrs(model))
+            self._undo.append(self.tracker.remove)
+            h1 = model.register_forward_pre_hook(self._enter)
+            h2 = model.register_forward_hook(self._exit, always_call=True)
+            self._undo += [h1.remove, h2.remove]
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        assert self.hooks is not None
+        if self._ctx is not None:  # a previous forward raised before its exit hook
+            self._ctx.__exit__(None, None, None)
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
+        self._ctx.__enter__()
+
+    def _exit(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+
+    def remove(self) -> None:
+        """Undo every wrapper and hook."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def disable_kv_cache(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's KV cache: recomputation would fill it a second time."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+
+
+def apply_strategy(model: nn.Module, blocks: list[nn.Module], strategy: str) -> AppliedPlan:
+    """Install a baseline: ``none``, ``checkpoint`` (every layer) or ``sac`` (selective, every layer)."""
+    n = len(blocks)
+    if strategy == "none":
+        return AppliedPlan(model, blocks, [False] * n, {})
+    if strategy == "checkpoint":
+        return AppliedPlan(model, blocks, [True] * n, {})
+    if strategy == "sac":
+        return AppliedPlan(model, blocks, [True] * n, {}, selective=True)
+    raise ValueError(f"unknown strategy {strategy!r}; choose none, checkpoint or sac")

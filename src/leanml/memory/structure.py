@@ -1,0 +1,166 @@
+"""Where the repeated blocks of a model are, and how their saved activations are grouped.
+
+A *group* is one direct child of a block (``input_layernorm``, ``self_attn``, ``mlp`` ... in LLaMA;
+``self_attn``, ``fc1``, ``fc2``, the layer norms in OPT) or the block's own operations outside its
+children (``_self``: residual adds, dropout). Activations saved outside every block (embeddings, the
+final norm, the LM head and the loss) form the ``pre`` and ``post`` groups.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from leanml.utils import LeanmlError
+
+# Known attribute paths to the list of decoder blocks, tried in order.
+BLOCK_PATHS = (
+    "model.layers",  # LLaMA, Mistral, Qwen, SmolLM2
+    "model.decoder.layers",  # OPT
+    "transformer.h",  # GPT-2, Falcon
+    "gpt_neox.layers",
+    "layers",
+    "blocks",
+    "h",
+)
+
+SELF = "_self"
+
+
+def _get_path(model: nn.Module, path: str) -> nn.Module | None:
+    obj: object = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, nn.Module) else None
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model``: a known path, else the longest ``ModuleList`` of one class.
+
+    Raises :class:`LeanmlError` when none is found (pass ``blocks=`` explicitly then).
+    """
+    for path in BLOCK_PATHS:
+        mod = _get_path(model, path)
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            return list(mod)
+    best: list[nn.Module] = []
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > len(best):
+            classes = Counter(type(m) for m in mod)
+            if len(classes) == 1 and any(True for _ in mod[0].parameters()):
+                best = list(mod)
+    if not best:
+        raise LeanmlError(
+            f"could not find the repeated blocks of {type(model).__name__} (no nn.ModuleList of identical "
+            "layers); pass blocks=[...] to Adacc explicitly"
+        )
+    return best
+
+
+def block_children(block: nn.Module) -> list[str]:
+    """Names of the direct children of a block that may form groups."""
+    return [name for name, _ in block.named_children()]
+
+
+def kind_of(name: str) -> str:
+    """Coarse kind of a group from its name: attention, mlp, norm, act, residual or other."""
+    low = name.lower()
+    if name == SELF:
+        return "residual"
+    if "attn" in low or "attention" in low:
+        return "attention"
+    if "norm" in low or low.startswith("ln"):
+        return "norm"
+    if "mlp" in low or "ffn" in low or "feed" in low or low.startswith("fc") or "proj" in low:
+        return "mlp"
+    if "act" in low:
+        return "act"
+    return "other"
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """``layer`` is the block index (None outside blocks); ``child`` the child name, ``_self``,
+    ``pre`` or ``post``."""
+
+    layer: int | None
+    child: str
+
+    def label(self) -> str:
+        return self.child if self.layer is None else f"L{self.layer}.{self.child}"
+
+
+def param_storage_ptrs(model: nn.Module) -> set[int]:
+    """Storage pointers of every parameter and buffer of ``model``."""
+    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    return ptrs
+
+
+def tensors_in(obj: object) -> Iterator[torch.Tensor]:
+    """Tensors found in nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o)
+
+
+class ScopeTracker:
+    """Forward hooks on blocks and their children that maintain the current :class:`GroupKey`.
+
+    ``on_enter``/``on_exit`` callbacks get ``(key, module, args, kwargs)`` / ``(key, module, output)``.
+    """
+
+    def __init__(self, root: nn.Module, blocks: list[nn.Module], on_enter=None, on_exit=None) -> None:  # noqa: ANN001
+        self.stack: list[GroupKey] = []
+        self.seen_block = False
+        self.on_enter = on_enter
+        self.on_exit = on_exit
+        self._handles: list = []
+        self._handles.append(root.register_forward_pre_hook(self._root_pre))
+        for i, block in enumerate(blocks):
+            self._add(block, GroupKey(i, SELF))
+            for name, child in block.named_children():
+                self._add(child, GroupKey(i, name))
+
+    def _root_pre(self, module: nn.Module, args: tuple) -> None:
+        self.stack.clear()
+        self.seen_block = False
+
+    def _add(self, module: nn.Module, key: GroupKey) -> None:
+        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.stack.append(key)
+            if key.child == SELF:
+                self.seen_block = True
+            if self.on_enter is not None:
+                self.on_enter(key, mod, args, kwargs)
+
+        def post(mod: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            if self.on_exit is not None:
+                self.on_exit(key, mod, output)
+            if self.stack and self.stack[-1] == key:
+                self.stack.pop()
+
+        self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+    def current(self) -> GroupKey:
+        """The group an activation saved right now belongs to."""
+        if self.stack:
+            return self.stack[-1]
+        return GroupKey(None, "post" if self.seen_block else "pre")
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
