@@ -321,47 +321,74 @@ def solve_plan(problem: Problem, budget: float, time_limit: float = 5.0, reuse: 
     return sol
 
 
+def _layer_cost(spec: LayerSpec, ck: bool, ch: list[int]) -> tuple[float, float, float]:
+    """(keep, transient, time) of one layer under a choice."""
+    if ck:
+        o = spec.checkpoint
+        assert o is not None
+        return o.keep, o.transient, o.time
+    chosen = [g[i] for g, i in zip(spec.groups, ch)]
+    return (sum(o.keep for o in chosen), max((o.transient for o in chosen), default=0.0),
+            sum(o.time for o in chosen))
+
+
 def greedy_plan(problem: Problem, budget: float) -> Solution:
-    """Fallback: start from the fastest option everywhere, then repeatedly apply the change with the best
-    peak reduction per added second until the modelled peak fits. Raises ``ValueError`` if it cannot."""
-    n_layers = len(problem.layers)
-    ck = [False] * n_layers
-    ch = [[min(range(len(g)), key=lambda i, g=g: (g[i].time, g[i].keep)) for g in s.groups] for s in problem.layers]
-    post = min(range(len(problem.post)), key=lambda i: (problem.post[i].time, problem.post[i].keep)) if problem.post else 0
-    peak, tm = evaluate(problem, ck, ch, post)
-    while peak > budget:
+    """Fallback: start from the fastest option everywhere, then repeatedly apply the single change with
+    the best peak reduction per added second until the modelled peak fits. Raises ``ValueError`` if it
+    cannot. Each round scores every change in O(1) from prefix/suffix maxima of the peak terms."""
+    layers = problem.layers
+    n = len(layers)
+    ck = [False] * n
+    ch = [[min(range(len(g)), key=lambda i, g=g: (g[i].time, g[i].keep)) for g in s.groups] for s in layers]
+    posts = problem.post
+    post = min(range(len(posts)), key=lambda i: (posts[i].time, posts[i].keep)) if posts else 0
+    while True:
+        cost = [_layer_cost(s, c, h) for s, c, h in zip(layers, ck, ch)]
+        keep = np.array([c[0] for c in cost])
+        trans = np.array([c[1] for c in cost])
+        prefix = problem.pre_bytes + np.cumsum(keep)
+        terms = prefix + trans
+        post_term = prefix[-1] + (posts[post].keep + posts[post].transient if posts else 0.0) if n else 0.0
+        peak = max(float(terms.max()) if n else 0.0, post_term, problem.pre_bytes)
+        if peak <= budget:
+            break
+        left = np.maximum.accumulate(np.concatenate([[problem.pre_bytes], terms]))[:-1]  # max over l' < l
+        right = np.maximum.accumulate(terms[::-1])[::-1]
+        right = np.concatenate([right[1:], [-np.inf]])  # max over l' > l
         best = None
-        for layer, spec in enumerate(problem.layers):
+        for layer, spec in enumerate(layers):
             cands = []
             if spec.checkpoint is not None and not ck[layer]:
-                cands.append(("ck", layer, None, None))
-            if not ck[layer]:
-                for gi, g in enumerate(spec.groups):
-                    for oi in range(len(g)):
-                        if oi != ch[layer][gi]:
-                            cands.append(("opt", layer, gi, oi))
-            for kind, lyr, gi, oi in cands:
-                ck2 = list(ck)
-                ch2 = [list(c) for c in ch]
-                if kind == "ck":
-                    ck2[lyr] = True
-                else:
-                    ch2[lyr][gi] = oi
-                p2, t2 = evaluate(problem, ck2, ch2, post)
+                cands.append((True, ch[layer]))
+            for gi, g in enumerate(spec.groups):
+                for oi in range(len(g)):
+                    if ck[layer] or oi != ch[layer][gi]:
+                        h = list(ch[layer])
+                        h[gi] = oi
+                        cands.append((False, h))
+            for c2, h2 in cands:
+                k2, t2, tm2 = _layer_cost(spec, c2, h2)
+                delta = k2 - keep[layer]
+                p2 = max(left[layer], prefix[layer] + delta + t2, right[layer] + delta, post_term + delta)
                 gain = peak - p2
-                if gain <= 0:
+                if gain <= 1e-12:
                     continue
-                score = gain / max(t2 - tm, 1e-12)
+                score = gain / max(tm2 - cost[layer][2], 1e-12)
                 if best is None or score > best[0]:
-                    best = (score, ck2, ch2, post, p2, t2)
-        for pi in range(len(problem.post)):
+                    best = (score, layer, c2, h2, None)
+        for pi in range(len(posts)):
             if pi != post:
-                p2, t2 = evaluate(problem, ck, ch, pi)
-                if peak - p2 > 0:
-                    score = (peak - p2) / max(t2 - tm, 1e-12)
+                p2 = max(float(terms.max()), prefix[-1] + posts[pi].keep + posts[pi].transient)
+                if peak - p2 > 1e-12:
+                    score = (peak - p2) / max(posts[pi].time - posts[post].time, 1e-12)
                     if best is None or score > best[0]:
-                        best = (score, ck, ch, pi, p2, t2)
+                        best = (score, None, None, None, pi)
         if best is None:
             raise ValueError(f"no plan fits {budget:.0f} bytes; the smallest feasible peak is {min_peak(problem):.0f}")
-        _, ck, ch, post, peak, tm = best
+        _, layer, c2, h2, pi = best
+        if pi is not None:
+            post = pi
+        else:
+            ck[layer], ch[layer] = c2, h2
+    peak, tm = evaluate(problem, ck, ch, post)
     return Solution(ck, ch, post, peak, tm, "greedy")
