@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from leanml.memory.compressors import (
@@ -115,6 +116,8 @@ class CompressionHooks:
         self.compressors = compressors
         self.params = params
         self._cache: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._owners: dict[int, tuple[StorageWeakRef, GroupKey]] = {}
+        self._owners_clean = 256
         self.sample = False  # when True, measure error and outliers of the next packs (drift tracking)
         self.drift = DriftStats()
 
@@ -122,28 +125,28 @@ class CompressionHooks:
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.params:
             return t
-        key = self.tracker.current()
+        key = self._owner(ptr, t)
         comp = self.compressors.get(key)
         if comp is None:
             note(t)
             return t
         if t.dtype == torch.bool:
             ck = ("b", ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version)
-            p = self._cache.get(ck)
+            p = self._lookup(ck)
             if p is None:
                 p = bitpack(t)
-                self._cache[ck] = p
+                self._store(ck, p, t)
                 note(p.tensors)
             return p
         if comp.name == BITPACK or not compressible(t):
             note(t)
             return t
         ck = (comp.name, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version)
-        p = self._cache.get(ck)
+        p = self._lookup(ck)
         if p is None:
             p = comp.pack(t)
             p.__dict__["_comp"] = comp
-            self._cache[ck] = p
+            self._store(ck, p, t)
             note(p.tensors)
             if self.sample:
                 label = key.label()
@@ -151,6 +154,31 @@ class CompressionHooks:
                 self.drift.error[label] = max(self.drift.error.get(label, 0.0), err)
                 self.drift.outlier[label] = max(self.drift.outlier.get(label, 0.0), outlier_ratio(t))
         return p
+
+    def _owner(self, ptr: int, t: torch.Tensor) -> GroupKey:
+        """The group that first saved this (still alive) storage decides how it is stored, as in the
+        profile's attribution: a tensor retained by one group is not compressed again by another."""
+        entry = self._owners.get(ptr)
+        if entry is not None and not entry[0].expired():
+            return entry[1]
+        key = self.tracker.current()
+        self._owners[ptr] = (StorageWeakRef(t.untyped_storage()), key)
+        if len(self._owners) > 4 * self._owners_clean:
+            self._owners = {k: v for k, v in self._owners.items() if not v[0].expired()}
+            self._owners_clean = max(256, len(self._owners))
+        return key
+
+    def _lookup(self, key: tuple) -> Packed | None:
+        """A payload already made for this very tensor: same storage, still alive (a freed storage's
+        address may be reused by a different tensor)."""
+        p = self._cache.get(key)
+        if p is not None and p.__dict__["_src"].expired():
+            return None
+        return p
+
+    def _store(self, key: tuple, p: Packed, t: torch.Tensor) -> None:
+        p.__dict__["_src"] = StorageWeakRef(t.untyped_storage())
+        self._cache[key] = p
 
     def unpack(self, obj: object) -> torch.Tensor:
         if not isinstance(obj, Packed):
