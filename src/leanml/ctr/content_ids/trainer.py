@@ -239,7 +239,7 @@ def fit_content_ids(
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             bar.update(1)
         history.append({"epoch": epoch, "quantized": quantize, "tau": tau, "loss": float(np.mean(losses))})
     bar.close()

@@ -1,0 +1,287 @@
+"""``leanml ctr ...``: content IDs (fit, assign), CTR training and evaluation."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from leanml.utils import LeanmlError, Timer, write_json
+
+DATASETS = ("fashion", "movielens")
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def print_metrics(metrics: dict[str, Any]) -> None:
+    """A small table: rows overall / new / old, columns n, AUC, gAUC, logloss."""
+    print(f"{'split':<8}{'rows':>8}{'AUC':>9}{'gAUC':>9}{'logloss':>9}")
+    for split, sfx in (("all", ""), ("new ads", "_new"), ("old ads", "_old")):
+        n = metrics.get(f"n{sfx}", metrics.get("n"))
+        print(f"{split:<8}{n:>8}{metrics[f'auc{sfx}']:>9.4f}{metrics[f'gauc{sfx}']:>9.4f}{metrics[f'logloss{sfx}']:>9.4f}")
+
+
+def _add_content_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--M", dest="m", type=int, default=4, help="sub-spaces (IDs per ad), default 4")
+    p.add_argument("--K", dest="k", type=int, default=16, help="codewords per sub-space (>= 2), default 16")
+    p.add_argument("--dim", type=int, default=32, help="quantized vector length D (divisible by M), default 32")
+    p.add_argument("--loss", choices=["infonce", "tokens"], default="infonce", help="text supervision")
+    p.add_argument("--content-epochs", type=int, default=None, help="quantized training epochs")
+    p.add_argument("--straight-through", action="store_true", help="hard forward, soft backward")
+
+
+def _content_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    ov: dict[str, Any] = {"m": args.m, "k": args.k, "dim": args.dim, "loss": args.loss,
+                          "straight_through": args.straight_through, "seed": args.seed}
+    if args.content_epochs is not None:
+        ov["epochs"] = args.content_epochs
+    return ov
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``ctr`` with ``content-ids fit|assign``, ``train`` and ``eval``."""
+    ctr = sub.add_parser(
+        "ctr", help="visual content IDs and CTR models (new-ad cold start)",
+        description="Text-supervised visual IDs for ads and CTR models that use them.",
+        epilog="examples:\n  leanml ctr content-ids fit --data fashion --out out/cid\n"
+               "  leanml ctr content-ids assign --model out/cid --data fashion --out out/ids.parquet\n"
+               "  leanml ctr train --data fashion --model deepfm --features id,visual --out out/run\n"
+               "  leanml ctr eval --run out/run",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ctr_sub = ctr.add_subparsers(dest="ctr_command", metavar="SUBCOMMAND")
+    ctr.set_defaults(func=lambda a: (ctr.print_help(), 2)[1])
+
+    cid = ctr_sub.add_parser(
+        "content-ids", help="fit a content-ID model or assign visual IDs",
+        description="Train the image extractor + soft product quantizer under text supervision, "
+                    "or export visual IDs for serving.",
+        epilog="examples:\n  leanml ctr content-ids fit --data fashion --M 4 --K 16 --out out/cid\n"
+               "  leanml ctr content-ids assign --model out/cid --images ads/ --out ids.parquet",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cid_sub = cid.add_subparsers(dest="cid_command", metavar="ACTION")
+    cid.set_defaults(func=lambda a: (cid.print_help(), 2)[1])
+
+    fit = cid_sub.add_parser(
+        "fit", help="train extractor + quantizer on images and captions",
+        description="Fit on the old ads of a built-in dataset (--data) or on a folder of images named "
+                    "<ad_id>.png with a captions CSV (ad_id,caption). Writes config.json, "
+                    "model.safetensors and report.json into --out.",
+        epilog="examples:\n  leanml ctr content-ids fit --data fashion --out out/cid\n"
+               "  leanml ctr content-ids fit --data movielens --loss tokens --out out/cid-ml\n"
+               "  leanml ctr content-ids fit --images ads/ --captions captions.csv --out out/cid",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = fit.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", choices=DATASETS, help="built-in dataset (fits on its old ads)")
+    src.add_argument("--images", type=Path, help="folder of <ad_id>.<png|jpg|npy> images")
+    fit.add_argument("--captions", type=Path, help="CSV ad_id,caption (required with --images)")
+    fit.add_argument("--on-bad", choices=["skip", "error"], default="skip",
+                     help="unreadable image / missing caption: skip and report (default) or fail")
+    _add_content_args(fit)
+    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--out", type=Path, required=True)
+    fit.add_argument("--overwrite", action="store_true")
+    fit.set_defaults(func=cmd_fit)
+
+    assign = cid_sub.add_parser(
+        "assign", help="export ad -> visual IDs as a Parquet table",
+        description="Columns ad_id (int64) and visual_ids (list<int64>, length M, id = m*K + k); "
+                    "metadata M and K. A JSON report is written next to it (<out>.report.json).",
+        epilog="examples:\n  leanml ctr content-ids assign --model out/cid --data fashion --out out/ids.parquet\n"
+               "  leanml ctr content-ids assign --model out/cid --images ads/ --out ids.parquet --on-bad error",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    asrc = assign.add_mutually_exclusive_group(required=True)
+    asrc.add_argument("--data", choices=DATASETS, help="all ads (old and new) of a built-in dataset")
+    asrc.add_argument("--images", type=Path, help="folder of <ad_id>.<png|jpg|npy> images")
+    assign.add_argument("--model", type=Path, required=True, help="folder written by `content-ids fit`")
+    assign.add_argument("--on-bad", choices=["skip", "error"], default="skip")
+    assign.add_argument("--seed", type=int, default=0, help="dataset seed (with --data)")
+    assign.add_argument("--out", type=Path, required=True)
+    assign.set_defaults(func=cmd_assign)
+
+    train = ctr_sub.add_parser(
+        "train", help="train a CTR model and evaluate it on new and old ads",
+        description="Fields: user, context, and per --features: id (ad ID), raw (continuous content "
+                    "vector through an MLP), visual (M visual IDs, pooled). Content IDs are fitted on the "
+                    "old ads unless --content-ids or --visual-ids is given.",
+        epilog="examples:\n  leanml ctr train --data fashion --model deepfm --features id,visual --out out/run\n"
+               "  leanml ctr train --data movielens --model dcnv2 --features id --out out/ml-id\n"
+               "  leanml ctr train --data fashion --features visual --visual-ids out/ids.parquet --out out/v",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--data", choices=DATASETS, default="fashion")
+    train.add_argument("--model", default="deepfm", help="lr, dnn, deepfm or dcnv2")
+    train.add_argument("--features", default="id,visual", help="any of id, raw, visual (comma-separated)")
+    train.add_argument("--content-ids", type=Path, help="content-ID model folder (default: fit one, cached)")
+    train.add_argument("--visual-ids", type=Path, help="Parquet table from `assign` (visual features only)")
+    train.add_argument("--on-missing", choices=["error", "skip"], default="error",
+                       help="log ads absent from --visual-ids: fail (default) or drop their rows and report")
+    _add_content_args(train)
+    train.add_argument("--epochs", type=int, default=2)
+    train.add_argument("--lr", type=float, default=5e-3)
+    train.add_argument("--embed-dim", type=int, default=16)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--out", type=Path, required=True)
+    train.add_argument("--overwrite", action="store_true")
+    train.set_defaults(func=cmd_train)
+
+    ev = ctr_sub.add_parser(
+        "eval", help="evaluate a trained CTR run on its dataset's test logs",
+        description="Reloads a run folder from `ctr train`, rebuilds its dataset (same seed) and prints "
+                    "AUC / gAUC / logloss overall, on new ads and on old ads; writes eval.json.",
+        epilog="examples:\n  leanml ctr eval --run out/run",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ev.add_argument("--run", type=Path, required=True)
+    ev.set_defaults(func=cmd_eval)
+
+
+def _load_data(name: str, seed: int):  # noqa: ANN202 - CTRData, imported lazily
+    from leanml.ctr.data import load_dataset
+
+    return load_dataset(name, seed=seed)
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    import torch
+
+    from leanml.ctr.content_ids.encoders import embed_texts
+    from leanml.ctr.content_ids.trainer import ContentIDConfig, fit_content_ids, save_content_model
+    from leanml.ctr.data import load_ad_folder
+    from leanml.ctr.train import content_config_for, fit_dataset_content_ids
+    from leanml.utils import check_output_dir
+
+    check_output_dir(args.out, args.overwrite)
+    with Timer() as t:
+        if args.data:
+            data = _load_data(args.data, args.seed)
+            cfg = content_config_for(data, **_content_overrides(args))
+            model, report = fit_dataset_content_ids(data, cfg, use_cache=False)
+            report["skipped"] = []
+        else:
+            if args.captions is None:
+                raise LeanmlError("--images needs --captions CSV (ad_id,caption): text supervises the quantizer")
+            ad_ids, images, captions, skipped = load_ad_folder(args.images, args.captions, args.on_bad)
+            assert captions is not None
+            cfg = ContentIDConfig(kind="cnn")
+            for key, value in _content_overrides(args).items():
+                setattr(cfg, key, value)
+            text = embed_texts(captions) if cfg.loss == "infonce" else None
+            model, report = fit_content_ids(images, captions, cfg, text_emb=text, device=torch.device("cpu"))
+            report["skipped"] = skipped
+            report["n_ads"] = len(ad_ids)
+    report["seconds"] = t.seconds
+    save_content_model(model, args.out, report, overwrite=args.overwrite)
+    u = report["usage"]
+    print(f"fitted {report['n_items']} items in {t.seconds:.1f}s; loss {report['final_loss']:.4f}; "
+          f"dead codes {u['dead_codes']}/{cfg.m * cfg.k}; entropy {u['entropy_bits']:.2f} bits; "
+          f"collisions {u['collision_rate']:.3f}; skipped {len(report['skipped'])}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_assign(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from leanml.ctr.content_ids.assign import assign_visual_ids, write_visual_ids
+    from leanml.ctr.content_ids.quantizer import usage_stats
+    from leanml.ctr.content_ids.trainer import load_content_model
+    from leanml.ctr.data import load_ad_folder
+
+    model = load_content_model(args.model)
+    skipped: list[dict[str, str]] = []
+    if args.data:
+        data = _load_data(args.data, args.seed)
+        if data.content_kind != model.config.kind:
+            raise LeanmlError(f"model {args.model} encodes {model.config.kind!r} content but {args.data} has "
+                              f"{data.content_kind!r} content; fit a model on --data {args.data}")
+        ad_ids, inputs = data.item_ids, data.content
+    else:
+        if model.config.kind != "cnn":
+            raise LeanmlError(f"model {args.model} is not an image model; --images needs one fitted on images")
+        ad_ids, inputs, _, skipped = load_ad_folder(args.images, None, args.on_bad)
+    with Timer() as t:
+        ids = assign_visual_ids(model, inputs)
+    cfg = model.config
+    write_visual_ids(args.out, ad_ids, ids, cfg.m, cfg.k)
+    usage = usage_stats(ids - np.arange(cfg.m) * cfg.k, cfg.k).as_dict()
+    report = {"model": str(args.model), "out": str(args.out), "n_ads": len(ad_ids), "M": cfg.m, "K": cfg.k,
+              "skipped": skipped, "n_skipped": len(skipped), "usage": usage, "seconds": t.seconds}
+    write_json(Path(str(args.out) + ".report.json"), report)
+    print(f"assigned {len(ad_ids)} ads (M={cfg.m}, K={cfg.k}); skipped {len(skipped)}"
+          + (f" (see {args.out}.report.json)" if skipped else ""))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from leanml.ctr.content_ids.trainer import load_content_model
+    from leanml.ctr.train import (
+        CTRConfig,
+        content_config_for,
+        content_items,
+        fit_dataset_content_ids,
+        items_from_table,
+        parse_features,
+        run_ctr,
+        save_ctr_run,
+    )
+    from leanml.utils import check_output_dir
+
+    check_output_dir(args.out, args.overwrite)
+    features = parse_features(args.features)
+    data = _load_data(args.data, args.seed)
+    items, extra = None, {}
+    with Timer() as t:
+        if args.visual_ids is not None:
+            if "raw" in features:
+                raise LeanmlError("--visual-ids carries IDs only; drop 'raw' from --features or use --content-ids")
+            items, data, info = items_from_table(data, args.visual_ids, on_missing=args.on_missing)
+            extra["visual_table"] = info
+            print(f"visual IDs from {args.visual_ids}: {info['ads_missing']} ads missing, "
+                  f"{info['rows_dropped_train']} train / {info['rows_dropped_test']} test rows dropped")
+        elif features != "id":
+            if args.content_ids is not None:
+                model = load_content_model(args.content_ids)
+                extra["content_ids"] = str(args.content_ids)
+            else:
+                model, cid_report = fit_dataset_content_ids(data, content_config_for(data, **_content_overrides(args)))
+                extra["content_ids"] = {"fitted": True, "usage": cid_report["usage"]}
+            items = content_items(data, model)
+        cfg = CTRConfig(model=args.model, features=features, embed_dim=args.embed_dim, epochs=args.epochs,
+                        lr=args.lr, seed=args.seed)
+        model_ctr, builder, report = run_ctr(data, items, cfg)
+    report.update(extra, seconds=t.seconds, data_args={"name": args.data, "seed": args.seed,
+                                                       "on_missing": args.on_missing})
+    save_ctr_run(args.out, model_ctr, builder, report, overwrite=args.overwrite)
+    print(f"{cfg.model} with features {features} on {args.data} ({t.seconds:.1f}s)")
+    print_metrics(report["metrics"])
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from leanml.ctr.train import evaluate_run, items_from_table, load_ctr_run
+
+    report_path = args.run / "report.json"
+    if not report_path.exists():
+        raise LeanmlError(f"{args.run} has no report.json; pass a folder written by `leanml ctr train --out`")
+    saved = json.loads(report_path.read_text())
+    data_args = saved.get("data_args", {"name": "fashion", "seed": 0})
+    data = _load_data(data_args["name"], data_args["seed"])
+    if "visual_table" in saved:
+        _, data, _ = items_from_table(data, saved["visual_table"]["table"], on_missing=data_args.get("on_missing", "error"))
+    model, builder, _ = load_ctr_run(args.run, data)
+    metrics = evaluate_run(model, builder, data)
+    write_json(args.run / "eval.json", {"run": str(args.run), "metrics": metrics, "data_args": data_args})
+    print(f"{saved['config']['model']} with features {saved['config']['features']} on {data_args['name']}")
+    print_metrics(metrics)
+    print(f"wrote {args.run / 'eval.json'}")
+    return 0
