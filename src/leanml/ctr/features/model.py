@@ -1,4 +1,8 @@
-"""A small CTR model over FeatureBox batches: per-field embeddings, mean-pooled sequences, an MLP."""
+"""A small CTR model over FeatureBox batches: per-field embeddings, mean-pooled sequences, an MLP.
+
+Embedding tables use sparse gradients (only the rows a batch touches are updated, by ``SparseAdam``),
+as CTR trainers do: a dense Adam step over every hashed bucket would dominate the step time.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ class FeatureDNN(nn.Module):
     def __init__(self, sparse_sizes: list[int], seq_sizes: list[int], n_dense: int, dim: int = 16,
                  hidden: tuple[int, ...] = (128, 64)) -> None:
         super().__init__()
-        self.sparse = nn.ModuleList(nn.Embedding(n, dim) for n in sparse_sizes)
-        self.seq = nn.ModuleList(nn.Embedding(n, dim) for n in seq_sizes)
+        self.sparse = nn.ModuleList(nn.Embedding(n, dim, sparse=True) for n in sparse_sizes)
+        self.seq = nn.ModuleList(nn.Embedding(n, dim, sparse=True) for n in seq_sizes)
         width = dim * (len(sparse_sizes) + len(seq_sizes)) + n_dense
         layers: list[nn.Module] = []
         for h in hidden:
@@ -44,6 +48,28 @@ class FeatureDNN(nn.Module):
             parts.append(pooled)
         parts.append(batch.dense)
         return self.mlp(torch.cat(parts, dim=1)).squeeze(-1)
+
+
+class CTROptimizer:
+    """``SparseAdam`` for the embedding tables, ``Adam`` for the MLP, driven as one optimizer."""
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3) -> None:
+        sparse = [p for m in model.modules() if isinstance(m, nn.Embedding) and m.sparse for p in m.parameters()]
+        ids = {id(p) for p in sparse}
+        dense = [p for p in model.parameters() if id(p) not in ids]
+        self.opts: list[torch.optim.Optimizer] = []
+        if sparse:
+            self.opts.append(torch.optim.SparseAdam(sparse, lr=lr))
+        if dense:
+            self.opts.append(torch.optim.Adam(dense, lr=lr))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
 
 
 def model_for_graph(graph: FeatureGraph, dim: int = 16, hidden: tuple[int, ...] = (128, 64),

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from leanml.ctr.features.arena import Arena, NoArena
 from leanml.ctr.features.batch import FeatureBatch
 from leanml.ctr.features.graph import FeatureGraph, load_graph
-from leanml.ctr.features.model import FeatureDNN, model_for_graph
+from leanml.ctr.features.model import CTROptimizer, FeatureDNN, model_for_graph
 from leanml.ctr.features.readers import LogReader, Quarantine
 from leanml.ctr.features.scheduler import ExecStats, LayerwiseExecutor
 from leanml.utils import LeanmlError
@@ -148,16 +148,21 @@ _DONE = "__done__"
 _ERROR = "__error__"
 
 
-def _produce(cfg: ExtractConfig, q: Any, stop: Any) -> None:
-    """Producer body shared by the thread and process producers."""
+def _produce(cfg: ExtractConfig, q: Any, stop: Any, as_arrays: bool = False) -> None:
+    """Producer body shared by the thread and process producers.
+
+    A process producer sends plain numpy arrays (pickled through the queue's pipe) rather than torch
+    tensors, whose shared-memory handles would die with the producer before the consumer reads them.
+    """
     try:
         ex = Extractor(cfg)
         for batch in ex:
+            item: Any = ("__arrays__", [t.numpy() for t in batch.tensors()]) if as_arrays else batch
             while True:
                 if stop.is_set():
                     return
                 try:
-                    q.put(batch, timeout=0.2)
+                    q.put(item, timeout=0.2)
                     break
                 except queue.Full:
                     continue
@@ -169,7 +174,7 @@ def _produce(cfg: ExtractConfig, q: Any, stop: Any) -> None:
 
 def _produce_process(cfg: ExtractConfig, q: Any, stop: Any) -> None:
     torch.set_num_threads(max(1, cfg.torch_threads))
-    _produce(cfg, q, stop)
+    _produce(cfg, q, stop, as_arrays=True)
 
 
 class Prefetcher:
@@ -212,6 +217,9 @@ class Prefetcher:
                     if item[1] == "LeanmlError":
                         raise LeanmlError(item[2])
                     raise RuntimeError(f"feature extraction failed:\n{item[2]}")
+                if isinstance(item, tuple) and item and item[0] == "__arrays__":
+                    ts = [torch.from_numpy(a) for a in item[1]]
+                    item = FeatureBatch(ts[0], ts[1], ts[2], ts[3:])
                 yield item
         finally:
             stop.set()
@@ -244,7 +252,7 @@ class TrainReport:
         return d
 
 
-def train_on(model: FeatureDNN, batches: Iterable[FeatureBatch], opt: torch.optim.Optimizer,
+def train_on(model: FeatureDNN, batches: Iterable[FeatureBatch], opt: CTROptimizer,
              device: torch.device | str = "cpu", progress: bool = False, total: int | None = None,
              desc: str = "train", step_hook: Callable[[int], None] | None = None) -> TrainReport:
     """One pass of BCE training over ``batches``; separates compute time from time waiting for batches."""
@@ -313,7 +321,7 @@ def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, pro
     model = model or model_for_graph(graph, dim=dim, hidden=hidden)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(dev)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = CTROptimizer(model, lr=lr)
     t0 = time.perf_counter()
     reps, trains = [], []
     for ep in range(epochs):

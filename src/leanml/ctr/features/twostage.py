@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from leanml.ctr.features.batch import FeatureBatch
 from leanml.ctr.features.graph import FeatureGraph
-from leanml.ctr.features.model import FeatureDNN, model_for_graph
+from leanml.ctr.features.model import CTROptimizer, FeatureDNN, model_for_graph
 from leanml.ctr.features.pipeline import ExtractConfig, Extractor, train_on
 from leanml.utils import LeanmlError, atomic_dir, write_json
 
@@ -130,7 +130,7 @@ def train_from_parquet(features_dir: str | Path, *, epochs: int = 1, lr: float =
                                      cardinalities={k: v for k, v in cards.items() if v})
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(dev)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = CTROptimizer(model, lr=lr)
     t0 = time.perf_counter()
     trains = [train_on(model, read_parquet_batches(features_dir), opt, dev, progress=progress,
                        desc=f"train epoch {e + 1}") for e in range(epochs)]
