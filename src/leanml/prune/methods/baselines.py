@@ -87,8 +87,7 @@ def sparsegpt_prune(
         U1 = U[i1:i2, i1:i2]
         d1 = torch.diagonal(U1)
         if nm is None:
-            scores = W1**2 / d1.unsqueeze(0) ** 2
-            prune1 = ~keep_mask(scores, MaskSpec(spec.sparsity, None, spec.scope))
+            prune1 = _block_prune_mask(W1**2 / d1.unsqueeze(0) ** 2, spec, i1, i2)
         else:
             prune1 = torch.zeros_like(W1, dtype=torch.bool)
         for i in range(count):
@@ -107,6 +106,25 @@ def sparsegpt_prune(
         W[:, i1:i2] = Q1
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
     return W.to(dtype)
+
+
+def _block_prune_mask(scores: torch.Tensor, spec: MaskSpec, i1: int, i2: int) -> torch.Tensor:
+    """Weights to prune in the block of columns ``[i1, i2)``, lowest scores first.
+
+    Quotas use cumulative rounding (``round(s * i2) - round(s * i1)`` per row, or over all rows for
+    scope ``"layer"``), so the whole matrix meets the exact target whatever the block size.
+    """
+    rows = scores.shape[0]
+    prune = torch.zeros_like(scores, dtype=torch.bool)
+    if spec.scope == "row":
+        k = int(round(spec.sparsity * i2)) - int(round(spec.sparsity * i1))
+        if k:
+            prune.scatter_(1, scores.topk(k, dim=1, largest=False).indices, True)
+    else:
+        k = int(round(spec.sparsity * rows * i2)) - int(round(spec.sparsity * rows * i1))
+        if k:
+            prune.view(-1)[scores.flatten().topk(k, largest=False).indices] = True
+    return prune
 
 
 def _relative_error(W: torch.Tensor, W_new: torch.Tensor, H: torch.Tensor) -> float:
