@@ -26,10 +26,10 @@ class FeatureDNN(nn.Module):
     """
 
     def __init__(self, sparse_sizes: list[int], seq_sizes: list[int], n_dense: int, dim: int = 16,
-                 hidden: tuple[int, ...] = (128, 64)) -> None:
+                 hidden: tuple[int, ...] = (128, 64), sparse_grad: bool = True) -> None:
         super().__init__()
-        self.sparse = nn.ModuleList(nn.Embedding(n, dim, sparse=True) for n in sparse_sizes)
-        self.seq = nn.ModuleList(nn.Embedding(n, dim, sparse=True) for n in seq_sizes)
+        self.sparse = nn.ModuleList(nn.Embedding(n, dim, sparse=sparse_grad) for n in sparse_sizes)
+        self.seq = nn.ModuleList(nn.Embedding(n, dim, sparse=sparse_grad) for n in seq_sizes)
         width = dim * (len(sparse_sizes) + len(seq_sizes)) + n_dense
         layers: list[nn.Module] = []
         for h in hidden:
@@ -73,7 +73,7 @@ class CTROptimizer:
 
 
 def model_for_graph(graph: FeatureGraph, dim: int = 16, hidden: tuple[int, ...] = (128, 64),
-                    cardinalities: dict[str, int] | None = None) -> FeatureDNN:
+                    cardinalities: dict[str, int] | None = None, sparse_grad: bool = True) -> FeatureDNN:
     """A :class:`FeatureDNN` sized from the graph's output cardinalities (hash buckets, bucket counts)."""
     cards = dict(cardinalities or {})
 
@@ -85,4 +85,5 @@ def model_for_graph(graph: FeatureGraph, dim: int = 16, hidden: tuple[int, ...] 
         return int(n)
 
     o = graph.outputs
-    return FeatureDNN([size(c) for c in o.sparse], [size(c) for c in o.sequence], len(o.dense), dim, hidden)
+    return FeatureDNN([size(c) for c in o.sparse], [size(c) for c in o.sequence], len(o.dense), dim, hidden,
+                      sparse_grad=sparse_grad)

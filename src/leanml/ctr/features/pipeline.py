@@ -50,7 +50,9 @@ class ExtractConfig:
     device: str | None = None
 
     @classmethod
-    def build(cls, graph: FeatureGraph | str, logs: Iterable[str | Path], **kw: Any) -> ExtractConfig:
+    def build(cls, graph: FeatureGraph | dict | str, logs: Iterable[str | Path], **kw: Any) -> ExtractConfig:
+        if isinstance(graph, dict):
+            graph = FeatureGraph.from_dict(graph)
         g = graph if isinstance(graph, FeatureGraph) else load_graph(graph)
         logs = [str(p) for p in logs]
         if kw.get("data_dir") is None and logs:
