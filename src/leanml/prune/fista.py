@@ -389,6 +389,7 @@ def fista_prune(
     damp: float = 0.0,
     refine_iters: int = 0,
     tol: float = 0.0,
+    L: float | None = None,
 ) -> TuneResult:
     """Prune one weight matrix ``W`` (m x n) to ``spec`` with FISTAPruner.
 
@@ -396,10 +397,13 @@ def fista_prune(
     distinction). ``lam`` is *relative*: the initial per-row lambda is ``lam * max_j |C_rj|`` (the
     smallest lambda whose solution is the zero row), the per-layer one ``lam`` times the mean of those.
     ``damp`` adds ``damp * mean(diag H) * I`` to ``H`` inside FISTA. Computes in float32 (or ``H``'s
-    dtype if wider) and returns weights in ``W``'s dtype inside :class:`TuneResult`.
+    dtype if wider) and returns weights in ``W``'s dtype inside :class:`TuneResult`. ``L`` may pass
+    the Lipschitz constant of the (damped) ``H`` when several linears share it.
     """
     if lam < 0:
         raise ValueError("lambda must be >= 0")
+    if lambda_scope not in ("row", "layer"):
+        raise ValueError("lambda_scope must be 'row' or 'layer'")
     dtype = torch.promote_types(H.dtype, torch.float32)
     Wc = W.to(dtype)
     Hc = H.to(dtype)
@@ -410,7 +414,8 @@ def fista_prune(
     Hs = Hc
     if damp > 0:
         Hs = Hc + damp * float(torch.diagonal(Hc).mean()) * torch.eye(Hc.shape[0], dtype=dtype, device=Hc.device)
-    L = power_iteration(Hs) * 1.001
+    if L is None:
+        L = power_iteration(Hs) * 1.001
     lam_max = C.abs().amax(1)
     lam0 = lam * lam_max
     if lambda_scope == "layer":

@@ -1,0 +1,140 @@
+"""Layer-parallel pruning under ``torchrun``: decoder layers split over ranks, rank 0 assembles.
+
+With *dense inputs* (``sequential=False``) every decoder layer's statistics depend only on the dense
+model, so layers are independent. Each rank walks the model with the engine, prunes only its own
+layers (round-robin: layer ``i`` goes to rank ``i % world_size``) and forwards the others unchanged;
+rank 0 then gathers the pruned layers' weights and reports, loads them into its model and runs the
+pruner's ``finalize``. The result equals a single-process ``prune_model(..., sequential=False)`` run.
+
+Backend: NCCL when CUDA is available, else gloo (CPU).
+
+Usage::
+
+    torchrun --nproc_per_node=2 -m leanml prune --model smollm2-135m --method fista --out DIR
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from leanml.models.adapters import get_adapter
+from leanml.prune.base import Pruner
+from leanml.prune.engine import prune_model
+from leanml.prune.masks import MaskSpec
+from leanml.utils import LeanmlError
+
+
+def world() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from the torchrun environment (``(0, 1, 0)`` without it)."""
+    return (
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def assign_layers(n_layers: int, world_size: int, rank: int) -> list[int]:
+    """The layers rank ``rank`` prunes: ``i % world_size == rank`` (balanced, each layer exactly once)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world of size {world_size}")
+    return [i for i in range(n_layers) if i % world_size == rank]
+
+
+def prune_distributed(
+    model: nn.Module,
+    calib_ids: torch.Tensor,
+    pruner: Pruner,
+    spec: MaskSpec,
+    **engine_kwargs: Any,
+) -> dict[str, Any] | None:
+    """Prune ``model`` with the layers split over the torchrun ranks.
+
+    Returns the merged report on rank 0 (its ``model`` then holds every pruned layer) and ``None`` on
+    the other ranks. ``engine_kwargs`` go to :func:`leanml.prune.engine.prune_model`; ``sequential``
+    is forced to ``False`` (dense inputs: the condition for independent layers) and recorded.
+    ``checkpoint_dir`` gets one sub-directory per rank.
+    """
+    rank, world_size, local_rank = world()
+    created = False
+    if not dist.is_initialized():
+        if world_size < 2:
+            raise LeanmlError("prune_distributed needs torchrun with --nproc_per_node >= 2 (WORLD_SIZE >= 2)")
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        created = True
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    t0 = time.perf_counter()
+    try:
+        adapter = engine_kwargs.pop("adapter", None) or get_adapter(model)
+        requested_sequential = engine_kwargs.pop("sequential", False)
+        engine_kwargs.pop("layers", None)
+        engine_kwargs.pop("finalize", None)
+        if engine_kwargs.get("checkpoint_dir") is not None:
+            engine_kwargs["checkpoint_dir"] = os.path.join(os.fspath(engine_kwargs["checkpoint_dir"]), f"rank{rank}")
+        if torch.cuda.is_available() and engine_kwargs.get("device") is None:
+            engine_kwargs["device"] = torch.device("cuda", torch.cuda.current_device())
+        if rank != 0:
+            engine_kwargs["progress"] = False
+        layers_all = adapter.layers()
+        mine = assign_layers(len(layers_all), world_size, rank)
+        report = prune_model(
+            model,
+            calib_ids,
+            pruner,
+            spec,
+            adapter=adapter,
+            sequential=False,
+            layers=mine,
+            finalize=False,
+            **engine_kwargs,
+        )
+        payload = {
+            "rank": rank,
+            "layers": {i: {k: v.detach().cpu() for k, v in layers_all[i].state_dict().items()} for i in mine},
+            "reports": report["layers"],
+            "seconds": report["prune_seconds"],
+        }
+        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object(payload, gathered, dst=0)
+        if rank != 0:
+            _close(created, ok=True)
+            return None
+        assert gathered is not None
+        layer_reports: list[dict[str, Any]] = []
+        for part in gathered:
+            for i, state in part["layers"].items():
+                layers_all[i].load_state_dict(state)
+            for rep in part["reports"]:
+                rep["rank"] = part["rank"]
+                layer_reports.append(rep)
+        layer_reports.sort(key=lambda r: r["layer"])
+        final_info = pruner.finalize(model, adapter)
+        report["engine"]["sequential"] = False
+        report["engine"]["requested_sequential"] = bool(requested_sequential)
+        report["engine"]["world_size"] = world_size
+        report["engine"]["backend"] = dist.get_backend()
+        report["layers"] = layer_reports
+        report["finalize"] = final_info
+        report["rank_seconds"] = [part["seconds"] for part in gathered]
+        report["prune_seconds"] = time.perf_counter() - t0
+    except BaseException:
+        _close(created, ok=False)
+        raise
+    _close(created, ok=True)
+    return report
+
+
+def _close(created: bool, ok: bool) -> None:
+    """Tear down the process group this module created (after a barrier when all went well)."""
+    if created and dist.is_initialized():
+        if ok:
+            dist.barrier()
+        dist.destroy_process_group()
