@@ -79,8 +79,11 @@ def prune_distributed(
         engine_kwargs.pop("finalize", None)
         if engine_kwargs.get("checkpoint_dir") is not None:
             engine_kwargs["checkpoint_dir"] = os.path.join(os.fspath(engine_kwargs["checkpoint_dir"]), f"rank{rank}")
-        if torch.cuda.is_available() and engine_kwargs.get("device") is None:
+        device = engine_kwargs.get("device")
+        if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
             engine_kwargs["device"] = torch.device("cuda", torch.cuda.current_device())
+        if requested_sequential and rank == 0:
+            print("layer-parallel pruning uses dense inputs for every layer (sequential mode is off)", flush=True)
         if rank != 0:
             engine_kwargs["progress"] = False
         layers_all = adapter.layers()
