@@ -784,6 +784,7 @@ class ContentIdLookup(Op):
     input: str
     output: str
     table: str
+    k: int | None = None  # the codebook size K, when known up front (checked against the table)
     _state: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -805,15 +806,20 @@ class ContentIdLookup(Op):
         return state
 
     def cardinality(self, output: str) -> int | None:
-        return None if self._state is None else self._state[1][2] + 1
+        if self._state is not None:
+            return self._state[1][3] + 1
+        return None if self.k is None else self.k + 1
 
     def load(self, ctx: OpContext) -> tuple[Any, np.ndarray, int, int]:
         path = ctx.resolve_table(self.table)
         key = (str(path), path.stat().st_mtime)
         if self._state is not None and self._state[0] == key:
             return self._state[1]
-        self._state = (key, read_content_id_table(path))
-        return self._state[1]
+        state = read_content_id_table(path)
+        if self.k is not None and state[3] != self.k:
+            raise LeanmlError(f"content-ID table {path} has K={state[3]} but the graph says k: {self.k}; fix one")
+        self._state = (key, state)
+        return state
 
     def forward(self, cols: list[Column], ctx: OpContext) -> list[Column]:
         (col,) = cols
