@@ -22,6 +22,15 @@ from leanml.ctr.content_ids.trainer import ContentIDConfig, ContentIDModel, info
 from leanml.utils import LeanmlError
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Single-threaded torch: faster and fairer on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_soft_assignment_converges_to_hard_as_tau_goes_to_zero() -> None:
     torch.manual_seed(0)
     x = torch.randn(64, 12, dtype=torch.float64)

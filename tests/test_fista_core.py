@@ -192,3 +192,27 @@ def test_fista_prune_beats_magnitude_and_is_exact(pattern, scope):
     lam_layer = fista_prune(W.float(), H.float(), spec, lambda_scope="layer")
     assert lam_layer.lam.unique().numel() == 1
     assert sparsity_of(lam_layer.W) == pytest.approx(0.5)
+
+
+def test_preconditioned_tuning_solves_the_same_problem():
+    # badly scaled inputs (a few loud features, as in LLM activations)
+    X, W, H, C = _problem(n=32, m=4)
+    scale = torch.ones(32, dtype=torch.float64)
+    scale[:3] = 30.0
+    X = X * scale
+    H, C = X.T @ X / len(X), W @ (X.T @ X / len(X))
+    res = fista_solve(H, C, 0.05, iters=20000, tol=1e-14)
+    d = torch.diagonal(H).sqrt()
+    Hp, Cp = H / d[None] / d[:, None], C / d[None]
+    pre = fista_solve(Hp, Cp, 0.05, iters=3000, tol=1e-14, col_weights=1 / d)
+    assert torch.allclose(pre.W / d, res.W, atol=1e-5)
+    for i in range(W.shape[0]):
+        ref = Lasso(alpha=0.05, fit_intercept=False, tol=1e-12, max_iter=100_000).fit(X.numpy(), (X @ W[i]).numpy())
+        assert np.abs(ref.coef_ - (pre.W[i] / d).numpy()).max() < 1e-4
+    # with few iterations the rescaled problem reaches a lower objective
+    few = fista_solve(H, C, 0.05, iters=20)
+    few_pre = fista_solve(Hp, Cp, 0.05, iters=20, col_weights=1 / d)
+    assert lasso_objective(few_pre.W / d, H, C, 0.05).sum() < lasso_objective(few.W, H, C, 0.05).sum()
+    const = ((W @ H) * W).sum(1)
+    a = tune_lambda(W, H, C, const, MaskSpec(0.5), 1e-2 * C.abs().amax(1), precondition=True)
+    assert (a.error <= a.start_error + 1e-12).all() and ((a.W != 0).sum(1) == 16).all()

@@ -122,7 +122,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--on-missing", choices=["error", "skip"], default="error",
                        help="log ads absent from --visual-ids: fail (default) or drop their rows and report")
     _add_content_args(train)
-    train.add_argument("--epochs", type=int, default=2)
+    train.add_argument("--epochs", type=int, default=3)
     train.add_argument("--lr", type=float, default=5e-3)
     train.add_argument("--embed-dim", type=int, default=16)
     train.add_argument("--seed", type=int, default=0)

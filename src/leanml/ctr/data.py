@@ -135,7 +135,7 @@ def caption_for(label: int, attrs: np.ndarray, cuts: np.ndarray) -> str:
 
 def fashion_ads(
     n_ads: int = 3000,
-    n_users: int = 1000,
+    n_users: int = 300,
     new_frac: float = 0.2,
     days: int = 10,
     launch_day: int = 7,

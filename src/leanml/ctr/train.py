@@ -76,6 +76,8 @@ def content_config_for(data: CTRData, **overrides: Any) -> ContentIDConfig:
     cfg = ContentIDConfig(kind=data.content_kind, in_dim=int(data.content.shape[1]) if data.content_kind == "mlp" else 0)
     if data.content_kind == "mlp":
         cfg.epochs, cfg.warmup_epochs, cfg.batch_size = 30, 5, 128
+    else:
+        cfg.epochs, cfg.warmup_epochs, cfg.batch_size = 8, 2, 64
     for key, value in overrides.items():
         if not hasattr(cfg, key):
             raise LeanmlError(f"unknown content-ID option {key!r}")
@@ -96,7 +98,8 @@ def fit_dataset_content_ids(
     if use_cache and (path / "model.safetensors").exists():
         return load_content_model(path), json.loads((path / "report.json").read_text())
     captions = [data.captions[i] for i in old]
-    text = embed_texts(captions) if config.loss == "infonce" else None
+    # embed all captions (one cache entry per dataset), then keep the old items' rows
+    text = embed_texts(data.captions)[old] if config.loss == "infonce" else None
     model, report = fit_content_ids(data.content[torch.as_tensor(old)], captions, config, text_emb=text,
                                     progress=progress)
     report["fitted_on"] = f"{len(old)} old items of {data.name}"
@@ -112,9 +115,9 @@ class CTRConfig:
     model: str = "deepfm"
     features: str = "id+visual"
     embed_dim: int = 16
-    epochs: int = 2
+    epochs: int = 3
     batch_size: int = 1024
-    lr: float = 2e-3
+    lr: float = 5e-3
     weight_decay: float = 0.0
     id_dropout: float = 0.0  # probability of replacing a training row's ad ID by the unseen-ad row 0
     seed: int = 0

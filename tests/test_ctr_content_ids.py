@@ -1,0 +1,115 @@
+"""Content-ID fitting (both supervisions), stable visual IDs, and the Parquet serving table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from leanml.ctr.content_ids.assign import (
+    assign_visual_ids,
+    lookup_visual_ids,
+    read_visual_ids,
+    write_visual_ids,
+)
+from leanml.ctr.content_ids.encoders import embed_texts
+from leanml.ctr.content_ids.trainer import (
+    ContentIDConfig,
+    build_vocab,
+    fit_content_ids,
+    load_content_model,
+    save_content_model,
+    token_targets,
+)
+from leanml.ctr.data import fashion_ads
+from leanml.utils import LeanmlError
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    torch.set_num_threads(1)
+    data = fashion_ads(n_ads=320, n_users=20, per_day=200, seed=1)
+    cfg = ContentIDConfig(kind="cnn", dim=16, m=4, k=8, width=4, epochs=2, warmup_epochs=1, batch_size=64)
+    text = embed_texts(data.captions)
+    model, report = fit_content_ids(data.content, data.captions, cfg, text_emb=text, progress=False)
+    return data, model, report
+
+
+def test_fit_reports_usage_and_learns(fitted) -> None:
+    data, model, report = fitted
+    assert len(report["history"]) == 3 and report["history"][0]["quantized"] is False
+    usage = report["usage"]
+    assert usage["n_items"] == data.n_items
+    assert 0 <= usage["dead_codes"] < 4 * 8
+    assert 0 < usage["norm_entropy"] <= 1
+    # the hard-quantized image retrieves its own caption more often than chance
+    n_captions = len(set(data.captions))
+    assert report["caption_top1"] > 2.0 / n_captions
+
+
+def test_ids_are_stable_for_the_same_image(fitted, tmp_path) -> None:
+    data, model, _ = fitted
+    ids = assign_visual_ids(model, data.content)
+    assert ids.shape == (data.n_items, 4)
+    assert np.array_equal(ids, assign_visual_ids(model, data.content.clone()))
+    # batch composition does not matter (eval mode, no batch statistics)
+    assert np.array_equal(ids[5:9], assign_visual_ids(model, data.content[5:9]))
+    # global id m*K + k: sub-space m owns [m*K, (m+1)*K)
+    for m in range(4):
+        assert ((ids[:, m] >= m * 8) & (ids[:, m] < (m + 1) * 8)).all()
+    save_content_model(model, tmp_path / "cid", {"note": "test"})
+    reloaded = load_content_model(tmp_path / "cid")
+    assert np.array_equal(ids, assign_visual_ids(reloaded, data.content))
+
+
+def test_parquet_table_schema_and_round_trip(fitted, tmp_path) -> None:
+    data, model, _ = fitted
+    ids = assign_visual_ids(model, data.content)
+    path = write_visual_ids(tmp_path / "ids.parquet", data.item_ids, ids, 4, 8)
+    table = pq.read_table(path)
+    assert table.schema.field("ad_id").type == pa.int64()
+    assert table.schema.field("visual_ids").type == pa.list_(pa.int64())
+    assert table.schema.metadata[b"M"] == b"4" and table.schema.metadata[b"K"] == b"8"
+    assert all(len(v) == 4 for v in table.column("visual_ids").to_pylist())
+    ad_ids, vis, m, k = read_visual_ids(path)
+    assert (m, k) == (4, 8) and np.array_equal(ad_ids, data.item_ids) and np.array_equal(vis, ids)
+    assert not list(tmp_path.glob(".*tmp*"))  # atomic write leaves no temp file
+    got, missing = lookup_visual_ids(ad_ids, vis, np.array([ad_ids[3], -5, ad_ids[0]]))
+    assert missing.tolist() == [False, True, False]
+    assert np.array_equal(got[0], ids[3]) and (got[1] == -1).all()
+    with pytest.raises(LeanmlError, match=r"\[0, M\*K\)"):
+        write_visual_ids(tmp_path / "bad.parquet", np.array([1]), np.array([[40, 0, 0, 0]]), 4, 8)
+    with pytest.raises(LeanmlError, match="does not exist"):
+        read_visual_ids(tmp_path / "missing.parquet")
+
+
+def test_token_supervision_fits_and_targets_are_multi_hot() -> None:
+    captions = ["dark slim plain coat", "light bulky plain coat", "dark slim textured bag", "grey slim plain bag"]
+    vocab = build_vocab(captions)
+    assert set(vocab) == {"dark", "slim", "plain", "coat", "bag"}
+    t = token_targets(captions, vocab)
+    assert t.sum(1).tolist() == [4, 2, 3, 3]
+    data = fashion_ads(n_ads=160, n_users=10, per_day=100, seed=2)
+    cfg = ContentIDConfig(kind="cnn", dim=8, m=2, k=4, width=4, epochs=1, warmup_epochs=1, loss="tokens", batch_size=64)
+    model, report = fit_content_ids(data.content, data.captions, cfg, progress=False)
+    assert report["history"][-1]["loss"] < report["history"][0]["loss"] * 1.5
+    assert model.config.vocab and assign_visual_ids(model, data.content).shape == (160, 2)
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    with pytest.raises(LeanmlError, match="captions"):
+        fit_content_ids(torch.rand(10, 28, 28), ["a"] * 9, ContentIDConfig(k=2, m=2, dim=8))
+    with pytest.raises(LeanmlError, match="empty or missing"):
+        embed_texts(["fine", ""])
+    with pytest.raises(LeanmlError, match="K >= 2"):
+        fit_content_ids(torch.rand(10, 28, 28), ["a"] * 10, ContentIDConfig(k=1))
