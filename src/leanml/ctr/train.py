@@ -146,8 +146,8 @@ class FieldBuilder:
 
     def tensors(self, log: pd.DataFrame) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
         item = log["item"].to_numpy()
-        sparse = {"user": torch.as_tensor(log["user"].to_numpy(), dtype=torch.long),
-                  "context": torch.as_tensor(log["context"].to_numpy(), dtype=torch.long)}
+        sparse = {"user": torch.tensor(log["user"].to_numpy(), dtype=torch.long),
+                  "context": torch.tensor(log["context"].to_numpy(), dtype=torch.long)}
         if "id" in self.parts:
             sparse["ad"] = torch.as_tensor(self.ad_index[item], dtype=torch.long)
         if "visual" in self.parts:
@@ -157,7 +157,7 @@ class FieldBuilder:
         if "raw" in self.parts:
             assert self.items is not None
             dense["raw"] = torch.as_tensor(self.items.raw[item], dtype=torch.float32)
-        return sparse, dense, torch.as_tensor(log["label"].to_numpy(), dtype=torch.float32)
+        return sparse, dense, torch.tensor(log["label"].to_numpy(), dtype=torch.float32)
 
 
 @torch.no_grad()
