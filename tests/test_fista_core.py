@@ -201,11 +201,9 @@ def test_preconditioned_tuning_solves_the_same_problem():
     scale[:3] = 30.0
     X = X * scale
     H, C = X.T @ X / len(X), W @ (X.T @ X / len(X))
-    res = fista_solve(H, C, 0.05, iters=20000, tol=1e-14)
     d = torch.diagonal(H).sqrt()
     Hp, Cp = H / d[None] / d[:, None], C / d[None]
-    pre = fista_solve(Hp, Cp, 0.05, iters=3000, tol=1e-14, col_weights=1 / d)
-    assert torch.allclose(pre.W / d, res.W, atol=1e-5)
+    pre = fista_solve(Hp, Cp, 0.05, iters=6000, col_weights=1 / d)
     for i in range(W.shape[0]):
         ref = Lasso(alpha=0.05, fit_intercept=False, tol=1e-12, max_iter=100_000).fit(X.numpy(), (X @ W[i]).numpy())
         assert np.abs(ref.coef_ - (pre.W[i] / d).numpy()).max() < 1e-4

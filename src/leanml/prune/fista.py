@@ -118,16 +118,23 @@ def _as_row_lambda(lam: torch.Tensor | float, m: int, like: torch.Tensor) -> tor
 
 
 def lasso_objective(
-    W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, lam: torch.Tensor | float, WH: torch.Tensor | None = None
+    W: torch.Tensor,
+    H: torch.Tensor,
+    C: torch.Tensor,
+    lam: torch.Tensor | float,
+    WH: torch.Tensor | None = None,
+    col_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-row objective ``1/2 w H w^T - c w^T + lambda_row ||w||_1`` (shape (m,)).
+    """Per-row objective ``1/2 w H w^T - c w^T + lambda_row sum_j u_j |w_j|`` (shape (m,)).
 
-    ``WH`` may pass a precomputed ``W @ H``.
+    ``WH`` may pass a precomputed ``W @ H``; ``col_weights`` ``u`` (n,) weights the l1 term per input
+    column (default 1).
     """
     if WH is None:
         WH = W @ H
     lam_r = _as_row_lambda(lam, W.shape[0], W).reshape(-1)
-    return 0.5 * (WH * W).sum(1) - (C * W).sum(1) + lam_r * W.abs().sum(1)
+    absW = W.abs() if col_weights is None else W.abs() * col_weights
+    return 0.5 * (WH * W).sum(1) - (C * W).sum(1) + lam_r * absW.sum(1)
 
 
 def row_output_errors(
@@ -164,6 +171,7 @@ def fista_solve(
     tol: float = 0.0,
     restart: bool = True,
     track: bool = True,
+    col_weights: torch.Tensor | None = None,
 ) -> FistaResult:
     """Minimise ``1/2 tr(W H W^T) - tr(C W^T) + sum_rows lambda_r ||w_r||_1`` by FISTA, all rows at once.
 
@@ -172,7 +180,8 @@ def fista_solve(
     momentum is reset (``t = 1``), so the next step is a plain proximal-gradient step from there: the
     per-row objective never rises. One ``n x n`` product per iteration (``Y H`` is carried as a linear
     combination of ``W_k H``). Stops after ``iters`` iterations or when the relative change
-    ``||W_k - W_{k-1}||_F / ||W_{k-1}||_F`` falls below ``tol``.
+    ``||W_k - W_{k-1}||_F / ||W_{k-1}||_F`` falls below ``tol``. ``col_weights`` (n,) turns the
+    penalty into the weighted ``lambda_r sum_j u_j |w_rj|`` (used by the diagonal preconditioner).
     """
     m, n = C.shape
     if H.shape != (n, n):
@@ -187,17 +196,18 @@ def fista_solve(
         # H == 0: the smooth part is linear, the minimiser is unbounded unless C == 0; keep the start
         return FistaResult(W=W_prev, objective=[], iters=0)
     WH_prev = W_prev @ H
-    F_prev = lasso_objective(W_prev, H, C, lam_r, WH_prev)
+    u = None if col_weights is None else col_weights.to(C.dtype).reshape(1, n)
+    F_prev = lasso_objective(W_prev, H, C, lam_r, WH_prev, u)
     history = [float(F_prev.sum())] if track else []
     Y, YH = W_prev, WH_prev
     t = torch.ones(m, 1, dtype=C.dtype, device=C.device)
-    tau = lam_r / L
+    tau = lam_r / L if u is None else (lam_r / L) * u
     restarts = 0
     done = 0
     for k in range(iters):
         Z = soft_threshold(Y - (YH - C) / L, tau)
         ZH = Z @ H
-        F = lasso_objective(Z, H, C, lam_r, ZH)
+        F = lasso_objective(Z, H, C, lam_r, ZH, u)
         if restart:
             bad = F > F_prev
             restarts += int(bad.sum())
@@ -284,6 +294,7 @@ def tune_lambda(
     H_solve: torch.Tensor | None = None,
     refine_iters: int = 0,
     tol: float = 0.0,
+    precondition: bool = False,
 ) -> TuneResult:
     """T rounds of FISTA + hard threshold, keeping the sparse solution of least output error.
 
@@ -300,6 +311,11 @@ def tune_lambda(
     The hard-thresholded ``W_start`` is itself a candidate, so the result never has a larger output
     error than the start point rounded to ``spec``. ``H_solve`` (e.g. damped ``H``) is used inside
     FISTA; errors are always measured with ``H``.
+
+    ``precondition``: FISTA runs on the same problem in the variables ``V = W D`` with
+    ``D = diag(sqrt(diag H))``, i.e. on ``D^-1 H D^-1`` (unit diagonal, far better conditioned when a
+    few input features carry most of the energy) with the weighted penalty ``sum_j |v_j| / d_j``.
+    The minimiser is unchanged; only the iterates reach it faster. ``L`` is then recomputed.
     """
     if lambda_scope not in ("row", "layer"):
         raise ValueError("lambda_scope must be 'row' or 'layer'")
@@ -307,6 +323,18 @@ def tune_lambda(
     Hs = H if H_solve is None else H_solve
     if L is None:
         L = power_iteration(Hs) * 1.001
+    d = None
+    if precondition:
+        d = torch.diagonal(Hs).clamp_min(0).sqrt()
+        d = torch.where(d > 0, d, torch.ones_like(d))
+        Hp = Hs / d.unsqueeze(0) / d.unsqueeze(1)
+        Cp = C / d.unsqueeze(0)
+        Lp = power_iteration(Hp) * 1.001
+
+    def _refine(Wr: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if d is None:
+            return refine_on_mask(Wr, mask, Hs, C, L, refine_iters)
+        return refine_on_mask(Wr * d, mask, Hp, Cp, Lp, refine_iters) / d
     lam = _as_row_lambda(lam0, m, C).reshape(-1).clone()
     if lambda_scope == "layer":
         lam = lam.mean().expand(m).clone()
@@ -317,21 +345,27 @@ def tune_lambda(
     start_mask = keep_mask(prune_scores(start, start @ Hs - C), spec)
     best_sparse = start * start_mask
     if refine_iters > 0:
-        best_sparse = refine_on_mask(best_sparse, start_mask, Hs, C, L, refine_iters)
+        best_sparse = _refine(best_sparse, start_mask)
     best_err = row_output_errors(best_sparse, H, C, dense_const)
     start_err = best_err.clone()
     best_iterate = start.clone()
     history: list[dict[str, Any]] = []
     layer_choice = spec.scope == "layer" and spec.pattern is None
     for r in range(rounds):
-        res = fista_solve(Hs, C, lam, W0=best_iterate, L=L, iters=iters, tol=tol, track=False)
-        Wf = res.W
+        if d is None:
+            res = fista_solve(Hs, C, lam, W0=best_iterate, L=L, iters=iters, tol=tol, track=False)
+            Wf = res.W
+        else:
+            res = fista_solve(
+                Hp, Cp, lam, W0=best_iterate * d, L=Lp, iters=iters, tol=tol, track=False, col_weights=1.0 / d
+            )
+            Wf = res.W / d
         mask = keep_mask(prune_scores(Wf, Wf @ Hs - C), spec)
         Wr = Wf * mask
         D = Wr - Wf
         e_round = row_output_errors(D, H, torch.zeros_like(C), torch.zeros_like(dense_const)).sqrt()
         if refine_iters > 0:
-            Wr = refine_on_mask(Wr, mask, Hs, C, L, refine_iters)
+            Wr = _refine(Wr, mask)
         else:
             Wr = fill_kept_zeros(Wr, mask, H, C, dense_const)
         err = row_output_errors(Wr, H, C, dense_const)
@@ -390,6 +424,7 @@ def fista_prune(
     refine_iters: int = 0,
     tol: float = 0.0,
     L: float | None = None,
+    precondition: bool = False,
 ) -> TuneResult:
     """Prune one weight matrix ``W`` (m x n) to ``spec`` with FISTAPruner.
 
@@ -398,7 +433,8 @@ def fista_prune(
     smallest lambda whose solution is the zero row), the per-layer one ``lam`` times the mean of those.
     ``damp`` adds ``damp * mean(diag H) * I`` to ``H`` inside FISTA. Computes in float32 (or ``H``'s
     dtype if wider) and returns weights in ``W``'s dtype inside :class:`TuneResult`. ``L`` may pass
-    the Lipschitz constant of the (damped) ``H`` when several linears share it.
+    the Lipschitz constant of the (damped) ``H`` when several linears share it. ``precondition``
+    solves in diagonally rescaled variables (same minimiser, faster; see :func:`tune_lambda`).
     """
     if lam < 0:
         raise ValueError("lambda must be >= 0")
@@ -436,6 +472,7 @@ def fista_prune(
         H_solve=Hs,
         refine_iters=refine_iters,
         tol=tol,
+        precondition=precondition,
     )
     res.W = res.W.to(W.dtype)
     return res

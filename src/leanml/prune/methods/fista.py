@@ -44,7 +44,8 @@ class FistaPruner(Pruner):
     ``max_j |C_rj|``; ``iters`` K FISTA iterations per round; ``rounds`` T lambda-tuning rounds; ``xi``
     the target of ``E_round / E_total``; ``warm_start``; ``lambda_scope`` one lambda per row or per
     layer; ``damp`` damping of ``H`` (fraction of its mean diagonal); ``refine`` iterations of a
-    least-squares refit of the kept weights after the hard threshold (0 = the paper's procedure).
+    least-squares refit of the kept weights after the hard threshold (0 = the paper's procedure);
+    ``precondition`` solve in diagonally rescaled variables (same minimiser, much faster convergence).
     """
 
     name: ClassVar[str] = "fista"
@@ -62,6 +63,7 @@ class FistaPruner(Pruner):
         damp: float = 0.0,
         refine: int = 0,
         tol: float = 0.0,
+        precondition: bool = True,
     ) -> None:
         if not (math.isfinite(lam) and lam >= 0):
             raise LeanmlError(f"--fista-lambda must be a finite number >= 0, got {lam}")
@@ -92,6 +94,7 @@ class FistaPruner(Pruner):
         self.damp = damp
         self.refine = refine
         self.tol = tol
+        self.precondition = precondition
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -123,6 +126,10 @@ class FistaPruner(Pruner):
             "--fista-tol", type=float, default=0.0,
             help="stop a FISTA run early when the relative change falls below this (default 0: run K)",
         )  # fmt: skip
+        g.add_argument(
+            "--fista-no-precondition", action="store_true",
+            help="run FISTA on H itself instead of the diagonally rescaled problem (same minimiser, slower)",
+        )  # fmt: skip
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FistaPruner:
@@ -136,6 +143,7 @@ class FistaPruner(Pruner):
             damp=args.fista_damp,
             refine=args.fista_refine,
             tol=args.fista_tol,
+            precondition=not args.fista_no_precondition,
         )
 
     def config(self) -> dict[str, Any]:
@@ -149,6 +157,7 @@ class FistaPruner(Pruner):
             "damp": self.damp,
             "refine": self.refine,
             "tol": self.tol,
+            "precondition": self.precondition,
         }
 
     def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
@@ -183,6 +192,7 @@ class FistaPruner(Pruner):
                 refine_iters=self.refine,
                 tol=self.tol,
                 L=L,
+                precondition=self.precondition,
             )
             lin.weight.data.copy_(res.W.to(W.dtype))
             err, start_err = float(res.error.sum()), float(res.start_error.sum())
