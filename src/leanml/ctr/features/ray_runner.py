@@ -83,8 +83,11 @@ def to_feature_batch(b: dict[str, torch.Tensor], seq_names: list[str]) -> Featur
 def run_ray(cfg: ExtractConfig, *, epochs: int = 1, lr: float = 1e-3, seed: int = 0, actors: int = 1,
             num_cpus: int | None = None, quarantine_dir: str | None = None, dim: int = 16,
             hidden: tuple[int, ...] = (128, 64), model: FeatureDNN | None = None,
-            progress: bool = False) -> tuple[FeatureDNN, dict[str, Any]]:
-    """Train from a Ray Data stream of the graph's output; starts a local Ray if none is running."""
+            progress: bool = False, keep: list[FeatureBatch] | None = None) -> tuple[FeatureDNN, dict[str, Any]]:
+    """Train from a Ray Data stream of the graph's output; starts a local Ray if none is running.
+
+    ``keep``: when a list, every batch trained on is also appended to it (for inspection and tests).
+    """
     import ray
 
     if not ray.is_initialized():
@@ -99,6 +102,8 @@ def run_ray(cfg: ExtractConfig, *, epochs: int = 1, lr: float = 1e-3, seed: int 
     for ep in range(epochs):
         ds = ray_dataset(cfg, quarantine_dir, actors)
         stream = (to_feature_batch(b, seqs) for b in ds.iter_torch_batches(batch_size=cfg.batch_rows))
+        if keep is not None:
+            stream = (keep.append(b) or b for b in stream)
         trains.append(train_on(model, stream, opt, "cpu", progress=progress, desc=f"ray epoch {ep + 1}"))
     wall = time.perf_counter() - t0
     q: Counter = Counter()
