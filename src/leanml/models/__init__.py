@@ -50,7 +50,10 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except ValueError as exc:
             raise LeanmlError(f"cannot load {path}: {str(exc).splitlines()[0]}") from exc
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as exc:
+            raise LeanmlError(f"{path} has no usable tokenizer files; save the tokenizer next to the model") from exc
     elif _looks_like_path(spec):
         raise LeanmlError(
             f"model path {spec} does not exist; pass a model directory, a .gguf file, a hub id, or smollm2-135m"
@@ -68,6 +71,18 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         tokenizer.pad_token = tokenizer.eos_token
     model.config.use_cache = False
     return model.to(device).eval(), tokenizer
+
+
+def peek_model_type(spec: str) -> str | None:
+    """``config.model_type`` of a local model directory or the bundled model, without loading weights."""
+    if spec in BUNDLED:
+        return "llama"
+    config = Path(spec).expanduser() / "config.json"
+    if config.is_file():
+        import json
+
+        return json.loads(config.read_text()).get("model_type")
+    return None
 
 
 def _looks_like_path(spec: str) -> bool:

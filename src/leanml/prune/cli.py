@@ -148,8 +148,8 @@ def measured_sparsity(model: torch.nn.Module, adapter: Any) -> float:
 
 def run_prune(args: argparse.Namespace) -> int:
     from leanml.data.text import calibration_windows
-    from leanml.models import count_parameters, load_model, save_model
-    from leanml.models.adapters import get_adapter
+    from leanml.models import count_parameters, load_model, peek_model_type, save_model
+    from leanml.models.adapters import get_adapter, supported_model_types
     from leanml.prune.engine import prune_model
     from leanml.prune.masks import MaskSpec, parse_pattern
     from leanml.prune.methods import pruner_class
@@ -176,6 +176,11 @@ def run_prune(args: argparse.Namespace) -> int:
     if ckpt.exists() and not args.resume and rank == 0:
         raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; pass --resume to continue or delete it")
     device = _device(args.device)
+    model_type = peek_model_type(args.model)
+    if model_type is not None and model_type not in supported_model_types():
+        raise LeanmlError(
+            f"unsupported architecture {model_type!r}; supported: {', '.join(supported_model_types())}"
+        )
 
     with Timer() as t_load:
         model, tokenizer = load_model(args.model)

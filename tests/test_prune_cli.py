@@ -1,0 +1,116 @@
+"""``leanml prune`` / ``leanml eval`` end to end on a tiny model directory, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from leanml.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "leanml", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_prune_writes_a_loadable_sparse_model_and_report(tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "pruned"
+    rc = main(["prune", "--model", str(tiny_model_dir), "--method", "sparsegpt", "--sparsity", "0.5",
+               "--nsamples", "4", "--seqlen", "64", "--eval-windows", "2", "--out", str(out)])
+    assert rc == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    AutoTokenizer.from_pretrained(out)
+    w = model.model.layers[1].mlp.down_proj.weight
+    assert float((w == 0).float().mean()) == pytest.approx(0.5, abs=1e-6)
+    report = json.loads((out / "report.json").read_text())
+    assert report["measured_sparsity"] == pytest.approx(0.5, abs=1e-6)
+    assert len(report["layers"]) == 2 and "rel_error" in report["layers"][0]["linears"]["mlp.down_proj"]
+    assert report["perplexity_before"]["ppl"] > 1 and report["perplexity_after"]["ppl"] > 1
+    assert not (tmp_path / "pruned.ckpt").exists()
+    assert "sparsity 0.500" in capsys.readouterr().out
+
+
+def test_eval_prints_and_writes_json(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "ppl.json"
+    assert main(["eval", "--model", str(tiny_model_dir), "--seqlen", "64", "--max-windows", "2",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["windows"] == 2 and result["ppl"] > 1
+    assert "perplexity" in capsys.readouterr().out
+
+
+def test_resume_continues_an_interrupted_run(tiny_model_dir, tmp_path):
+    from leanml.models import load_model
+
+    out = tmp_path / "r"
+    args = ["prune", "--model", str(tiny_model_dir), "--nsamples", "2", "--seqlen", "32", "--no-eval",
+            "--out", str(out)]
+    ckpt = tmp_path / "r.ckpt"
+    # an interrupted run: layer 0 finished and checkpointed, then killed
+    from leanml.data.text import calibration_windows
+    from leanml.prune.engine import prune_model
+    from leanml.prune.masks import MaskSpec
+    from leanml.prune.methods.baselines import SparseGPTPruner
+
+    model, tok = load_model(str(tiny_model_dir))
+    calib = calibration_windows(tok, "shakespeare", 2, 32, 0)
+    fp = {"model": str(tiny_model_dir), "calib": "shakespeare", "seed": 0, "seqlen": 32}
+    prune_model(model, calib, SparseGPTPruner(), MaskSpec(0.5, scope="layer"), layers=[0, 1], progress=False,
+                checkpoint_dir=ckpt, fingerprint=fp, batch_size=4)
+    (ckpt / "layer_001.pt").unlink()
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+    assert state["next_layer"] == 2
+    # a run without --resume refuses to clobber the checkpoint
+    assert main(args) == 2
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--model", "/no/such/model"], "does not exist"),
+        (["--sparsity", "1.5"], "sparsity must be in (0, 1)"),
+        (["--sparsity", "0"], "sparsity must be in (0, 1)"),
+        (["--pattern", "2:3:4"], "malformed pattern"),
+        (["--pattern", "5:4"], "malformed pattern"),
+        (["--pattern", "a:b"], "malformed pattern"),
+        (["--nsamples", "100000"], "more than the"),
+        (["--seqlen", "100000"], "above the model's maximum"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tiny_model_dir, tmp_path, extra, message, capsys):
+    args = ["prune", "--model", str(tiny_model_dir), "--no-eval", "--nsamples", "2", "--seqlen", "32",
+            "--out", str(tmp_path / "o"), *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("leanml: error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.ckpt").exists()
+
+
+def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
+    proc = run_cli("prune", "--model", "/no/such/model", "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("leanml: error: model path /no/such/model does not exist")
+    assert "Traceback" not in proc.stderr
+
+
+def test_existing_output_and_unsupported_architecture(tiny_model_dir, tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    (tmp_path / "exists").mkdir()
+    assert main(["prune", "--model", str(tiny_model_dir), "--out", str(tmp_path / "exists")]) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--overwrite" in err
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(gpt2)
+    assert main(["prune", "--model", str(gpt2), "--out", str(tmp_path / "g")]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported architecture 'gpt2'" in err and "llama" in err
+    assert main(["eval", "--model", "someorg/not-a-model-here", "--seqlen", "32"]) == 2
+    assert "hub" in capsys.readouterr().err
