@@ -233,7 +233,7 @@ def movielens(new_frac: float = 0.2, time_quantile: float = 0.8, seed: int = 0) 
     log = pd.DataFrame({
         "user": user_codes.astype(np.int64),
         "item": item_index.loc[ratings["movie_id"].to_numpy()].to_numpy().astype(np.int64),
-        "context": pd.to_datetime(ratings["timestamp"], unit="s").dt.weekday.to_numpy().astype(np.int64),
+        "context": pd.to_datetime(ratings["timestamp"], unit="s").dt.day_of_week.to_numpy().astype(np.int64),
         "label": (ratings["rating"] >= 4).astype(np.int64).to_numpy(),
         "timestamp": ratings["timestamp"].to_numpy(),
     })
