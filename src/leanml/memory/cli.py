@@ -1,0 +1,94 @@
+"""``leanml train``: fine-tune a causal LM on a text corpus under a training-memory strategy."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+
+from leanml.utils import LeanmlError, atomic_dir, machine_info, write_json
+
+EPILOG = """examples:
+  leanml train --model smollm2-135m --data shakespeare --memory adacc --memory-budget 0.5
+  leanml train --model smollm2-135m --batch-size 2 --seqlen 128 --steps 20 --memory checkpoint
+  leanml train --model ./my-llama --memory adacc --memory-budget 2GB --out out/ft --save
+
+memory strategies:
+  none        keep every activation autograd saves
+  checkpoint  recompute every decoder layer in backward (non-reentrant checkpointing)
+  sac         torch selective checkpointing: save matmul and attention outputs, recompute pointwise ops
+  adacc       per-group retain / recompute / compress, planned by a MILP to fit --memory-budget
+
+--memory-budget is a fraction of the unoptimized activation peak (0.5), bytes, or a size (2GB, 512MiB).
+Writes DIR/report.json (config, machine, plan, per-step loss and time) and DIR/losses.csv.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``train`` subcommand."""
+    p = sub.add_parser(
+        "train",
+        help="fine-tune a causal LM under a training-memory strategy (Adacc)",
+        description="Fine-tune a causal LM on a text corpus with a training-memory strategy and report the "
+        "peak saved-activation memory, step time, tokens/s and loss.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a model directory, a .gguf file or a hub id")
+    p.add_argument("--data", default="shakespeare", help="text corpus (training split)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seqlen", type=int, default=256)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--memory", choices=["none", "checkpoint", "sac", "adacc"], default="adacc")
+    p.add_argument("--memory-budget", default="0.5", help="fraction of the unoptimized peak, bytes, or a size like 2GB")
+    p.add_argument("--max-error", type=float, default=0.05, help="cap on the relative error of lossy compressors")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output directory (default out/train-<memory>)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--save", action="store_true", help="also save the fine-tuned model into the output directory")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``leanml train``."""
+    import torch
+
+    from leanml.data.text import load_text, token_windows
+    from leanml.memory.train import TrainConfig, run_training
+    from leanml.models import load_model, save_model
+    from leanml.utils import check_output_dir, default_device
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    cfg = TrainConfig(strategy=args.memory, budget=args.memory_budget, batch_size=args.batch_size,
+                      steps=args.steps, lr=args.lr, seed=args.seed, max_error=args.max_error)
+    cfg.check()
+    if args.seqlen < 2:
+        raise LeanmlError(f"--seqlen must be at least 2, got {args.seqlen}")
+    out = args.out or f"out/train-{args.memory}"
+    check_output_dir(out, args.overwrite)
+    model, tokenizer = load_model(args.model)
+    model.to(default_device())
+    windows = token_windows(tokenizer, load_text(args.data, "train"), args.seqlen)
+    torch.manual_seed(args.seed)
+    result = run_training(model, windows, cfg)
+    with atomic_dir(out, overwrite=args.overwrite) as tmp:
+        report = {"config": vars(args) | {"func": None}, "machine": machine_info(), "result": result}
+        write_json(tmp / "report.json", report)
+        with open(tmp / "losses.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "loss", "step_s"])
+            for i, (loss, t) in enumerate(zip(result["losses"], result["step_times"])):
+                w.writerow([i, f"{loss:.6f}", f"{t:.4f}"])
+        if args.save:
+            save_model(model, tokenizer, tmp / "model")
+    mib = 2**20
+    budget = result["budget_bytes"]
+    print(f"memory={args.memory} peak={result['peak_bytes'] / mib:.1f} MiB "
+          f"(unoptimized {result['unoptimized_peak_bytes'] / mib:.1f} MiB"
+          + (f", budget {budget / mib:.1f} MiB" if budget else "") + ")")
+    print(f"step {result['step_s']:.3f} s (median), {result['tokens_s']:.0f} tokens/s, "
+          f"loss {result['losses'][0]:.4f} -> {result['final_loss']:.4f} (mean of last 10)")
+    print(f"report: {out}/report.json")
+    return 0
