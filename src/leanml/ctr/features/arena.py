@@ -15,6 +15,7 @@ before ``reset()``, so tensors handed to training never alias arena memory.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import asdict, dataclass
 
@@ -72,8 +73,11 @@ class Arena:
     def alloc(self, shape: int | tuple[int, ...], dtype: np.dtype | type = np.float64) -> np.ndarray:
         """An uninitialised array of ``shape``/``dtype`` valid until the next :meth:`reset`."""
         dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if isinstance(shape, int | np.integer):
+            shape = (int(shape),)
+        else:
+            shape = tuple(int(s) for s in shape)
+        nbytes = math.prod(shape) * dtype.itemsize
         size = (nbytes + ALIGN - 1) // ALIGN * ALIGN
         with self._lock:
             st = self.stats
@@ -93,7 +97,8 @@ class Arena:
                 st.spill_bytes += nbytes
                 raw = np.empty(max(nbytes, 1), dtype=np.uint8)[:nbytes]
                 self._spills.append(raw)
-        return raw.view(dtype).reshape(shape)
+        out = raw.view(dtype)
+        return out if len(shape) == 1 else out.reshape(shape)
 
     def reset(self) -> None:
         """End of batch: everything handed out becomes free; grow if this batch spilled."""
