@@ -11,6 +11,7 @@ import torch
 from leanml.cli import main as cli_main
 from leanml.ctr.features.batch import FeatureBatch
 from leanml.ctr.features.data import movielens_logs
+from leanml.ctr.features.graph import FeatureGraph
 from leanml.ctr.features.pipeline import ExtractConfig, Extractor, Prefetcher, run_pipelined
 from leanml.ctr.features.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
 from leanml.utils import LeanmlError
@@ -91,3 +92,27 @@ def test_errors_reach_the_consumer(logs):
     with pytest.raises(LeanmlError, match="prefetch depth"):
         Prefetcher(cfg, depth=0)
     assert len(list(Extractor(ExtractConfig.build("movielens", [logs / "test.tsv"], batch_rows=300)))) == 4
+
+
+def test_visual_graph_with_content_id_table(logs, tmp_path):
+    import numpy as np
+
+    from leanml.ctr.features.model import model_for_graph
+    from leanml.ctr.features.ops import write_content_id_table
+
+    d = tmp_path / "data"
+    d.mkdir()
+    for f in ("test.tsv", "users.jsonl", "items.jsonl"):
+        (d / f).write_text((logs / f).read_text())
+    rng = np.random.default_rng(0)
+    items = np.arange(1, 1683, 2, dtype=np.int64)  # odd items only: even ones are "new ads" without IDs
+    codes = rng.integers(0, 256, (len(items), 4))
+    write_content_id_table(d / "visual_ids.parquet", items, codes, k=256)
+    cfg = ExtractConfig.build("movielens_visual", [d / "test.tsv"], batch_rows=400)
+    batch = FeatureBatch.concat(list(Extractor(cfg)))
+    vis = batch.seqs[3]
+    item_ids = [int(x.split("\t")[2]) for x in (d / "test.tsv").read_text().splitlines()]
+    ref = {int(i): c.tolist() for i, c in zip(items, codes)}
+    assert vis.tolist() == [ref.get(i, [256] * 4) for i in item_ids]
+    model = model_for_graph(FeatureGraph.from_dict(cfg.graph), dim=4, hidden=(8,))
+    assert model(batch).shape == (len(item_ids),)
