@@ -254,7 +254,7 @@ class Adacc:
         self.remove_plan()
         self.profile = self._isolated(lambda: profile_step(
             self.model, self.blocks, lambda: self._run(args, kwargs), self.compressors, self.outlier_frac,
-            self.compress_layers))
+            self.compress_layers, measure_outside=self.compress_head))
         budget = self.budget_bytes()
         problem, names, post_names = build_problem(self.profile, self.max_error, self.error_caps, self.compress_head)
         floor = min_peak(problem)

@@ -109,11 +109,13 @@ def profile_step(
     compressors: tuple[str, ...] = FLOAT_COMPRESSORS,
     outlier_frac: float = 0.01,
     compress_layers: list[int] | None = None,
+    measure_outside: bool = True,
 ) -> Profile:
     """Profile one step. ``run_step()`` runs the forward and returns the loss; this calls backward.
 
     ``compress_layers``: layers whose compressors are timed and measured (default all); other layers
-    copy the stats of the nearest measured layer, scaled by bytes.
+    copy the stats of the nearest measured layer, scaled by bytes. ``measure_outside=False`` skips the
+    compressors on the ``pre``/``post`` groups (when they will not be compressed anyway).
     """
     params = param_storage_ptrs(model)
     groups: dict[GroupKey, GroupStats] = {}
@@ -195,7 +197,7 @@ def profile_step(
 
     measured = set(range(n_layers)) if compress_layers is None else set(compress_layers)
     for key, g in groups.items():
-        if key.layer is None or key.layer in measured:
+        if (key.layer is None and measure_outside) or key.layer in measured:
             _measure_compression(g, list(saved[key].values()), compressors, outlier_frac)
     for key, g in groups.items():
         if key.layer is not None and key.layer not in measured:
