@@ -123,7 +123,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="log ads absent from --visual-ids: fail (default) or drop their rows and report")
     _add_content_args(train)
     train.add_argument("--epochs", type=int, default=3)
-    train.add_argument("--lr", type=float, default=5e-3)
+    train.add_argument("--lr", type=float, default=None, help="default 5e-3 (1e-2 for dcnv2)")
+    train.add_argument("--id-dropout", type=float, default=0.1,
+                       help="share of training rows whose ad ID is replaced by the unseen-ad row (default 0.1)")
     train.add_argument("--embed-dim", type=int, default=16)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", type=Path, required=True)
@@ -254,7 +256,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 extra["content_ids"] = {"fitted": True, "usage": cid_report["usage"]}
             items = content_items(data, model)
         cfg = CTRConfig(model=args.model, features=features, embed_dim=args.embed_dim, epochs=args.epochs,
-                        lr=args.lr, seed=args.seed)
+                        lr=args.lr, id_dropout=args.id_dropout, seed=args.seed)
         model_ctr, builder, report = run_ctr(data, items, cfg)
     report.update(extra, seconds=t.seconds, data_args={"name": args.data, "seed": args.seed,
                                                        "on_missing": args.on_missing})

@@ -2,8 +2,9 @@
 
 Feature sets (``--features``, any of ``id``, ``raw``, ``visual`` joined by ``,`` or ``+``):
 
-- ``id``: the ad-ID embedding. Ads never seen in training map to the out-of-vocabulary row 0, which no
-  training row touches: this is the cold-start failure the visual IDs address.
+- ``id``: the ad-ID embedding. Ads never seen in training map to the unseen-ad row 0 (zero-initialised;
+  trained only through ``id_dropout``, default 0.1): a new ad looks like "an average ad" -- the
+  cold-start failure the visual IDs address.
 - ``raw``: the continuous content vector (pre-quantization output of the content-ID extractor)
   through a small MLP, as one field.
 - ``visual``: the ``M`` visual IDs as one bag field (an ``M * K``-row embedding table, mean-pooled),
@@ -117,10 +118,19 @@ class CTRConfig:
     embed_dim: int = 16
     epochs: int = 3
     batch_size: int = 1024
-    lr: float = 5e-3
+    lr: float | None = None  # None: DEFAULT_LR of the model
     weight_decay: float = 0.0
-    id_dropout: float = 0.0  # probability of replacing a training row's ad ID by the unseen-ad row 0
+    id_dropout: float = 0.1  # probability of replacing a training row's ad ID by the unseen-ad row 0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lr is None:
+            self.lr = DEFAULT_LR.get(self.model.lower(), 5e-3)
+
+
+# DCNv2's cross layers multiply small initial embeddings, so it learns slowly at 5e-3 within 3 epochs
+# (measured on Fashion: visual-ID AUC on new ads 0.614 at 5e-3 vs 0.689 at 1e-2).
+DEFAULT_LR = {"lr": 5e-3, "dnn": 5e-3, "deepfm": 5e-3, "dcnv2": 1e-2}
 
 
 class FieldBuilder:
@@ -179,7 +189,11 @@ def train_ctr_model(
     model: CTRModel, sparse: dict[str, torch.Tensor], dense: dict[str, torch.Tensor], labels: torch.Tensor,
     config: CTRConfig, device: torch.device | None = None, progress: bool = True,
 ) -> list[float]:
-    """Mini-batch Adam on binary cross-entropy; returns the mean loss per epoch."""
+    """Mini-batch Adam on binary cross-entropy; returns the mean loss per epoch.
+
+    With ``config.id_dropout > 0`` a random share of training rows see the unseen-ad row 0 instead of their
+    ad ID, so that row learns "an ad without history" and the model learns to lean on content for it.
+    """
     device = device or default_device()
     model.to(device).train()
     opt = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
