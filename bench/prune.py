@@ -33,6 +33,14 @@ from leanml.prune.methods import pruner_class  # noqa: E402
 from leanml.utils import machine_info, machine_line, write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Shared with bench/prune_fista.py so every method sees the same calibration and test windows.
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CALIB = "shakespeare"
+DEFAULT_NSAMPLES = 16
+DEFAULT_SEQLEN = 512
+DEFAULT_SEED = 0
+DEFAULT_EVAL_WINDOWS = 10
+DEFAULT_BATCH_SIZE = 8
 PATTERNS = {"unstructured": MaskSpec(0.5), "2:4": MaskSpec(pattern=(2, 4))}
 BASELINES = ["magnitude", "wanda", "sparsegpt"]
 
@@ -126,10 +134,10 @@ def _plot(records: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--nsamples", type=int, default=32)
-    ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--eval-windows", type=int, default=20)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--nsamples", type=int, default=DEFAULT_NSAMPLES)
+    ap.add_argument("--seqlen", type=int, default=DEFAULT_SEQLEN)
+    ap.add_argument("--eval-windows", type=int, default=DEFAULT_EVAL_WINDOWS)
     ap.add_argument("--methods", default=",".join(BASELINES))
     ap.add_argument("--quick", action="store_true", help="8 calibration and 8 evaluation windows")
     args = ap.parse_args()
@@ -137,7 +145,7 @@ def main() -> None:
         args.nsamples, args.eval_windows = 8, 8
     torch.manual_seed(0)
     model, tok = load_model(args.model)
-    calib = calibration_windows(tok, "shakespeare", args.nsamples, args.seqlen, seed=0)
+    calib = calibration_windows(tok, DEFAULT_CALIB, args.nsamples, args.seqlen, seed=DEFAULT_SEED)
     test = token_windows(tok, load_text("shakespeare", "test"), args.seqlen)[: args.eval_windows]
     dense_state = copy.deepcopy(model.state_dict())
     common = {"model": args.model, "calib": "shakespeare", "nsamples": args.nsamples, "seqlen": args.seqlen,
@@ -147,14 +155,15 @@ def main() -> None:
     print(f"dense ppl {records[0]['ppl']:.2f}", flush=True)
     for pattern, spec in PATTERNS.items():
         for method in args.methods.split(","):
-            ppl, seconds, _ = run_method(model, dense_state, calib, test, method, spec, progress=True)
+            ppl, seconds, _ = run_method(model, dense_state, calib, test, method, spec, progress=True,
+                                         batch_size=DEFAULT_BATCH_SIZE)
             records.append({"method": method, "pattern": pattern, "sparsity": spec.target_sparsity, "ppl": ppl,
                             "seconds": seconds, **common})
             print(f"{method:10s} {pattern:12s} ppl {ppl:8.2f}  {seconds:6.1f} s", flush=True)
     all_records = merge_records(records)
     for r in all_records:
         r.setdefault("machine", machine_info()["cpu"])
-    command = "python bench/prune.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python", "bench/prune.py", *sys.argv[1:]])
     write_outputs(all_records, command)
     print((RESULTS / "prune.md").read_text())
 
