@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from leanml.ctr.features.arena import Arena, NoArena
 from leanml.ctr.features.data import generate_logs
@@ -43,6 +44,28 @@ def rec(mode: str, rows: int, wall: float, extract_s: float | None, train_s: flo
     return {"mode": mode, "rows": rows, "wall_s": round(wall, 3), "samples_s": round(rows / wall, 1),
             "extract_s": None if extract_s is None else round(extract_s, 3),
             "train_s": None if train_s is None else round(train_s, 3), **extra}
+
+
+SPIN = "import time\nc=time.process_time();t=time.perf_counter()\nx=0\nfor i in range(8_000_000): x+=i\n" \
+       "print(time.process_time()-c, time.perf_counter()-t)"
+
+
+def cpu_share_check() -> dict[str, float]:
+    """How many cores this session really gets: one CPU-bound process alone, then two at once.
+
+    On a shared machine with the kernel's session autogrouping, a session's processes share one fair
+    slice, so a second busy process does not add CPU -- which caps what overlapping can gain."""
+    import subprocess
+
+    def run(k: int) -> float:
+        procs = [subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True) for _ in range(k)]
+        outs = [tuple(map(float, p.communicate()[0].split())) for p in procs]
+        return sum(c for c, _ in outs) / max(w for _, w in outs)
+
+    solo, pair = run(1), run(2)
+    autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    return {"cores_used_by_one_process": round(solo, 3), "cores_used_by_two_processes": round(pair, 3),
+            "autogroup": autogroup.read_text().strip() if autogroup.exists() else "n/a"}
 
 
 def arena_microbench(reps: int = 3, seed: int = 0) -> list[dict[str, Any]]:
@@ -94,33 +117,37 @@ def main() -> int:
         generate_logs(data, rows, seed=0)
     cfg = ExtractConfig.build("movielens", [log], batch_rows=args.batch_rows)
     graph = load_graph("movielens")
-    kw = dict(lr=2e-3, seed=0, device="cpu")
+    kw = dict(lr=2e-3, seed=0, device="cpu", progress=True)
     records: list[dict[str, Any]] = []
     print(machine_line())
     CTROptimizer(model_for_graph(graph))  # one-time torch.optim import cost, kept out of every timing
+    share = cpu_share_check()
+    print(share)
 
     # 1. extraction alone (batches kept in memory for train_only)
     t0 = time.perf_counter()
     ex = Extractor(cfg)
-    batches = list(ex)
+    batches = list(tqdm(ex, desc="extract_only", unit="batch", leave=False))
     wall = time.perf_counter() - t0
     ext = ex.report()
     n = sum(len(b) for b in batches)
-    records.append(rec("extract_only", n, wall, wall, None, rows_read=ext.rows_read))
+    records.append(rec("extract_only", n, wall, wall, None, rows_read=ext.rows_read, extract_cpu_s=round(ext.cpu_s, 2)))
     print(records[-1])
 
     # 1b. the same extraction with plain allocation instead of the arena (not a target mode)
     t0 = time.perf_counter()
-    n_plain = sum(len(b) for b in Extractor(replace(cfg, arena=False)))
+    n_plain = sum(len(b) for b in tqdm(Extractor(replace(cfg, arena=False)), desc="extract, no arena",
+                                        unit="batch", leave=False))
     plain_s = time.perf_counter() - t0
 
     # 2. training alone on pre-extracted tensors
     model = model_for_graph(graph)
     opt = CTROptimizer(model, lr=2e-3)
     t0 = time.perf_counter()
-    tr = train_on(model, batches, opt, "cpu")
+    tr = train_on(model, batches, opt, "cpu", progress=True, total=n, desc="train_only")
     wall = time.perf_counter() - t0
-    records.append(rec("train_only", tr.rows, wall, None, tr.train_s, loss=round(tr.loss, 5)))
+    records.append(rec("train_only", tr.rows, wall, None, tr.train_s, loss=round(tr.loss, 5),
+                       train_cpu_s=round(tr.cpu_s, 2)))
     print(records[-1])
     del batches
 
@@ -130,27 +157,30 @@ def main() -> int:
         size = sum(p.stat().st_size for p in (Path(tmp) / "features").glob("*.parquet"))
     records.append(rec("two_stage", two["rows"], two["wall_s"], two["extract_s"], two["train_s"],
                        write_s=round(two["write_s"], 3), read_s=round(two["read_s"], 3), parquet_mb=round(size / 2**20, 1),
-                       loss=round(two["loss"], 5)))
+                       loss=round(two["loss"], 5), extract_cpu_s=round(two["extract_cpu_s"], 2),
+                       train_cpu_s=round(two["train_cpu_s"], 2)))
     print(records[-1])
 
     # 4. pipelined: producer thread, and producer process (its own core)
     for producer in ("thread", "process"):
         _, pipe = run_pipelined(cfg, prefetch=args.prefetch, producer=producer, **kw)
         records.append(rec("pipelined", pipe["rows"], pipe["wall_s"], pipe["extract"]["extract_s"], pipe["train_s"],
-                           producer=producer, train_wait_s=round(pipe["train_wait_s"], 3), loss=round(pipe["loss"], 5)))
+                           producer=producer, train_wait_s=round(pipe["train_wait_s"], 3), loss=round(pipe["loss"], 5),
+                           extract_cpu_s=round(pipe["extract_cpu_s"], 2), train_cpu_s=round(pipe["train_cpu_s"], 2)))
         print(records[-1])
 
     arena = arena_microbench()
     print(arena)
     ops = ext.exec["op_rows_per_s"]
     arena_extract = {"arena_s": records[0]["wall_s"], "plain_s": round(plain_s, 3), "rows": n_plain}
-    write_results(Path(args.out), records, ops, ext.exec["op_seconds"], ext.arena, arena, arena_extract, rows, args)
+    write_results(Path(args.out), records, ops, ext.exec["op_seconds"], ext.arena, arena, arena_extract, share,
+                  rows, args)
     return 0
 
 
 def write_results(out: Path, records: list[dict], ops: dict[str, float], op_s: dict[str, float],
-                  ext_arena: dict[str, int], arena: list[dict], arena_extract: dict[str, Any], rows: int,
-                  args: argparse.Namespace) -> None:
+                  ext_arena: dict[str, int], arena: list[dict], arena_extract: dict[str, Any],
+                  share: dict[str, Any], rows: int, args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     by = {(r["mode"], r.get("producer")): r for r in records}
     e, t, two = by[("extract_only", None)], by[("train_only", None)], by[("two_stage", None)]
@@ -161,12 +191,14 @@ def write_results(out: Path, records: list[dict], ops: dict[str, float], op_s: d
              "Core split: training in the main process with `torch.set_num_threads(1)`; extraction single-threaded "
              "in a producer thread (same process) or a producer process (its own core). Prefetch depth "
              f"{args.prefetch} batches of {args.batch_rows} rows.", "",
-             "| mode | producer | rows | wall s | samples/s | extract s | train s | vs two-stage | vs max(extract, train) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| mode | producer | rows | wall s | samples/s | extract s | train s | extract CPU s | train CPU s "
+             "| vs two-stage | vs max(extract, train) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         lines.append(f"| {r['mode']} | {r.get('producer', '')} | {r['rows']:,} | {r['wall_s']:.1f} | "
                      f"{r['samples_s']:,.0f} | {r['extract_s'] if r['extract_s'] is not None else ''} | "
-                     f"{r['train_s'] if r['train_s'] is not None else ''} | {r['wall_s'] / two['wall_s']:.2f} | "
+                     f"{r['train_s'] if r['train_s'] is not None else ''} | {r.get('extract_cpu_s', '')} | "
+                     f"{r.get('train_cpu_s', '')} | {r['wall_s'] / two['wall_s']:.2f} | "
                      f"{r['wall_s'] / slow:.2f} |")
     lines += ["", "Targets: pipelined <= 0.6 x two-stage, and pipelined <= 1.15 x max(extract alone, train alone).", ""]
     for r in records:
@@ -175,7 +207,17 @@ def write_results(out: Path, records: list[dict], ops: dict[str, float], op_s: d
             lines.append(f"- pipelined ({r['producer']}): {a:.2f} x two-stage ({'met' if a <= 0.6 else 'MISSED'}), "
                          f"{b:.2f} x max(extract, train) ({'met' if b <= 1.15 else 'MISSED'}); "
                          f"trainer waited {r['train_wait_s']:.1f} s for batches.")
-    lines += ["", f"Two-stage detail: Parquet write {two['write_s']:.1f} s, read {two['read_s']:.1f} s, "
+    ecpu, tcpu = e["extract_cpu_s"], t["train_cpu_s"]
+    lines += ["", f"CPU available to this run: one busy process used {share['cores_used_by_one_process']:.2f} cores, "
+              f"two busy processes together {share['cores_used_by_two_processes']:.2f} cores "
+              f"(kernel session autogrouping: {share['autogroup']}). When the second number is not about twice the "
+              "first, a second busy thread or process adds no CPU to this run, overlap cannot shorten the wall "
+              "time, and the pipelined wall time tends to extract + train instead of max(extract, train).",
+              "", f"Projection for two otherwise idle cores (from measured CPU seconds, not a wall-time measurement): "
+              f"pipelined >= max(extract CPU, train CPU) = {max(ecpu, tcpu):.1f} s, two-stage >= extract CPU + "
+              f"train CPU = {ecpu + tcpu:.1f} s plus Parquet write/read, i.e. a ratio of at most "
+              f"{max(ecpu, tcpu) / (ecpu + tcpu):.2f}.",
+              "", f"Two-stage detail: Parquet write {two['write_s']:.1f} s, read {two['read_s']:.1f} s, "
               f"{two['parquet_mb']} MiB on disk.", "",
               "## Per-op throughput (extract_only run, one core)", "", "| op | rows/s | seconds |", "|---|---:|---:|"]
     for k, v in sorted(ops.items(), key=lambda kv: kv[1]):
@@ -193,7 +235,7 @@ def write_results(out: Path, records: list[dict], ops: dict[str, float], op_s: d
     (out / "features.md").write_text("\n".join(lines) + "\n")
     write_json(out / "features.json", {"machine": machine_info(), "command": cmd, "records": records,
                                        "op_rows_per_s": ops, "op_seconds": op_s, "extract_arena": ext_arena,
-                                       "arena_extract": arena_extract, "arena_microbench": arena})
+                                       "cpu_share": share, "arena_extract": arena_extract, "arena_microbench": arena})
     import matplotlib
 
     matplotlib.use("Agg")

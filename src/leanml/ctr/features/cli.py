@@ -160,6 +160,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from leanml.ctr.features.pipeline import ExtractConfig, Extractor, evaluate, run_pipelined
     from leanml.ctr.features.twostage import train_from_parquet
 
+    if args.epochs < 1 or args.lr <= 0 or args.dim < 1:
+        raise LeanmlError("--epochs and --dim must be >= 1 and --lr > 0")
     torch.set_num_threads(max(1, args.train_threads))
     report_path = Path(args.report) if args.report else cache_dir() / "features" / "train_report.json"
     hidden = tuple(int(h) for h in args.hidden.split(",") if h.strip())

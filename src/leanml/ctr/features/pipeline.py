@@ -71,6 +71,7 @@ class ExtractReport:
     quarantined: dict[str, int] = field(default_factory=dict)
     quarantine_file: str | None = None
     extract_s: float = 0.0
+    cpu_s: float = 0.0  # CPU seconds of the extracting thread
     read_s: float = 0.0
     exec: dict[str, Any] = field(default_factory=dict)
     arena: dict[str, int] = field(default_factory=dict)
@@ -93,20 +94,23 @@ class Extractor:
                                           data_dir=cfg.data_dir, tables=cfg.tables)
         self.read_s = 0.0
         self.extract_s = 0.0
+        self.cpu_s = 0.0
 
     def __iter__(self) -> Iterator[FeatureBatch]:
         it = iter(self.reader)
         while True:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 chunk = next(it)
             except StopIteration:
                 self.extract_s += time.perf_counter() - t0
+                self.cpu_s += time.thread_time() - c0
                 break
             t1 = time.perf_counter()
             self.read_s += t1 - t0
             batch = self.executor.run(chunk) if chunk and len(next(iter(chunk.values()))) else None
             self.extract_s += time.perf_counter() - t0
+            self.cpu_s += time.thread_time() - c0
             if batch is not None and len(batch):
                 yield batch
         self.quarantine.close()
@@ -116,7 +120,7 @@ class Extractor:
         return ExtractReport(rows_read=self.reader.rows_read, lines_read=self.reader.lines_read,
                              rows_out=st.rows_out, batches=st.batches, quarantined=dict(self.quarantine.counts),
                              quarantine_file=self.cfg.quarantine if self.quarantine.total else None,
-                             extract_s=self.extract_s, read_s=self.read_s, exec=st.as_dict(),
+                             extract_s=self.extract_s, cpu_s=self.cpu_s, read_s=self.read_s, exec=st.as_dict(),
                              arena=self.executor.arena.stats.as_dict())
 
 
@@ -130,6 +134,7 @@ def merge_reports(reports: list[ExtractReport]) -> ExtractReport:
         out.rows_out += r.rows_out
         out.batches += r.batches
         out.extract_s = max(out.extract_s, r.extract_s)
+        out.cpu_s += r.cpu_s
         out.read_s = max(out.read_s, r.read_s)
         q.update(r.quarantined)
         s = ExecStats()
@@ -244,6 +249,7 @@ class TrainReport:
     steps: int = 0
     rows: int = 0
     train_s: float = 0.0
+    cpu_s: float = 0.0  # CPU seconds of the training thread in training steps
     wait_s: float = 0.0
     loss: float = float("nan")
     losses: list[float] = field(default_factory=list)
@@ -271,7 +277,7 @@ def train_on(model: FeatureDNN, batches: Iterable[FeatureBatch], opt: CTROptimiz
         except StopIteration:
             rep.wait_s += time.perf_counter() - t0
             break
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         rep.wait_s += t1 - t0
         b = batch.to(device)
         loss = loss_fn(model(b), b.label)
@@ -280,6 +286,7 @@ def train_on(model: FeatureDNN, batches: Iterable[FeatureBatch], opt: CTROptimiz
         opt.step()
         lv = float(loss.detach())
         rep.train_s += time.perf_counter() - t1
+        rep.cpu_s += time.thread_time() - c1
         rep.steps += 1
         rep.rows += len(batch)
         total_loss += lv * len(batch)
@@ -333,11 +340,13 @@ def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, pro
     wall = time.perf_counter() - t0
     ext = merge_reports([r for r in reps if r is not None])
     ext.extract_s = sum(r.extract_s for r in reps if r is not None)
+    ext.cpu_s = sum(r.cpu_s for r in reps if r is not None)
     rows = sum(t.rows for t in trains)
     report = {
         "mode": "pipelined", "producer": producer, "prefetch": prefetch, "epochs": epochs,
         "rows": rows, "wall_s": wall, "samples_s": rows / wall if wall > 0 else 0.0,
         "extract_s": ext.extract_s, "train_s": sum(t.train_s for t in trains),
+        "extract_cpu_s": ext.cpu_s, "train_cpu_s": sum(t.cpu_s for t in trains),
         "train_wait_s": sum(t.wait_s for t in trains), "loss": trains[-1].loss if trains else None,
         "extract": ext.as_dict(), "train": [t.as_dict() for t in trains],
     }

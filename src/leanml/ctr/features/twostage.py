@@ -138,6 +138,7 @@ def train_from_parquet(features_dir: str | Path, *, epochs: int = 1, lr: float =
     rows = sum(t.rows for t in trains)
     return model, {"stage": "train", "rows": rows, "wall_s": wall, "train_s": sum(t.train_s for t in trains),
                    "read_s": sum(t.wait_s for t in trains), "loss": trains[-1].loss,
+                   "train_cpu_s": sum(t.cpu_s for t in trains),
                    "train": [t.as_dict() for t in trains]}
 
 
@@ -153,4 +154,5 @@ def run_two_stage(cfg: ExtractConfig, out: str | Path, *, epochs: int = 1, lr: f
     return model, {"mode": "two_stage", "rows": tr["rows"], "wall_s": wall,
                    "samples_s": tr["rows"] / wall if wall > 0 else 0.0,
                    "extract_s": ext["wall_s"], "train_s": tr["wall_s"], "write_s": ext["write_s"],
+                   "extract_cpu_s": ext["extract"]["cpu_s"], "train_cpu_s": tr["train_cpu_s"],
                    "read_s": tr["read_s"], "loss": tr["loss"], "extract": ext["extract"], "train": tr["train"]}
