@@ -186,12 +186,8 @@ class LayerwiseExecutor:
             raise RuntimeError(f"op {op.name} returned {len(outs)} columns for outputs {op.outputs}")
         return outs, time.perf_counter() - t0, ctx.counters
 
-    def run_columns(self, chunk: dict[str, np.ndarray]) -> dict[str, Column]:
-        """All columns of one chunk after the graph ran (numpy/torch/ragged, filters applied)."""
+    def _run_levels(self, cols: dict[str, dict[str, Column]], n: int) -> int:
         st = self.stats
-        cols: dict[str, dict[str, Column]] = {c: {"cpu": chunk[c]} for c in self.graph.schema.names}
-        n = len(chunk[self.graph.schema.names[0]]) if chunk else 0
-        st.rows_in += n
         for level in self.plan.levels:
             # transfers at the level boundary
             for op in level:
@@ -213,10 +209,8 @@ class LayerwiseExecutor:
                 futs = []
                 for op in cpu_ops:
                     results.append((op, self._run_op(op, [cols[c]["cpu"] for c in op.inputs], torch.device("cpu"))))
-            if gpu_ops:
-                with torch.cuda.stream(self._stream) if self._stream is not None else _null():
-                    for op in gpu_ops:
-                        results.append((op, self._run_op(op, [cols[c]["cuda"] for c in op.inputs], self.gpu)))
+            for op in gpu_ops:
+                results.append((op, self._run_op(op, [cols[c]["cuda"] for c in op.inputs], self.gpu)))
             results += [(op, f.result()) for op, f in futs]
             masks = []
             for op, (outs, secs, counters) in results:
@@ -235,6 +229,17 @@ class LayerwiseExecutor:
                     for c in cols:
                         cols[c] = {d: select_rows(v, keep) for d, v in cols[c].items()}
                     n = int(keep.sum())
+        return n
+
+    def run_columns(self, chunk: dict[str, np.ndarray]) -> dict[str, Column]:
+        """All columns of one chunk after the graph ran (numpy/torch/ragged, filters applied)."""
+        st = self.stats
+        cols: dict[str, dict[str, Column]] = {c: {"cpu": chunk[c]} for c in self.graph.schema.names}
+        n = len(chunk[self.graph.schema.names[0]]) if chunk else 0
+        st.rows_in += n
+        # every CUDA copy and kernel of the batch is issued on one stream, so they stay ordered
+        with torch.cuda.stream(self._stream) if self._stream is not None else _null():
+            n = self._run_levels(cols, n)
         if self._stream is not None:
             self._stream.synchronize()
         out: dict[str, Column] = {}
