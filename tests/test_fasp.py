@@ -282,9 +282,9 @@ def test_cli_options_are_added_once_and_parsed():
     parser = argparse.ArgumentParser()
     for cls in METHODS:
         cls.add_args(parser)
-    args = parser.parse_args(["--fasp-pairs", "mlp", "--fasp-damp", "0.1", "--fasp-target", "pruned"])
+    args = parser.parse_args(["--fasp-pairs", "mlp", "--fasp-damp", "0.1", "--fasp-target", "dense"])
     p = FaspPruner.from_args(args)
-    assert p.pairs == ("mlp",) and p.damp == 0.1 and p.needs_dense is False
-    assert FaspPruner.needs_dense is True  # class default untouched
+    assert p.pairs == ("mlp",) and p.damp == 0.1 and p.needs_dense is True
+    assert FaspPruner.needs_dense is False and FaspPruner().needs_dense is False  # class default untouched
     assert FlapPruner.from_args(args).pairs == ("mlp",)
-    assert p.config()["target"] == "pruned"
+    assert p.config()["target"] == "dense"

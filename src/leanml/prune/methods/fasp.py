@@ -82,9 +82,9 @@ class StructuredPairPruner(Pruner):
                        help="keep pruned MLP units as zeros instead of physically smaller MLPs")
         g.add_argument("--fasp-damp", type=float, default=0.01,
                        help="fasp: least-squares damping, relative to mean(diag H) (default: 0.01)")
-        g.add_argument("--fasp-target", choices=("dense", "pruned"), default="dense",
-                       help="fasp: refit against the dense model's input (dense, needs the dense "
-                            "statistics) or against the pruned-path input only (faster; default: dense)")
+        g.add_argument("--fasp-target", choices=("pruned", "dense"), default="pruned",
+                       help="fasp: refit against the pruned-path input (W H[:,S] (H[S,S]+dI)^-1; default) or "
+                            "against the dense model's input (W G[:,S] ...; needs the dense statistics, slower)")
 
     @classmethod
     def _common(cls, args: argparse.Namespace) -> dict[str, Any]:
@@ -189,9 +189,8 @@ class FaspPruner(StructuredPairPruner):
     """FASP: Wanda-like unit scores, then least-squares restoration of the consumer on the kept columns."""
 
     name: ClassVar[str] = "fasp"
-    needs_dense: ClassVar[bool] = True
 
-    def __init__(self, damp: float = 0.01, target: str = "dense", **kwargs: Any) -> None:
+    def __init__(self, damp: float = 0.01, target: str = "pruned", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if not damp >= 0:
             raise LeanmlError(f"--fasp-damp must be >= 0, got {damp}")
@@ -205,7 +204,7 @@ class FaspPruner(StructuredPairPruner):
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Pruner:
         return cls(
-            damp=getattr(args, "fasp_damp", 0.01), target=getattr(args, "fasp_target", "dense"), **cls._common(args)
+            damp=getattr(args, "fasp_damp", 0.01), target=getattr(args, "fasp_target", "pruned"), **cls._common(args)
         )
 
     def config(self) -> dict[str, Any]:
