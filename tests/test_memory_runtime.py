@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 from leanml.memory import ActivationMeter, Adacc, parse_budget
 from leanml.memory.meter import param_tensors
 from leanml.memory.policy import DriftMonitor, DriftThresholds
-from leanml.memory.runtime import RECOMPUTE, AppliedPlan, apply_strategy
+from leanml.memory.runtime import RECOMPUTE, SELECTIVE, AppliedPlan, apply_strategy
 from leanml.memory.structure import GroupKey, find_blocks
 from leanml.utils import LeanmlError
 
@@ -89,14 +89,14 @@ def test_meter_counts_saved_storages_once() -> None:
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_opt])
-@pytest.mark.parametrize("strategy", ["checkpoint", "sac", "children"])
+@pytest.mark.parametrize("strategy", ["checkpoint", "sac", RECOMPUTE, SELECTIVE])
 def test_recompute_gives_identical_gradients(make, strategy: str) -> None:  # noqa: ANN001
     model = make()
     model.config.use_cache = False
     ref = grads(model)
     blocks = find_blocks(model)
-    if strategy == "children":
-        options = {GroupKey(i, n): RECOMPUTE for i, b in enumerate(blocks) for n, _ in b.named_children()
+    if strategy in (RECOMPUTE, SELECTIVE):
+        options = {GroupKey(i, n): strategy for i, b in enumerate(blocks) for n, _ in b.named_children()
                    if any(True for _ in _.parameters())}
         applied = AppliedPlan(model, blocks, [False] * len(blocks), options)
     else:

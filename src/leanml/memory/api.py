@@ -30,7 +30,7 @@ from leanml.memory.meter import ActivationMeter, param_tensors
 from leanml.memory.planner import LayerSpec, Option, Problem, Solution, min_peak, solve_plan
 from leanml.memory.policy import DriftMonitor, DriftThresholds
 from leanml.memory.profiler import Profile, profile_step
-from leanml.memory.runtime import BITPACK, RECOMPUTE, RETAIN, AppliedPlan, disable_kv_cache
+from leanml.memory.runtime import BITPACK, RECOMPUTE, RETAIN, SELECTIVE, AppliedPlan, disable_kv_cache
 from leanml.memory.structure import SELF, GroupKey, find_blocks
 from leanml.utils import LeanmlError
 
@@ -80,6 +80,9 @@ def build_problem(profile: Profile, max_error: float = 0.05, caps: dict[str, flo
             opts = [Option(RETAIN, g.bytes)]
             if g.child != SELF:
                 opts.append(Option(RECOMPUTE, g.input_bytes, g.bytes + g.max_tensor_bytes, g.fwd_s))
+                sel_keep = g.input_bytes + g.sel_saved_bytes
+                if sel_keep < g.bytes:  # recompute only the pointwise ops, keep matmul/attention outputs
+                    opts.append(Option(SELECTIVE, sel_keep, g.bytes, g.sel_recompute_s))
             for name, st in g.compress.items():
                 lossy = name != BITPACK
                 if lossy and st.error > _cap(caps, name, max_error):
@@ -314,7 +317,7 @@ class Adacc:
         errs, caps, outl = {}, {}, {}
         for key, opt in self.plan.options.items():
             g = self.profile.groups.get(key)
-            if g is None or opt in (RETAIN, RECOMPUTE, BITPACK) or opt not in g.compress:
+            if g is None or opt in (RETAIN, RECOMPUTE, SELECTIVE, BITPACK) or opt not in g.compress:
                 continue
             errs[key.label()] = g.compress[opt].error
             caps[key.label()] = _cap(self.error_caps, opt, self.max_error)

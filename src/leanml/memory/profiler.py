@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from leanml.memory.compressors import (
     FLOAT_COMPRESSORS,
@@ -27,6 +28,7 @@ from leanml.memory.compressors import (
     relative_error,
 )
 from leanml.memory.meter import ActivationMeter, note, param_tensors
+from leanml.memory.runtime import SAC_SAVE_OPS
 from leanml.memory.structure import SELF, GroupKey, ScopeTracker, kind_of, param_storage_ptrs, tensors_in
 
 
@@ -54,6 +56,8 @@ class GroupStats:
     bool_bytes: int = 0
     input_bytes: int = 0
     fwd_s: float = 0.0
+    sel_saved_bytes: int = 0  # outputs a selective checkpoint keeps (matmuls, attention)
+    sel_recompute_s: float = 0.0  # time of the ops it recomputes (pointwise)
     outlier_ratio: float = 0.0
     compress: dict[str, CompressStat] = field(default_factory=dict)
 
@@ -214,7 +218,48 @@ def profile_step(
             else:
                 _measure_compression(g, list(saved[key].values()), compressors, outlier_frac)
     saved.clear()
+    _selective_costs(model, blocks, run_step, groups)
     return Profile(groups, n_layers, layer_input_bytes, layer_fwd, meter.peak, step_s, tuple(compressors))
+
+
+class _OpTimer(TorchDispatchMode):
+    """Times every op and sizes matmul/attention outputs, per group (for selective recomputation)."""
+
+    def __init__(self, tracker: ScopeTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.saved: dict[GroupKey, dict[int, int]] = {}
+        self.other_s: dict[GroupKey, float] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        dt = time.perf_counter() - t0
+        key = self.tracker.current()
+        if func in SAC_SAVE_OPS:
+            store = self.saved.setdefault(key, {})
+            for t in tensors_in(out):
+                st = t.untyped_storage()
+                store[st.data_ptr()] = st.nbytes()
+        else:
+            self.other_s[key] = self.other_s.get(key, 0.0) + dt
+        return out
+
+
+def _selective_costs(model: nn.Module, blocks: list[nn.Module], run_step: Callable[[], torch.Tensor],
+                     groups: dict[GroupKey, GroupStats]) -> None:
+    """One extra forward that fills ``sel_saved_bytes`` / ``sel_recompute_s`` of every group."""
+    tracker = ScopeTracker(model, blocks)
+    timer = _OpTimer(tracker)
+    try:
+        with timer:
+            loss = run_step()
+        del loss
+    finally:
+        tracker.remove()
+    for key, g in groups.items():
+        g.sel_saved_bytes = sum(timer.saved.get(key, {}).values())
+        g.sel_recompute_s = timer.other_s.get(key, 0.0)
 
 
 def _measure_compression(g: GroupStats, tensors: list[torch.Tensor], compressors: tuple[str, ...],

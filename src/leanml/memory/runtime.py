@@ -39,6 +39,7 @@ from leanml.memory.structure import GroupKey, ScopeTracker, param_storage_ptrs
 
 RETAIN = "retain"
 RECOMPUTE = "recompute"
+SELECTIVE = "selective"  # recompute the group's pointwise ops, keep its matmul and attention outputs
 BITPACK = "bitpack"
 
 aten = torch.ops.aten
@@ -211,10 +212,10 @@ class AppliedPlan:
         for key, opt in options.items():
             if key.layer is not None and layer_checkpoint[key.layer]:
                 continue
-            if opt == RECOMPUTE:
+            if opt in (RECOMPUTE, SELECTIVE):
                 if key.layer is None or key.child not in children[key.layer]:
                     raise ValueError(f"group {key.label()} cannot be recomputed (not a module)")
-                self._undo.append(wrap_checkpoint(children[key.layer][key.child]))
+                self._undo.append(wrap_checkpoint(children[key.layer][key.child], selective=opt == SELECTIVE))
             elif opt == BITPACK:
                 comps[key] = Compressor(BITPACK, bitpack, bitunpack, lossless=True)
             elif opt != RETAIN:
