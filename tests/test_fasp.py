@@ -62,9 +62,10 @@ def test_restoration_equals_ridge_lstsq_with_damping():
     G = X @ Xp.T / N
     damp = 0.05
     W_new = core.restore_least_squares(W, H, S, G=G, damp=damp)
-    delta = damp * torch.diagonal(H[S][:, S]).mean()
-    # ridge as an augmented least-squares problem: [Xp_S^T; sqrt(N delta) I] w = [X^T W^T; 0]
-    A = torch.cat([Xp[S].T, (N * delta).sqrt() * torch.eye(len(S), dtype=torch.float64)])
+    diag = torch.diagonal(H[S][:, S])
+    delta = damp * diag + 1e-8 * diag.mean()
+    # ridge as an augmented least-squares problem: [Xp_S^T; sqrt(N D)] w = [X^T W^T; 0]
+    A = torch.cat([Xp[S].T, torch.diag((N * delta).sqrt())])
     B = torch.cat([(W @ X).T, torch.zeros(len(S), W.shape[0], dtype=torch.float64)])
     ref = torch.linalg.lstsq(A, B).solution.T
     torch.testing.assert_close(W_new[:, S], ref, rtol=1e-8, atol=1e-8)

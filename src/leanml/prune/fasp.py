@@ -117,21 +117,24 @@ def restore_least_squares(
     """FASP's restoration: refit the consumer on the kept columns by (damped) least squares.
 
     Returns ``W_new`` (same shape as ``W``, zeros outside ``keep_cols``) with
-    ``W_new[:, S] = W G[:, S] (H[S, S] + delta I)^-1``, the minimiser of
-    ``E ||W_new[:, S] x*_S - W x||^2 + delta ||W_new[:, S]||^2`` over the calibration tokens.
-    ``G`` defaults to ``H`` (dense input = pruned-path input). ``delta = damp * mean(diag(H[S, S]))``;
-    if the damped matrix is still not positive definite the damping is raised tenfold (up to 4 times).
+    ``W_new[:, S] = W G[:, S] (H[S, S] + D)^-1``, the minimiser of
+    ``E ||W_new[:, S] x*_S - W x||^2 + sum_j D_jj ||W_new[:, j]||^2`` over the calibration tokens.
+    ``G`` defaults to ``H`` (dense input = pruned-path input). The damping is relative to each
+    feature's own scale, ``D = damp * diag(H[S, S])`` (plus ``1e-8 * mean diag`` so dead features stay
+    solvable): LLM activations have a few features thousands of times larger than the rest, and a damping
+    relative to the *mean* diagonal would shrink the weights of all ordinary features. If the damped
+    matrix is still not positive definite the damping is raised tenfold (up to 4 times).
     Computed in ``H``'s dtype; returned in ``W``'s.
     """
     dtype = H.dtype
     cross = (G if G is not None else H)[:, keep_cols]
     Hs = H[keep_cols][:, keep_cols]
     rhs = W.to(dtype) @ cross  # (out, |S|)
-    base = torch.diagonal(Hs).mean().clamp_min(torch.finfo(dtype).tiny)
-    eye = torch.eye(Hs.shape[0], dtype=dtype, device=Hs.device)
+    diag = torch.diagonal(Hs).clamp_min(0)
+    floor = 1e-8 * diag.mean().clamp_min(torch.finfo(dtype).tiny)
     d = damp
     for _ in range(5):
-        L, info = torch.linalg.cholesky_ex(Hs + (d * base) * eye)
+        L, info = torch.linalg.cholesky_ex(Hs + torch.diag(d * diag + floor))
         if int(info) == 0:
             break
         d = max(d * 10, 1e-6)
