@@ -155,14 +155,15 @@ _DONE = "__done__"
 _ERROR = "__error__"
 
 
-def _produce(cfg: ExtractConfig, q: Any, stop: Any, as_arrays: bool = False) -> None:
+def _produce(cfg: ExtractConfig, q: Any, stop: Any, as_arrays: bool = False,
+             source: Callable[[ExtractConfig], Any] | None = None) -> None:
     """Producer body shared by the thread and process producers.
 
     A process producer sends plain numpy arrays (pickled through the queue's pipe) rather than torch
     tensors, whose shared-memory handles would die with the producer before the consumer reads them.
     """
     try:
-        ex = Extractor(cfg)
+        ex = (source or Extractor)(cfg)
         for batch in ex:
             item: Any = ("__arrays__", [t.numpy() for t in batch.tensors()]) if as_arrays else batch
             while True:
@@ -173,15 +174,15 @@ def _produce(cfg: ExtractConfig, q: Any, stop: Any, as_arrays: bool = False) -> 
                     break
                 except queue.Full:
                     continue
-        q.put((_DONE, ex.report()))
+        q.put((_DONE, ex.report() if hasattr(ex, "report") else None))
     except BaseException as exc:  # the consumer re-raises it
         msg = str(exc) if isinstance(exc, LeanmlError) else traceback.format_exc()
         q.put((_ERROR, type(exc).__name__, msg))
 
 
-def _produce_process(cfg: ExtractConfig, q: Any, stop: Any) -> None:
+def _produce_process(cfg: ExtractConfig, q: Any, stop: Any, source: Any = None) -> None:
     torch.set_num_threads(max(1, cfg.torch_threads))
-    _produce(cfg, q, stop, as_arrays=True)
+    _produce(cfg, q, stop, as_arrays=True, source=source)
 
 
 class Prefetcher:
@@ -190,12 +191,14 @@ class Prefetcher:
     After iteration, :attr:`report` holds the producer's :class:`ExtractReport`.
     """
 
-    def __init__(self, cfg: ExtractConfig, depth: int = 2, mode: str = "thread") -> None:
+    def __init__(self, cfg: ExtractConfig, depth: int = 2, mode: str = "thread",
+                 source: Callable[[ExtractConfig], Any] | None = None) -> None:
         if depth < 1:
             raise LeanmlError(f"prefetch depth must be >= 1 (got {depth})")
         if mode not in ("thread", "process"):
             raise LeanmlError(f"producer must be thread or process (got {mode!r})")
         self.cfg, self.depth, self.mode = cfg, depth, mode
+        self.source = source  # builds the batch iterable from cfg (default: Extractor); must be picklable
         self.report: ExtractReport | None = None
         self.wait_s = 0.0
 
@@ -203,14 +206,14 @@ class Prefetcher:
         if self.mode == "thread":
             q: Any = queue.Queue(maxsize=self.depth)
             stop: Any = threading.Event()
-            worker: Any = threading.Thread(target=_produce, args=(self.cfg, q, stop), daemon=True)
+            worker: Any = threading.Thread(target=_produce, args=(self.cfg, q, stop, False, self.source), daemon=True)
         else:
             import torch.multiprocessing as mp
 
             ctx = mp.get_context("spawn")
             q = ctx.Queue(maxsize=self.depth)
             stop = ctx.Event()
-            worker = ctx.Process(target=_produce_process, args=(self.cfg, q, stop), daemon=True)
+            worker = ctx.Process(target=_produce_process, args=(self.cfg, q, stop, self.source), daemon=True)
         worker.start()
         try:
             while True:
@@ -218,7 +221,7 @@ class Prefetcher:
                 item = q.get()
                 self.wait_s += time.perf_counter() - t0
                 if isinstance(item, tuple) and item and item[0] == _DONE:
-                    self.report = item[1]
+                    self.report = item[1] if isinstance(item[1], ExtractReport) else None
                     break
                 if isinstance(item, tuple) and item and item[0] == _ERROR:
                     if item[1] == "LeanmlError":
