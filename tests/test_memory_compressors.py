@@ -96,3 +96,16 @@ def test_payload_sizes() -> None:
 def test_unknown_compressor() -> None:
     with pytest.raises(ValueError, match="unknown compressor"):
         make_compressor("int3-channel")
+
+
+def test_scaled_float_mask_bitpack_lossless() -> None:
+    """Dropout keep-masks on CPU are floats in {0, 1/(1-p)}: detected and packed without loss."""
+    from leanml.memory.compressors import mask_scale
+
+    torch.manual_seed(0)
+    mask = (torch.rand(64, 100) > 0.1).float() / 0.9
+    scale = mask_scale(mask)
+    assert scale == pytest.approx(1 / 0.9)
+    p = bitpack(mask, scale)
+    assert torch.equal(bitunpack(p), mask) and p.nbytes == 64 * 100 // 8 + 4
+    assert mask_scale(torch.randn(64, 100)) is None

@@ -309,8 +309,9 @@ class Adacc:
 
     def _install(self, record: PlanRecord) -> None:
         self.remove_plan()
+        masks = {k for k, g in self.profile.groups.items() if g.mask_bytes} if self.profile else set()
         self._applied = AppliedPlan(self.model, self.blocks, record.layer_checkpoint, record.options,
-                                    self.outlier_frac)
+                                    self.outlier_frac, mask_groups=masks)
 
     def _reset_monitor(self) -> None:
         assert self.profile is not None and self.plan is not None

@@ -13,7 +13,8 @@ LLM activations carry a few channels that are orders of magnitude larger than th
 scale that has to cover them leaves almost no resolution for everything else, which is why naive INT4
 breaks. Removing them first makes per-token scales usable and tightens per-channel ones.
 
-``bitpack`` is lossless: boolean masks stored one bit per element (8x).
+``bitpack`` is lossless: boolean masks stored one bit per element (8x), and so are float tensors that
+hold only zero and one other value (the scaled keep-masks dropout saves on CPU, 32x).
 """
 
 from __future__ import annotations
@@ -85,10 +86,28 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
     return _BIT_WEIGHTS[device]
 
 
-def bitpack(mask: torch.Tensor) -> Packed:
-    """Lossless: a boolean tensor stored as one bit per element."""
+def mask_scale(t: torch.Tensor) -> float | None:
+    """``c`` when float tensor ``t`` holds only 0 and one positive value ``c`` (a dropout keep-mask scaled
+    by 1/(1-p)); None otherwise or for small tensors."""
+    if not t.is_floating_point() or t.numel() < MIN_COMPRESS_NUMEL:
+        return None
+    c = t.detach().max()
+    if not c.item() > 0:
+        return None
+    ok = bool(((t == 0) | (t == c)).all().item())
+    return float(c.item()) if ok else None
+
+
+def bitpack(mask: torch.Tensor, scale: float | None = None) -> Packed:
+    """Lossless: a boolean tensor stored as one bit per element. With ``scale``, a float tensor whose
+    values are 0 or ``scale`` (see :func:`mask_scale`) is stored the same way plus the scale."""
+    if scale is not None:
+        p = bitpack(mask != 0)
+        p.tensors["scale"] = torch.tensor([scale], dtype=mask.dtype, device=mask.device)
+        p.dtype = mask.dtype
+        return p
     if mask.dtype != torch.bool:
-        raise TypeError(f"bitpack needs a bool tensor, got {mask.dtype}")
+        raise TypeError(f"bitpack needs a bool tensor (or a scale for a 0/c float mask), got {mask.dtype}")
     flat = mask.reshape(-1)
     pad = (-flat.numel()) % 8
     if pad:
@@ -101,8 +120,10 @@ def bitunpack(p: Packed) -> torch.Tensor:
     """Inverse of :func:`bitpack`."""
     bits = p.tensors["bits"]
     numel = math.prod(p.shape)
-    out = (bits.unsqueeze(1) & _bit_weights(bits.device)).ne(0).reshape(-1)[:numel]
-    return out.reshape(p.shape)
+    out = (bits.unsqueeze(1) & _bit_weights(bits.device)).ne(0).reshape(-1)[:numel].reshape(p.shape)
+    if "scale" in p.tensors:
+        return out.to(p.dtype) * p.tensors["scale"]
+    return out
 
 
 # ---------------------------------------------------------------- float compressors

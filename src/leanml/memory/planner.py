@@ -20,8 +20,12 @@ plain definition of the model above, used for checking and brute force.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +33,30 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _quiet_fd1() -> Iterator[None]:
+    """Silence C-level prints to stdout (the solver library writes some diagnostics there)."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _milp(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    with _quiet_fd1():
+        return milp(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -239,7 +267,7 @@ def min_peak(problem: Problem, time_limit: float = 10.0) -> float:
     b.build(None, peak_var)
     c = np.zeros(n)
     c[peak_var] = 1.0
-    res = milp(c, constraints=b.matrix(n), integrality=b.integrality(n), bounds=b.bounds(n),
+    res = _milp(c, constraints=b.matrix(n), integrality=b.integrality(n), bounds=b.bounds(n),
                options={"time_limit": time_limit})
     if res.x is None:
         return greedy_min_peak(problem)
@@ -266,7 +294,7 @@ def _solve_milp(problem: Problem, budget: float, time_limit: float, relax: bool 
     b.build(budget)
     n = b.n
     integ = np.zeros(n) if relax else b.integrality(n)
-    res = milp(_costs(b, n), constraints=b.matrix(n), integrality=integ, bounds=b.bounds(n),
+    res = _milp(_costs(b, n), constraints=b.matrix(n), integrality=integ, bounds=b.bounds(n),
                options={"time_limit": time_limit})
     return b, res
 

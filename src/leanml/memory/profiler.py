@@ -24,6 +24,7 @@ from leanml.memory.compressors import (
     bitpack,
     compressible,
     make_compressor,
+    mask_scale,
     outlier_ratio,
     relative_error,
 )
@@ -53,7 +54,7 @@ class GroupStats:
     bytes: int = 0
     n_tensors: int = 0
     max_tensor_bytes: int = 0
-    bool_bytes: int = 0
+    mask_bytes: int = 0
     input_bytes: int = 0
     fwd_s: float = 0.0
     sel_saved_bytes: int = 0  # outputs a selective checkpoint keeps (matmuls, attention)
@@ -165,8 +166,8 @@ def profile_step(
             g.bytes += nb
             g.n_tensors += 1
             g.max_tensor_bytes = max(g.max_tensor_bytes, nb)
-            if t.dtype == torch.bool:
-                g.bool_bytes += nb
+            if t.dtype == torch.bool or mask_scale(t) is not None:
+                g.mask_bytes += nb
         return t
 
     meter = ActivationMeter(param_tensors(model))
@@ -274,7 +275,7 @@ def _measure_compression(g: GroupStats, tensors: list[torch.Tensor], compressors
             uniq.append(t)
     ratios = [outlier_ratio(t) for t in uniq if compressible(t)]
     g.outlier_ratio = max(ratios) if ratios else 0.0
-    options = list(compressors) + (["bitpack"] if g.bool_bytes else [])
+    options = list(compressors) + (["bitpack"] if g.mask_bytes else [])
     for name in options:
         comp = make_compressor(name, outlier_frac) if name != "bitpack" else None
         payload = 0
@@ -283,8 +284,9 @@ def _measure_compression(g: GroupStats, tensors: list[torch.Tensor], compressors
         max_out = 0
         for t in uniq:
             nb = t.untyped_storage().nbytes()
-            if t.dtype == torch.bool:
-                dt, p = _time(lambda t=t: bitpack(t))
+            scale = mask_scale(t) if t.dtype != torch.bool else None
+            if t.dtype == torch.bool or scale is not None:
+                dt, p = _time(lambda t=t, scale=scale: bitpack(t, scale))
                 payload += p.nbytes
                 pack_s += dt
                 max_out = max(max_out, nb)

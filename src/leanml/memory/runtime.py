@@ -31,6 +31,7 @@ from leanml.memory.compressors import (
     bitunpack,
     compressible,
     make_compressor,
+    mask_scale,
     outlier_ratio,
     relative_error,
 )
@@ -112,8 +113,9 @@ class CompressionHooks:
     """One pack/unpack pair that compresses what each group saves with that group's compressor."""
 
     def __init__(self, tracker: ScopeTracker, compressors: dict[GroupKey, Compressor | None],
-                 params: set[int]) -> None:
+                 params: set[int], mask_groups: set[GroupKey] | None = None) -> None:
         self.tracker = tracker
+        self.mask_groups = mask_groups or set()
         self.compressors = compressors
         self.params = params
         self._cache: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -131,11 +133,12 @@ class CompressionHooks:
         if comp is None:
             note(t)
             return t
-        if t.dtype == torch.bool:
+        scale = mask_scale(t) if key in self.mask_groups and t.dtype != torch.bool else None
+        if t.dtype == torch.bool or scale is not None:
             ck = ("b", ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version)
             p = self._lookup(ck)
             if p is None:
-                p = bitpack(t)
+                p = bitpack(t, scale)
                 self._store(ck, p, t)
                 note(p.tensors)
             return p
@@ -197,7 +200,8 @@ class AppliedPlan:
     """Hooks and wrappers installed on a model; :meth:`remove` restores it."""
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], layer_checkpoint: list[bool],
-                 options: dict[GroupKey, str], outlier_frac: float = 0.01, selective: bool = False) -> None:
+                 options: dict[GroupKey, str], outlier_frac: float = 0.01, selective: bool = False,
+                 mask_groups: set[GroupKey] | None = None) -> None:
         self.model = model
         self.blocks = blocks
         disable_kv_cache(model)
@@ -225,7 +229,7 @@ class AppliedPlan:
         self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         if comps:
             self.tracker = ScopeTracker(model, blocks)
-            self.hooks = CompressionHooks(self.tracker, comps, param_storage_ptrs(model))
+            self.hooks = CompressionHooks(self.tracker, comps, param_storage_ptrs(model), mask_groups or set())
             self._undo.append(self.tracker.remove)
             h1 = model.register_forward_pre_hook(self._enter)
             h2 = model.register_forward_hook(self._exit, always_call=True)
