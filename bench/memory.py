@@ -13,6 +13,7 @@ Writes bench/results/memory.{md,json,png}.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -158,7 +159,11 @@ def main() -> int:
     ap.add_argument("--smollm2", action=argparse.BooleanOptionalAction, default=None, help="include SmolLM2-135M")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--render", action="store_true", help="only rewrite memory.md/.png from memory.json")
     args = ap.parse_args()
+    if args.render:
+        render(json.loads((Path(args.out) / "memory.json").read_text()), Path(args.out))
+        return 0
     torch.set_num_threads(args.threads)
     timing_steps = args.timing_steps or (6 if args.quick else 12)
     loss_steps = args.loss_steps or (30 if args.quick else 200)
@@ -212,39 +217,95 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     keys = ("section", "strategy", "budget_fraction", "peak_bytes", "budget_bytes", "unoptimized_peak_bytes",
             "step_s", "tokens_s", "final_loss", "steps", "setup_s", "error", "plan", "history", "losses", "step_times")
-    write_json(out / "memory.json", {
-        "command": command, "machine": machine_info(),
-        "small_config": SMALL | {"vocab_size": args.vocab, "batch_size": args.batch_size, "seqlen": args.seqlen},
+    payload = {
+        "command": command, "machine": machine_info(), "machine_line": machine_line(),
+        "settings": {"threads": args.threads, "timing_steps": timing_steps, "loss_steps": loss_steps,
+                     "batch_size": args.batch_size, "seqlen": args.seqlen, "vocab": args.vocab,
+                     "smollm2_batch_size": 1, "smollm2_seqlen": 128},
+        "small_config": SMALL | {"vocab_size": args.vocab},
         "records": [{k: r.get(k) for k in keys if k in r} for r in all_records],
         "seconds": time.perf_counter() - t_start,
-    })
-    plot(records, loss_records, out / "memory.png")
+    }
+    write_json(out / "memory.json", payload)
+    render(payload, out)
+    return 0
 
-    lines = ["# Training memory: Adacc vs checkpointing", "", f"Machine: {machine_line()} "
-             f"({args.threads} torch thread(s); cores shared with other jobs, so absolute times are noisy; "
-             "strategies of a section run interleaved step by step).", "", f"Command: `{command}`", ""]
-    lines += [f"## Small LLaMA config ({SMALL['num_hidden_layers']} layers, hidden {SMALL['hidden_size']}, MLP "
-              f"{SMALL['intermediate_size']}, vocabulary = {args.vocab} most frequent SmolLM2 tokens), batch "
-              f"{args.batch_size} x seqlen {args.seqlen}, {timing_steps} steps (median after 2 warm-up)", ""]
+
+def targets(records: list[dict[str, Any]], loss_records: list[dict[str, Any]],
+            other: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, checked against the measured records."""
+    def find(strategy: str, frac: float | None = None) -> dict[str, Any] | None:
+        for r in records:
+            if r["strategy"] == strategy and not r.get("error") and (frac is None or r.get("budget_fraction") == frac):
+                return r
+        return None
+
+    lines = ["## Targets", ""]
+    a50, ck, sac = find("adacc", 0.5), find("checkpoint"), find("sac")
+    if a50 and ck and sac:
+        r_ck = a50["tokens_s"] / ck["tokens_s"]
+        r_sac = a50["tokens_s"] / sac["tokens_s"]
+        lines.append(f"- Adacc@50% throughput vs full checkpointing: {r_ck:.2f}x (target >= 1.2x: "
+                     f"{'met' if r_ck >= 1.2 else '**missed**'}); vs selective checkpointing: {r_sac:.2f}x "
+                     f"(target >= 1.0x: {'met' if r_sac >= 1.0 else '**missed**'}; SAC itself keeps "
+                     f"{sac['peak_bytes'] / sac['unoptimized_peak_bytes']:.0%} of the unoptimized peak, above the 50% budget).")
+    budgeted = [r for r in records + loss_records + other if r.get("budget_bytes") and not r.get("error")]
+    over = [r for r in budgeted if r["peak_bytes"] > r["budget_bytes"]]
+    lines.append(f"- Measured peak within budget: {len(budgeted) - len(over)}/{len(budgeted)} budgeted runs"
+                 + ("" if not over else " (over: " + ", ".join(f"{r['strategy']}@{r['budget_fraction']:.0%}" for r in over) + ")")
+                 + ".")
+    ok = [r for r in loss_records if not r.get("error")]
+    if len(ok) == 2:
+        rel = ok[1]["final_loss"] / ok[0]["final_loss"] - 1
+        lines.append(f"- Loss after {ok[0]['steps']} steps, Adacc@50% vs unoptimized: {rel:+.2%} "
+                     f"(target within 1%: {'met' if abs(rel) <= 0.01 else '**missed**'}).")
+    none = find("none")
+    if none and ck and a50 and a50["tokens_s"] < 1.2 * ck["tokens_s"]:
+        lines.append(f"- Why the throughput target is hard here: on this CPU full checkpointing costs only "
+                     f"{none['tokens_s'] / ck['tokens_s'] - 1:+.0%} over no optimization (one extra forward is a "
+                     "small part of a CPU step), so 1.2x over it would need a half-memory plan within ~2% of the "
+                     "unoptimized speed; compression and pointwise recomputation are memory-bound on CPU and cost "
+                     f"about as much. Measured Adacc@50% overhead vs no optimization: {none['tokens_s'] / a50['tokens_s'] - 1:+.0%}"
+                     f" (the planner predicted {a50['plan']['predicted_time_s']:.2f} s/step of added time).")
+    lines.append("- `compile`: its peak counts what the compiled graph saves; recomputation inside the compiled "
+                 "backward runs in fused kernels that the saved-tensors hook cannot see, so its transient workspace "
+                 "is not included. It ran at the 50% budget only (compilation takes minutes on this machine).")
+    return lines + [""]
+
+
+def render(payload: dict[str, Any], out: Path) -> None:
+    """Write memory.md and memory.png from the measured records."""
+    st = payload["settings"]
+    recs = payload["records"]
+    records = [r for r in recs if r["section"] == "small"]
+    loss_records = [r for r in recs if r["section"] == "loss"]
+    smol_records = [r for r in recs if r["section"] == "smollm2"]
+    plot(records, loss_records, out / "memory.png")
+    cfg = payload["small_config"]
+    lines = ["# Training memory: Adacc vs checkpointing", "", f"Machine: {payload['machine_line']} "
+             f"({st['threads']} torch thread(s); cores shared with other jobs, so absolute times are noisy; "
+             "the strategies of a section run interleaved step by step).", "", f"Command: `{payload['command']}`", "",
+             "Peak = saved-activation bytes (saved-tensors hook, storages de-duplicated, parameters skipped) plus the "
+             "transient recompute and decompression workspace. Budgets are fractions of the unoptimized peak.", ""]
+    lines += [f"## Small LLaMA config ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, MLP "
+              f"{cfg['intermediate_size']}, vocabulary = {st['vocab']} most frequent SmolLM2 tokens), batch "
+              f"{st['batch_size']} x seqlen {st['seqlen']}, {st['timing_steps']} steps (median after 2 warm-up)", ""]
     lines += fmt_table(records, None) + [""]
     if loss_records:
-        lines += [f"## Loss after {loss_steps} steps (small config, batch {args.batch_size} x seqlen "
-                  f"{args.seqlen // 2}, Shakespeare train split, AdamW lr 1e-3, same init and batches; final loss = "
+        lines += [f"## Loss after {st['loss_steps']} steps (small config, batch {st['batch_size']} x seqlen "
+                  f"{st['seqlen'] // 2}, Shakespeare train split, AdamW lr 1e-3, same init and batches; final loss = "
                   "mean of the last 10 step losses)", ""]
         lines += fmt_table(loss_records, None) + [""]
-        ok = [r for r in loss_records if not r.get("error")]
-        if len(ok) == 2:
-            rel = ok[1]["final_loss"] / ok[0]["final_loss"] - 1
-            lines += [f"Adacc@50% final loss vs unoptimized: {rel:+.2%}.", ""]
     if smol_records:
-        lines += [f"## SmolLM2-135M, batch {smol_bs} x seqlen {smol_len}, {len(smol_data)} steps "
-                  "(median of the 2 steps after 1 warm-up: fewer than the 10 the protocol asks, to fit the "
+        n = max(r.get("steps", 0) for r in smol_records)
+        lines += [f"## SmolLM2-135M, batch {st['smollm2_batch_size']} x seqlen {st['smollm2_seqlen']}, {n} steps "
+                  "(median of the steps after 1 warm-up: fewer than the 10 the protocol asks, to fit the "
                   "time budget on shared cores, so treat its times as rough)", ""]
         lines += fmt_table(smol_records, None) + [""]
-    lines += [f"Total benchmark time: {time.perf_counter() - t_start:.0f} s.", ""]
+    lines += targets(records, loss_records, smol_records)
+    lines += [f"Total benchmark time: {payload['seconds']:.0f} s.", ""]
     (out / "memory.md").write_text("\n".join(lines))
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":
