@@ -64,9 +64,10 @@ def test_restoration_equals_ridge_lstsq_with_damping():
     W_new = core.restore_least_squares(W, H, S, G=G, damp=damp)
     diag = torch.diagonal(H[S][:, S])
     delta = damp * diag + 1e-8 * diag.mean()
-    # ridge as an augmented least-squares problem: [Xp_S^T; sqrt(N D)] w = [X^T W^T; 0]
+    # ridge towards the original weights as an augmented least-squares problem:
+    # [Xp_S^T; sqrt(N D)] w = [X^T W^T; sqrt(N D) W_S^T]
     A = torch.cat([Xp[S].T, torch.diag((N * delta).sqrt())])
-    B = torch.cat([(W @ X).T, torch.zeros(len(S), W.shape[0], dtype=torch.float64)])
+    B = torch.cat([(W @ X).T, (N * delta).sqrt().unsqueeze(1) * W[:, S].T])
     ref = torch.linalg.lstsq(A, B).solution.T
     torch.testing.assert_close(W_new[:, S], ref, rtol=1e-8, atol=1e-8)
 
@@ -83,6 +84,16 @@ def test_restoration_recovers_when_pruned_columns_are_redundant():
     W_new = core.restore_least_squares(W, stats.H, S, damp=1e-10)
     assert ((W_new @ X - W @ X).norm() / (W @ X).norm()) < 1e-6
     assert ((core.zero_columns(W, S) @ X - W @ X).norm() / (W @ X).norm()) > 0.1
+
+
+def test_restoration_keeps_dense_weights_where_data_is_missing():
+    # feature 3 is never active in the calibration data: its weights must stay, not be erased
+    X, _, W = _data(n=6, out=3, seed=4)
+    X[3] = 0
+    H = X @ X.T / X.shape[1]
+    S = torch.tensor([0, 1, 3, 4])
+    W_new = core.restore_least_squares(W, H, S, damp=0.01)
+    torch.testing.assert_close(W_new[:, 3], W[:, 3])
 
 
 def test_scores_against_direct_formulas():

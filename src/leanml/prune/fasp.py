@@ -117,8 +117,11 @@ def restore_least_squares(
     """FASP's restoration: refit the consumer on the kept columns by (damped) least squares.
 
     Returns ``W_new`` (same shape as ``W``, zeros outside ``keep_cols``) with
-    ``W_new[:, S] = W G[:, S] (H[S, S] + D)^-1``, the minimiser of
-    ``E ||W_new[:, S] x*_S - W x||^2 + sum_j D_jj ||W_new[:, j]||^2`` over the calibration tokens.
+    ``W_new[:, S] = (W G[:, S] + W[:, S] D) (H[S, S] + D)^-1``, the minimiser of
+    ``E ||W_new[:, S] x*_S - W x||^2 + sum_j D_jj ||W_new[:, j] - W[:, j]||^2`` over the calibration
+    tokens: the damping pulls towards the original weights (not towards zero), so directions the
+    calibration data does not cover keep their dense values instead of being erased. ``D = 0`` gives
+    the plain least-squares solution ``W G[:, S] H[S, S]^-1``.
     ``G`` defaults to ``H`` (dense input = pruned-path input). The damping is relative to each
     feature's own scale, ``D = damp * diag(H[S, S])`` (plus ``1e-8 * mean diag`` so dead features stay
     solvable): LLM activations have a few features thousands of times larger than the rest, and a damping
@@ -129,18 +132,20 @@ def restore_least_squares(
     dtype = H.dtype
     cross = (G if G is not None else H)[:, keep_cols]
     Hs = H[keep_cols][:, keep_cols]
-    rhs = W.to(dtype) @ cross  # (out, |S|)
+    Wd = W.to(dtype)
     diag = torch.diagonal(Hs).clamp_min(0)
     floor = 1e-8 * diag.mean().clamp_min(torch.finfo(dtype).tiny)
     d = damp
     for _ in range(5):
-        L, info = torch.linalg.cholesky_ex(Hs + torch.diag(d * diag + floor))
+        D = d * diag + floor
+        L, info = torch.linalg.cholesky_ex(Hs + torch.diag(D))
         if int(info) == 0:
             break
         d = max(d * 10, 1e-6)
     else:
         raise LeanmlError("least-squares restoration failed: the input statistics are not positive definite")
-    # W_S (Hs + dI) = rhs  ->  (Hs + dI) W_S^T = rhs^T
+    # W_S (Hs + D) = rhs  ->  (Hs + D) W_S^T = rhs^T
+    rhs = Wd @ cross + Wd[:, keep_cols] * D  # (out, |S|)
     W_S = torch.cholesky_solve(rhs.T, L).T
     out = torch.zeros_like(W)
     out[:, keep_cols] = W_S.to(W.dtype)
