@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -89,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ablation", action="store_true", help="skip FASP with --fasp-target dense at 20%%")
     ap.add_argument("--quick", action="store_true", help="smoke run: 20%% only, small calibration and eval")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--combine", nargs="+", metavar="JSON",
+                    help="only re-render: merge the records of these result files (e.g. runs split over processes)")
+    ap.add_argument("--commands", nargs="+", default=[], help="with --combine: the commands that made the files")
     args = ap.parse_args(argv)
+    if args.combine:
+        return combine(args)
     if args.quick:
         args.sparsities, args.nsamples, args.seqlen, args.eval_windows, args.repeats = "0.2", 4, 128, 4, 2
     if args.threads:
@@ -149,6 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def combine(args: argparse.Namespace) -> int:
+    """Merge result files: records of later files fill in (method, sparsity) pairs the earlier ones lack."""
+    records: dict[tuple[str, float], dict[str, Any]] = {}
+    commands: list[str] = list(args.commands)
+    for path in args.combine:
+        data = json.loads(Path(path).read_text())
+        commands += data.get("commands", [])
+        for r in data["records"]:
+            records.setdefault((r["method"], r["sparsity"]), r)
+    order = ["dense", *METHODS, "fasp:dense-target"]
+    merged = sorted(records.values(), key=lambda r: (r["sparsity"], order.index(r["method"])))
+    this = ("python bench/fasp.py " + " ".join(sys.argv[1:])).strip()
+    write_outputs(merged, args, Path(args.out), [*commands, this] if commands else [this])
+    print((Path(args.out) / "fasp.md").read_text())
+    return 0
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -177,16 +200,18 @@ def targets(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write_outputs(records: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
+def write_outputs(
+    records: list[dict[str, Any]], args: argparse.Namespace, out: Path, commands: list[str] | None = None
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     dense = records[0]
-    cmd = "python bench/fasp.py " + " ".join(sys.argv[1:])
+    commands = commands or [("python bench/fasp.py " + " ".join(sys.argv[1:])).strip()]
     lines = [
         "# Structured pruning of SmolLM2-135M: FASP vs baselines",
         "",
         f"Machine: {machine_line()}",
         "",
-        f"Command: `{cmd.strip()}`",
+        "Command(s): " + "; ".join(f"`{c}`" for c in commands),
         "",
         f"Calibration: {args.nsamples} x {args.seqlen} Shakespeare calibration-play tokens (seed 0); perplexity on "
         f"the first {dense['eval_tokens']} tokens of the Shakespeare test plays ({args.seqlen}-token windows). "
@@ -210,7 +235,7 @@ def write_outputs(records: list[dict[str, Any]], args: argparse.Namespace, out: 
         )
     lines += ["", "## Targets", "", *targets(records), ""]
     (out / "fasp.md").write_text("\n".join(lines))
-    write_json(out / "fasp.json", {"machine": machine_info(), "records": records})
+    write_json(out / "fasp.json", {"machine": machine_info(), "commands": commands, "records": records})
     plot(records, out / "fasp.png")
 
 
