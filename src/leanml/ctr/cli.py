@@ -23,6 +23,20 @@ def print_metrics(metrics: dict[str, Any]) -> None:
         print(f"{split:<8}{n:>8}{metrics[f'auc{sfx}']:>9.4f}{metrics[f'gauc{sfx}']:>9.4f}{metrics[f'logloss{sfx}']:>9.4f}")
 
 
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: these models are small, and extra threads slow down "
+                        "a shared machine)")
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.threads < 1:
+        raise LeanmlError(f"--threads {args.threads}: use a positive number of threads")
+    torch.set_num_threads(args.threads)
+
+
 def _add_content_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--M", dest="m", type=int, default=4, help="sub-spaces (IDs per ad), default 4")
     p.add_argument("--K", dest="k", type=int, default=16, help="codewords per sub-space (>= 2), default 16")
@@ -85,6 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--out", type=Path, required=True)
     fit.add_argument("--overwrite", action="store_true")
+    _add_threads(fit)
     fit.set_defaults(func=cmd_fit)
 
     assign = cid_sub.add_parser(
@@ -102,6 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     assign.add_argument("--on-bad", choices=["skip", "error"], default="skip")
     assign.add_argument("--seed", type=int, default=0, help="dataset seed (with --data)")
     assign.add_argument("--out", type=Path, required=True)
+    _add_threads(assign)
     assign.set_defaults(func=cmd_assign)
 
     train = ctr_sub.add_parser(
@@ -130,6 +146,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", type=Path, required=True)
     train.add_argument("--overwrite", action="store_true")
+    _add_threads(train)
     train.set_defaults(func=cmd_train)
 
     ev = ctr_sub.add_parser(
@@ -140,6 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ev.add_argument("--run", type=Path, required=True)
+    _add_threads(ev)
     ev.set_defaults(func=cmd_eval)
 
 
@@ -150,6 +168,7 @@ def _load_data(name: str, seed: int):  # noqa: ANN202 - CTRData, imported lazily
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
+    _set_threads(args)
     import torch
 
     from leanml.ctr.content_ids.encoders import embed_texts
@@ -188,6 +207,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 
 def cmd_assign(args: argparse.Namespace) -> int:
+    _set_threads(args)
     import numpy as np
 
     from leanml.ctr.content_ids.assign import assign_visual_ids, write_visual_ids
@@ -222,6 +242,7 @@ def cmd_assign(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    _set_threads(args)
     from leanml.ctr.content_ids.trainer import load_content_model
     from leanml.ctr.train import (
         CTRConfig,
@@ -268,6 +289,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    _set_threads(args)
     import json
 
     from leanml.ctr.train import evaluate_run, items_from_table, load_ctr_run
