@@ -73,7 +73,8 @@ def ray_dataset(cfg: ExtractConfig, quarantine_dir: str | None = None, actors: i
             raise LeanmlError("the Ray runner reads line-delimited logs (TSV / JSON lines); convert Parquet first")
     ds = ray.data.read_text(list(cfg.logs))
     return ds.map_batches(RayExtract, fn_constructor_kwargs={"cfg": cfg, "quarantine_dir": quarantine_dir},
-                          batch_size=cfg.batch_rows, batch_format="numpy", concurrency=actors)
+                          batch_size=cfg.batch_rows, batch_format="numpy",
+                          compute=ray.data.ActorPoolStrategy(size=actors))
 
 
 def to_feature_batch(b: dict[str, torch.Tensor], seq_names: list[str]) -> FeatureBatch:
