@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from leanml.utils import LeanmlError, Timer, write_json
+from leanml.utils import LeanmlError, Timer, default_device, write_json
 
 DATASETS = ("fashion", "movielens")
 
@@ -169,7 +169,6 @@ def _load_data(name: str, seed: int):  # noqa: ANN202 - CTRData, imported lazily
 
 def cmd_fit(args: argparse.Namespace) -> int:
     _set_threads(args)
-    import torch
 
     from leanml.ctr.content_ids.encoders import embed_texts
     from leanml.ctr.content_ids.trainer import ContentIDConfig, fit_content_ids, save_content_model
@@ -193,7 +192,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
             for key, value in _content_overrides(args).items():
                 setattr(cfg, key, value)
             text = embed_texts(captions) if cfg.loss == "infonce" else None
-            model, report = fit_content_ids(images, captions, cfg, text_emb=text, device=torch.device("cpu"))
+            model, report = fit_content_ids(images, captions, cfg, text_emb=text, device=default_device())
             report["skipped"] = skipped
             report["n_ads"] = len(ad_ids)
     report["seconds"] = t.seconds

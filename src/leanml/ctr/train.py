@@ -102,7 +102,8 @@ def fit_dataset_content_ids(
     # embed all captions (one cache entry per dataset), then keep the old items' rows
     text = embed_texts(data.captions)[old] if config.loss == "infonce" else None
     model, report = fit_content_ids(data.content[torch.as_tensor(old)], captions, config, text_emb=text,
-                                    progress=progress)
+                                    device=default_device(), progress=progress)
+    model = model.cpu()
     report["fitted_on"] = f"{len(old)} old items of {data.name}"
     if use_cache:
         save_content_model(model, path, report, overwrite=True)
