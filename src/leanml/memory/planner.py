@@ -319,7 +319,44 @@ def _uniform(problem: Problem, budget: float, time_limit: float) -> Solution | N
     return Solution(sol_ck, sol_ch, post, peak, tm, "uniform")
 
 
+def prune_dominated(problem: Problem) -> tuple[Problem, list[list[list[int]]]]:
+    """Drop options another option of the same group beats or ties on keep, transient and time (an
+    optimal plan never needs them). Returns the smaller problem and, per layer and group, the original
+    index of each kept option."""
+    layers, maps = [], []
+    for spec in problem.layers:
+        groups, gmaps = [], []
+        for g in spec.groups:
+            keep_idx = []
+            for i, o in enumerate(g):
+                dominated = False
+                for j, p in enumerate(g):
+                    if j == i:
+                        continue
+                    if p.keep <= o.keep and p.transient <= o.transient and p.time <= o.time and (
+                        (p.keep, p.transient, p.time) != (o.keep, o.transient, o.time) or j < i
+                    ):
+                        dominated = True
+                        break
+                if not dominated:
+                    keep_idx.append(i)
+            groups.append([g[i] for i in keep_idx])
+            gmaps.append(keep_idx)
+        layers.append(LayerSpec(groups, spec.checkpoint))
+        maps.append(gmaps)
+    return Problem(layers, problem.pre_bytes, problem.post), maps
+
+
 def solve_plan(problem: Problem, budget: float, time_limit: float = 5.0, reuse: bool = True) -> Solution:
+    """Cheapest plan (least added time) whose modelled peak stays within ``budget`` bytes; dominated
+    options are pruned first (:func:`prune_dominated`), which does not change the optimum."""
+    small, maps = prune_dominated(problem)
+    sol = _solve_pruned(small, budget, time_limit, reuse)
+    sol.choices = [[gm[i] for gm, i in zip(lm, ch)] for lm, ch in zip(maps, sol.choices)]
+    return sol
+
+
+def _solve_pruned(problem: Problem, budget: float, time_limit: float, reuse: bool) -> Solution:
     """Cheapest plan (least added time) whose modelled peak stays within ``budget`` bytes.
 
     When every layer is identical, one layer plan reused across all layers is solved first and kept
