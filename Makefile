@@ -54,8 +54,9 @@ lint: setup
 test: setup lint
 	LEANML_CACHE=$(CACHE) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Every benchmark, one after the other (about two hours on 2 cores); each writes bench/results/.
 bench: setup
-	LEANML_CACHE=$(CACHE) $(BIN)/python bench/prune.py
+	for b in prune prune_fista fasp memory ctr features; do LEANML_CACHE=$(CACHE) $(BIN)/python bench/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
