@@ -115,10 +115,13 @@ def _plan(args, s) -> list[dict[str, Any]]:
     """The runs, in priority order: main comparison first, then ablations."""
     plan: list[dict[str, Any]] = []
     fista = {"iters": args.iters, "rounds": args.rounds}
+    if args.refine is not None:
+        fista["refine"] = args.refine
     if args.only in ("main", "all"):
         for pattern in ("unstructured", "2:4"):
             plan.append({"experiment": "main", "method": "fista", "pattern": pattern, "warm_start": "sparsegpt"})
-            plan.append({"experiment": "main", "method": "sparsegpt", "pattern": pattern})
+            if not args.skip_sparsegpt:
+                plan.append({"experiment": "main", "method": "sparsegpt", "pattern": pattern})
         for pattern in ("unstructured", "2:4"):
             plan.append({"experiment": "main", "method": "fista", "pattern": pattern, "warm_start": "dense"})
     if args.only in ("ablations", "all"):
@@ -155,12 +158,167 @@ def _plan_key(p: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
+def _operator_stats(dense, tok, s: dict[str, Any], seed: int, layer: int, holdout: int) -> dict[str, Any]:
+    """Statistics of ``layer``'s attention input projections (q, k, v) after SparseGPT pruned the
+    layers before it: fit statistics from ``nsamples - holdout`` calibration windows, held-out
+    statistics from the other ``holdout`` windows (the same seeded draw)."""
+    from leanml.data.text import calibration_windows
+    from leanml.prune.engine import prune_model
+    from leanml.prune.masks import MaskSpec
+    from leanml.prune.methods.baselines import SparseGPTPruner
+
+    ids = calibration_windows(tok, s["calib"], s["nsamples"], s["seqlen"], seed)
+    fit, held = ids[: len(ids) - holdout], ids[len(ids) - holdout :]
+    trunc = copy.deepcopy(dense)
+    trunc.model.layers = trunc.model.layers[: layer + 1]
+    ref = copy.deepcopy(trunc)
+    prune_model(trunc, fit, SparseGPTPruner(), MaskSpec(0.5, None, "layer"), layers=list(range(layer)), progress=False)
+
+    def stats(x_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        box: dict[str, list[torch.Tensor]] = {"pruned": [], "dense": []}
+        hooks = [
+            m.model.layers[layer].self_attn.q_proj.register_forward_pre_hook(
+                lambda _m, a, k=key: box[k].append(a[0].reshape(-1, a[0].shape[-1]).float())
+            )
+            for m, key in ((trunc, "pruned"), (ref, "dense"))
+        ]
+        with torch.no_grad():
+            for start in range(0, len(x_ids), 8):
+                trunc(input_ids=x_ids[start : start + 8])
+                ref(input_ids=x_ids[start : start + 8])
+        for h in hooks:
+            h.remove()
+        xs, x = torch.cat(box["pruned"]), torch.cat(box["dense"])
+        n = len(xs)
+        return {"H": xs.T @ xs / n, "G": x.T @ xs / n, "Hd": x.T @ x / n}
+
+    attn = dense.model.layers[layer].self_attn
+    W = torch.cat([attn.q_proj.weight.data, attn.k_proj.weight.data, attn.v_proj.weight.data]).float()
+    return {"W": W, "fit": stats(fit), "held": stats(held)}
+
+
+def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any]]:
+    """Operator-level ablations: held-out relative output error of layer ``--operator-layer``'s q/k/v."""
+    from leanml.prune.fista import fista_prune
+    from leanml.prune.masks import MaskSpec
+    from leanml.prune.methods.baselines import magnitude_prune, sparsegpt_prune, wanda_prune
+
+    def rel_err(Wn: torch.Tensor, W: torch.Tensor, st: dict[str, torch.Tensor]) -> float:
+        t1 = torch.einsum("ij,jk,ik->", Wn, st["H"], Wn)
+        t2 = torch.einsum("ij,jk,ik->", W, st["G"], Wn)
+        t3 = torch.einsum("ij,jk,ik->", W, st["Hd"], W)
+        return float((t1 - 2 * t2 + t3) / t3)
+
+    base = {"iters": 20, "rounds": 3, "xi": 0.3, "lam": 1e-3, "precondition": True, "refine_iters": 0,
+            "lambda_scope": "row", "damp": 0.0}  # fmt: skip
+    variants: list[tuple[str, str, dict[str, Any]]] = [("default", "", {})]
+    variants += [("K", str(k), {"iters": k}) for k in (5, 10, 40)]
+    variants += [("T", str(t), {"rounds": t}) for t in (1, 2, 5)]
+    variants += [("xi", str(x), {"xi": x}) for x in (0.1, 1.0)]
+    variants += [("lambda0", str(x), {"lam": x}) for x in (1e-4, 1e-2)]
+    variants += [("precondition", "off", {"precondition": False}), ("refine", "20", {"refine_iters": 20}),
+                 ("lambda_scope", "layer", {"lambda_scope": "layer"}), ("damp", "0.01", {"damp": 0.01})]  # fmt: skip
+    out: list[dict[str, Any]] = []
+    for seed in args.operator_seeds:
+        st = _operator_stats(dense, tok, s, seed, args.operator_layer, args.operator_holdout)
+        W, fit, held = st["W"], st["fit"], st["held"]
+        for pattern in (None, (2, 4)):
+            spec_row = MaskSpec(0.5, pattern, "row")
+            pname = "2:4" if pattern else "unstructured"
+            t0 = time.perf_counter()
+            sg = sparsegpt_prune(W, fit["H"], MaskSpec(0.5, pattern, "layer"))
+            sg_s = time.perf_counter() - t0
+            starts = {"dense": W, "sparsegpt": sg}
+            common = {"seed": seed, "pattern": pname}
+            out.append({**common, "method": "sparsegpt", "ablation": "-", "value": "-", "seconds": sg_s,
+                        "fit_error": rel_err(sg, W, fit), "heldout_error": rel_err(sg, W, held)})  # fmt: skip
+            for name, Wn in (("magnitude", magnitude_prune(W, spec_row)),
+                             ("wanda", wanda_prune(W, torch.diagonal(fit["H"]), spec_row))):  # fmt: skip
+                out.append({**common, "method": name, "ablation": "-", "value": "-", "seconds": 0.0,
+                            "fit_error": rel_err(Wn, W, fit), "heldout_error": rel_err(Wn, W, held)})  # fmt: skip
+            for warm, Ws in starts.items():
+                for abl, val, kw in variants:
+                    if seed != args.operator_seeds[0] and abl != "default":
+                        continue
+                    if pattern is not None and abl not in ("default", "K", "T", "refine"):
+                        continue
+                    cfg = {**base, **kw}
+                    t0 = time.perf_counter()
+                    res = fista_prune(W, fit["H"], spec_row, G=fit["G"], Hd=fit["Hd"], W_start=Ws, **cfg)
+                    sec = time.perf_counter() - t0 + (sg_s if warm == "sparsegpt" else 0.0)
+                    out.append({**common, "method": f"fista/{warm}", "ablation": abl, "value": val, "seconds": sec,
+                                "fit_error": rel_err(res.W, W, fit), "heldout_error": rel_err(res.W, W, held)})  # fmt: skip
+                    print(out[-1], flush=True)
+    return out
+
+
+def operator_report(rows: list[dict[str, Any]], s: dict[str, Any], args) -> str:
+    seeds = sorted({r["seed"] for r in rows})
+    lines = [f"## Operator-level ablations (layer {args.operator_layer} q/k/v, 960 x 576, after SparseGPT pruned "
+             f"the layers before it; fit on {s['nsamples'] - args.operator_holdout} calibration windows, error on "
+             f"{args.operator_holdout} held-out calibration windows of the same draw)", "",
+             "Relative output error ||W* X* - W X||^2 / ||W X||^2 against the dense model (lower is better). "
+             "This is a reduced setting chosen because full-model runs take hours on this shared machine.", ""]
+    lines += ["| pattern | method | ablation | value | seeds | fit error | held-out error (mean +- std) | seconds |",
+              "|---|---|---|---|---|---:|---:|---:|"]  # fmt: skip
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["pattern"], r["method"], r["ablation"], r["value"]), []).append(r)
+    for (pattern, method, abl, val), rr in groups.items():
+        ho = [r["heldout_error"] for r in rr]
+        sd = statistics.stdev(ho) if len(ho) > 1 else 0.0
+        lines.append(f"| {pattern} | {method} | {abl} | {val} | {len(rr)} | "
+                     f"{statistics.mean(r['fit_error'] for r in rr):.5f} | {statistics.mean(ho):.5f} +- {sd:.5f} | "
+                     f"{statistics.mean(r['seconds'] for r in rr):.1f} |")  # fmt: skip
+    _ = seeds
+    return "\n".join(lines) + "\n"
+
+
+def _variant(r: dict[str, Any]) -> str | None:
+    """How a FISTA record differs from the full-model baselines of ``bench/prune.py``."""
+    parts = []
+    if r.get("layers_pruned_request") is not None:
+        parts.append(f"first {r['layers_pruned_request']} of 30 layers pruned (see prune_fista.md)")
+    refine = r["method_config"].get("refine", 0)
+    parts.append(f"refine {refine}" if refine else "paper procedure (refine 0)")
+    return "; ".join(parts)
+
+
+def _fista_records(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The main-comparison FISTA records in ``prune.json``'s format (with ``warm_start`` and ``variant``)."""
+    keys = ("method", "warm_start", "pattern", "sparsity", "ppl", "seconds", "model", "calib", "nsamples", "seqlen",
+            "eval_windows", "source", "method_config")  # fmt: skip
+    return [
+        {k: r[k] for k in keys} | {"layers_pruned": r["layers_pruned"], "intra_layer": r["intra_layer"],
+                                   "variant": _variant(r)}  # fmt: skip
+        for r in recs
+        if r["experiment"] == "main" and r["method"] == "fista"
+    ]
+
+
 def merge_into_prune_json(records: list[dict[str, Any]], path: Path) -> None:
-    """Replace the FISTA main records in ``prune.json``; every other record (the baselines) is kept."""
+    """Add/replace the FISTA records in ``prune.json``; every other record (the baselines) is kept.
+
+    Uses ``merge_records`` of ``bench/prune.py`` (key: method, pattern, warm_start, variant) when present.
+    """
     from leanml.utils import write_json
 
+    try:
+        from prune import merge_records  # bench/prune.py
+
+        write_json(path, merge_records(records, path))
+        return
+    except ImportError:
+        pass
+
+    def key(r: dict[str, Any]) -> str:
+        return json.dumps([r.get("pattern"), r.get("warm_start"), r.get("method_config"), r.get("layers_pruned")],
+                          sort_keys=True)  # fmt: skip
+
     existing = json.loads(path.read_text()) if path.exists() else []
-    kept = [r for r in existing if not (r.get("method") == "fista" and r.get("source") == "bench/prune_fista.py")]
+    new_keys = {key(r) for r in records}
+    kept = [r for r in existing
+            if not (r.get("source") == "bench/prune_fista.py" and r.get("method") == "fista" and key(r) in new_keys)]  # fmt: skip
     write_json(path, kept + records)
 
 
@@ -176,15 +334,19 @@ def write_report(recs: list[dict[str, Any]], s: dict[str, Any], args, machine: s
              f"perplexity on the test split (Hamlet), first {s['eval_windows']} windows of {s['seqlen']}. "
              f"Dense perplexity {dense_ppl:.3f}. FISTA: K={args.iters}, T={args.rounds}, other options default.",
              ""]  # fmt: skip
-    lines += ["## Main comparison (all layers pruned)", "",
+    n_main = main[0]["layers_pruned_request"] if main else None
+    scope = "all 30 layers pruned" if n_main is None else f"reduced: only the first {n_main} of 30 layers pruned"
+    lines += [f"## Main comparison ({scope})", "",
               "| pattern | method | warm start | ppl | ppl / SparseGPT | seconds | seconds / SparseGPT |",
               "|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for pattern in ("unstructured", "2:4"):
         rows = [r for r in main if r["pattern"] == pattern]
         sg = next((r for r in rows if r["method"] == "sparsegpt"), None)
         for r in rows:
+            refine = r["method_config"].get("refine", 0)
+            warm = f"{r['warm_start']}, refine {refine}" if r.get("warm_start") else "-"
             lines.append(
-                f"| {pattern if pattern == '2:4' else '50% unstructured'} | {r['method']} | {r.get('warm_start') or '-'} "
+                f"| {pattern if pattern == '2:4' else '50% unstructured'} | {r['method']} | {warm} "
                 f"| {r['ppl']:.3f} | {_fmt_ratio(r['ppl'], sg and sg['ppl'])} | {r['seconds']:.0f} "
                 f"| {_fmt_ratio(r['seconds'], sg and sg['seconds'])} |"
             )
@@ -246,16 +408,56 @@ def plot(recs: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def report_only(args) -> int:
+    """Combine the cached runs of every tag (not --quick) and the operator ablations into prune_fista.md."""
+    runs: dict[str, Any] = {}
+    caches = sorted(p for p in RESULTS.glob("prune_fista*.json") if "quick" not in p.name and "operator" not in p.name)
+    base = None
+    for path in caches:
+        data = json.loads(path.read_text())
+        base = base or data
+        for key, rec in data.get("runs", {}).items():
+            runs[key + json.dumps(rec["method_config"], sort_keys=True)] = rec
+    if base is None:
+        print("no cached runs")
+        return 1
+    recs = list(runs.values())
+    md = write_report(recs, base["settings"], args, base["machine"], base["dense_ppl"])
+    md = md.replace("Command:", "Combined by:", 1)
+    sources = [f"- `{p.name}`: `.venv/bin/python bench/prune_fista.py {json.loads(p.read_text()).get('command', '?')}`"
+               for p in caches]  # fmt: skip
+    md = md.replace("\n\nCalibration:", "\n\nRuns from:\n" + "\n".join(sources) + "\n\nCalibration:", 1)
+    op = RESULTS / "prune_fista_operator.md"
+    if op.exists():
+        md += "\n" + op.read_text()
+    (RESULTS / "prune_fista.md").write_text(md)
+    plot(recs, RESULTS / "prune_fista.png")
+    fista_main = _fista_records(recs)
+    if fista_main:
+        merge_into_prune_json(fista_main, RESULTS / "prune.json")
+    print(md)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["main", "ablations", "all"], default="all")
+    ap.add_argument("--only", choices=["main", "ablations", "all", "operator"], default="all")
+    ap.add_argument("--operator-layer", type=int, default=1, help="layer of the operator-level ablations")
+    ap.add_argument("--operator-holdout", type=int, default=8, help="held-out calibration windows")
+    ap.add_argument("--operator-seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--quick", action="store_true", help="4 layers, 8 x 256 calibration, 4 eval windows")
     ap.add_argument("--iters", type=int, default=20, help="K for the main comparison (default 20)")
     ap.add_argument("--rounds", type=int, default=3, help="T for the main comparison (default 3)")
     ap.add_argument("--ablation-layers", type=int, default=4, help="layers pruned in the ablations (default 4)")
     ap.add_argument("--layers", type=int, default=None, help="prune only the first N layers in the main runs")
+    ap.add_argument("--refine", type=int, default=None, help="--fista-refine for every FISTA run")
+    ap.add_argument("--skip-sparsegpt", action="store_true", help="main comparison without the SparseGPT runs")
+    ap.add_argument("--tag", default="", help="suffix of the result files (a separate cache)")
+    ap.add_argument("--eval-windows", type=int, default=None, help="test windows for perplexity (default 20)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop starting new runs after this long")
+    ap.add_argument("--report-only", action="store_true",
+                    help="write prune_fista.md/png from every cached prune_fista*.json (main + tags + operator)")
     ap.add_argument("--fresh", action="store_true", help="ignore cached runs")
     args = ap.parse_args()
     if args.threads:
@@ -265,12 +467,25 @@ def main() -> int:
     from leanml.utils import machine_line, write_json
 
     s = _base_settings()
-    tag = ""
+    tag = args.tag
+    if args.report_only:
+        return report_only(args)
+    if args.only == "operator":
+        dense, tok = _load(s["model"])
+        rows = operator_ablation(dense, tok, s, args)
+        write_json(RESULTS / "prune_fista_operator.json", {"settings": s, "machine": machine_line(), "rows": rows})
+        md = f"Machine: {machine_line()}\n\nCommand: `.venv/bin/python bench/prune_fista.py {' '.join(sys.argv[1:])}`\n\n"
+        md += operator_report(rows, s, args)
+        (RESULTS / "prune_fista_operator.md").write_text(md)
+        print(md)
+        return 0
     if args.quick:
         s.update(nsamples=8, seqlen=256, eval_windows=4)
         args.layers = args.layers or 4
         args.ablation_layers = min(args.ablation_layers, 2)
-        tag = "_quick"
+        tag = "_quick" + args.tag
+    if args.eval_windows:
+        s["eval_windows"] = args.eval_windows
     out_json = RESULTS / f"prune_fista{tag}.json"
     cache = {} if args.fresh or not out_json.exists() else json.loads(out_json.read_text())
     runs: dict[str, Any] = cache.get("runs", {})
@@ -302,18 +517,15 @@ def main() -> int:
                    seqlen=s["seqlen"], eval_windows=s["eval_windows"], source="bench/prune_fista.py")  # fmt: skip
         print(f"  ppl {rec['ppl']:.3f}  seconds {rec['seconds']:.0f}", flush=True)
         runs[key] = rec
-        write_json(out_json, {"settings": s, "dense_ppl": dense_ppl, "machine": machine_line(), "runs": runs})
+        write_json(out_json, {"settings": s, "dense_ppl": dense_ppl, "machine": machine_line(), "runs": runs,
+                              "command": " ".join(sys.argv[1:])})  # fmt: skip
     recs = list(runs.values())
     write_json(out_json, {"settings": s, "dense_ppl": dense_ppl, "machine": machine_line(), "runs": runs})
     md = write_report(recs, s, args, machine_line(), dense_ppl)
     (RESULTS / f"prune_fista{tag}.md").write_text(md)
     plot(recs, RESULTS / f"prune_fista{tag}.png")
     if not args.quick:
-        fista_main = [
-            {k: r[k] for k in ("method", "warm_start", "pattern", "sparsity", "ppl", "seconds", "model", "calib",
-                               "nsamples", "seqlen", "eval_windows", "source", "method_config")}
-            for r in recs if r["experiment"] == "main" and r["method"] == "fista" and r["layers_pruned_request"] is None
-        ]  # fmt: skip
+        fista_main = _fista_records(recs)
         if fista_main:
             merge_into_prune_json(fista_main, RESULTS / "prune.json")
     print(md)

@@ -50,7 +50,7 @@ class FistaPruner(Pruner):
 
     name: ClassVar[str] = "fista"
     needs_dense: ClassVar[bool] = True
-    default_scope: ClassVar[str] = "row"
+    default_scope: ClassVar[str] = "layer"
 
     def __init__(
         self,
@@ -61,7 +61,7 @@ class FistaPruner(Pruner):
         warm_start: str = "sparsegpt",
         lambda_scope: str = "row",
         damp: float = 0.0,
-        refine: int = 0,
+        refine: int = 20,
         tol: float = 0.0,
         precondition: bool = True,
     ) -> None:
@@ -119,8 +119,9 @@ class FistaPruner(Pruner):
         )  # fmt: skip
         g.add_argument("--fista-damp", type=float, default=0.0, help="damping of H, fraction of mean diag (default 0)")
         g.add_argument(
-            "--fista-refine", type=int, default=0,
-            help="least-squares refit iterations of the kept weights after the hard threshold (default 0)",
+            "--fista-refine", type=int, default=20,
+            help="least-squares refit iterations of the kept weights after each hard threshold "
+            "(default 20; 0 = the paper's procedure)",
         )  # fmt: skip
         g.add_argument(
             "--fista-tol", type=float, default=0.0,
