@@ -141,6 +141,8 @@ def _plan(args, s) -> list[dict[str, Any]]:
         for t in (1, 2, 3, 5):
             plan.append({"experiment": "T", "method": "fista", "pattern": "unstructured", "warm_start": "dense",
                          "fista": {"iters": args.iters, "rounds": t}, "n_layers": n})  # fmt: skip
+    if args.methods:
+        plan = [p for p in plan if p["method"] in args.methods.split(",")]
     for p in plan:
         p.setdefault("calib_seed", s["seed"])
         p.setdefault("intra_layer", True)
@@ -217,7 +219,8 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
     variants += [("xi", str(x), {"xi": x}) for x in (0.1, 1.0)]
     variants += [("lambda0", str(x), {"lam": x}) for x in (1e-4, 1e-2)]
     variants += [("precondition", "off", {"precondition": False}), ("refine", "20", {"refine_iters": 20}),
-                 ("lambda_scope", "layer", {"lambda_scope": "layer"}), ("damp", "0.01", {"damp": 0.01})]  # fmt: skip
+                 ("lambda_scope", "layer", {"lambda_scope": "layer"}), ("damp", "0.01", {"damp": 0.01}),
+                 ("mask_scope", "layer", {}), ("mask_scope", "layer, refine 20", {"refine_iters": 20})]  # fmt: skip
     out: list[dict[str, Any]] = []
     for seed in args.operator_seeds:
         st = _operator_stats(dense, tok, s, seed, args.operator_layer, args.operator_holdout)
@@ -226,7 +229,7 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
             spec_row = MaskSpec(0.5, pattern, "row")
             pname = "2:4" if pattern else "unstructured"
             t0 = time.perf_counter()
-            sg = sparsegpt_prune(W, fit["H"], MaskSpec(0.5, pattern, "layer"))
+            sg = sparsegpt_prune(W, fit["H"], MaskSpec(0.5, pattern, "layer"))  # SparseGPT's default scope
             sg_s = time.perf_counter() - t0
             starts = {"dense": W, "sparsegpt": sg}
             common = {"seed": seed, "pattern": pname}
@@ -243,8 +246,12 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
                     if pattern is not None and abl not in ("default", "K", "T", "refine"):
                         continue
                     cfg = {**base, **kw}
+                    spec = spec_row
+                    if abl == "mask_scope":  # one threshold per matrix; the SparseGPT start uses the same scope
+                        spec = MaskSpec(0.5, pattern, "layer")
+                        Ws = sg if warm == "sparsegpt" else W
                     t0 = time.perf_counter()
-                    res = fista_prune(W, fit["H"], spec_row, G=fit["G"], Hd=fit["Hd"], W_start=Ws, **cfg)
+                    res = fista_prune(W, fit["H"], spec, G=fit["G"], Hd=fit["Hd"], W_start=Ws, **cfg)
                     sec = time.perf_counter() - t0 + (sg_s if warm == "sparsegpt" else 0.0)
                     out.append({**common, "method": f"fista/{warm}", "ablation": abl, "value": val, "seconds": sec,
                                 "fit_error": rel_err(res.W, W, fit), "heldout_error": rel_err(res.W, W, held)})  # fmt: skip
@@ -451,6 +458,7 @@ def main() -> int:
     ap.add_argument("--ablation-layers", type=int, default=4, help="layers pruned in the ablations (default 4)")
     ap.add_argument("--layers", type=int, default=None, help="prune only the first N layers in the main runs")
     ap.add_argument("--refine", type=int, default=None, help="--fista-refine for every FISTA run")
+    ap.add_argument("--methods", default=None, help="comma list: run only these methods (sparsegpt,fista)")
     ap.add_argument("--skip-sparsegpt", action="store_true", help="main comparison without the SparseGPT runs")
     ap.add_argument("--tag", default="", help="suffix of the result files (a separate cache)")
     ap.add_argument("--eval-windows", type=int, default=None, help="test windows for perplexity (default 20)")
