@@ -272,7 +272,8 @@ def targets(records: list[dict[str, Any]], loss_records: list[dict[str, Any]],
                      "docs/memory.md); on CPU, compression is not much cheaper than the recomputation it replaces.")
     lines.append("- `compile`: its peak counts what the compiled graph saves; recomputation inside the compiled "
                  "backward runs in fused kernels that the saved-tensors hook cannot see, so its transient workspace "
-                 "is not included. It ran at the 50% budget only (compilation takes minutes on this machine).")
+                 "is not included. It ran at the 50% budget only (each compilation takes from seconds to minutes on "
+                 "this shared machine).")
     return lines + [""]
 
 
