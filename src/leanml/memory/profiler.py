@@ -29,7 +29,7 @@ from leanml.memory.compressors import (
     relative_error,
 )
 from leanml.memory.meter import ActivationMeter, note, param_tensors
-from leanml.memory.runtime import SAC_SAVE_OPS
+from leanml.memory.runtime import SAC_SAVE_OPS, dense_order
 from leanml.memory.structure import SELF, GroupKey, ScopeTracker, kind_of, param_storage_ptrs, tensors_in
 
 
@@ -291,12 +291,14 @@ def _measure_compression(g: GroupStats, tensors: list[torch.Tensor], compressors
                 pack_s += dt
                 max_out = max(max_out, nb)
             elif comp is not None and compressible(t):
-                dt, p = _time(lambda t=t, comp=comp: comp.pack(t))
+                perm = dense_order(t)  # as the runtime: whole storage in memory order when possible
+                src = t.permute(perm) if perm is not None else t
+                dt, p = _time(lambda src=src, comp=comp: comp.pack(src))
                 du, y = _time(lambda p=p, comp=comp: comp.unpack(p))
                 payload += p.nbytes
                 pack_s += dt
                 unpack_s += du
-                err = max(err, relative_error(t, y))
+                err = max(err, relative_error(src, y))
                 max_out = max(max_out, nb)
             else:
                 payload += nb

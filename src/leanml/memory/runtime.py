@@ -101,6 +101,15 @@ def wrap_checkpoint(module: nn.Module, selective: bool = False) -> Callable[[], 
     return undo
 
 
+def dense_order(t: torch.Tensor) -> list[int] | None:
+    """A permutation making ``t`` contiguous when ``t`` covers its whole storage densely (possibly
+    transposed), else None. Such a tensor is compressed in memory order, once per storage."""
+    if t.dim() == 0 or t.storage_offset() != 0 or t.numel() * t.element_size() != t.untyped_storage().nbytes():
+        return None
+    perm = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    return perm if t.permute(perm).is_contiguous() else None
+
+
 @dataclass
 class DriftStats:
     """Errors and outlier ratios sampled at run time, per group label."""
@@ -145,18 +154,26 @@ class CompressionHooks:
         if comp.name == BITPACK or not compressible(t):
             note(t)
             return t
-        ck = (comp.name, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version)
+        perm = dense_order(t)
+        if perm is not None:  # one payload per storage, in memory order; each view rebuilt with as_strided
+            ck = (comp.name, ptr, t.dtype, t._version)
+            src = t.permute(perm)
+        else:
+            ck = (comp.name, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version)
+            src = t
         p = self._lookup(ck)
         if p is None:
-            p = comp.pack(t)
+            p = comp.pack(src)
             p.__dict__["_comp"] = comp
             self._store(ck, p, t)
             note(p.tensors)
             if self.sample:
                 label = key.label()
-                err = relative_error(t, comp.unpack(p))
+                err = relative_error(src, comp.unpack(p))
                 self.drift.error[label] = max(self.drift.error.get(label, 0.0), err)
-                self.drift.outlier[label] = max(self.drift.outlier.get(label, 0.0), outlier_ratio(t))
+                self.drift.outlier[label] = max(self.drift.outlier.get(label, 0.0), outlier_ratio(src))
+        if perm is not None:
+            return (p, tuple(t.shape), tuple(t.stride()))
         return p
 
     def _owner(self, ptr: int, t: torch.Tensor) -> GroupKey:
@@ -185,8 +202,14 @@ class CompressionHooks:
         self._cache[key] = p
 
     def unpack(self, obj: object) -> torch.Tensor:
+        if isinstance(obj, tuple):
+            p, shape, stride = obj
+            return self._decompress(p).as_strided(shape, stride)
         if not isinstance(obj, Packed):
             return obj  # type: ignore[return-value]
+        return self._decompress(obj)
+
+    def _decompress(self, obj: Packed) -> torch.Tensor:
         ref = obj.__dict__.get("_out")
         out = ref() if ref is not None else None
         if out is None:
