@@ -370,9 +370,7 @@ def tune_lambda(
             Wr = fill_kept_zeros(Wr, mask, H, C, dense_const)
         err = row_output_errors(Wr, H, C, dense_const)
         e_total = err.sqrt()
-        if layer_choice:
-            better = torch.full_like(err, bool(err.sum() < best_err.sum()), dtype=torch.bool)
-        elif lambda_scope == "layer":
+        if layer_choice or lambda_scope == "layer":
             better = torch.full_like(err, bool(err.sum() < best_err.sum()), dtype=torch.bool)
         else:
             better = err < best_err
