@@ -288,6 +288,8 @@ def _variant(r: dict[str, Any]) -> str | None:
         parts.append(f"first {r['layers_pruned_request']} of 30 layers pruned (see prune_fista.md)")
     refine = r["method_config"].get("refine", 0)
     parts.append(f"refine {refine}" if refine else "paper procedure (refine 0)")
+    if r["pattern"] == "unstructured":
+        parts.append(f"per-{r['scope']} mask")
     return "; ".join(parts)
 
 
@@ -352,12 +354,15 @@ def write_report(recs: list[dict[str, Any]], s: dict[str, Any], args, machine: s
         for r in rows:
             refine = r["method_config"].get("refine", 0)
             warm = f"{r['warm_start']}, refine {refine}" if r.get("warm_start") else "-"
+            if r.get("warm_start") and r["pattern"] == "unstructured":
+                warm += f", per-{r['scope']} mask"
             lines.append(
                 f"| {pattern if pattern == '2:4' else '50% unstructured'} | {r['method']} | {warm} "
                 f"| {r['ppl']:.3f} | {_fmt_ratio(r['ppl'], sg and sg['ppl'])} | {r['seconds']:.0f} "
                 f"| {_fmt_ratio(r['seconds'], sg and sg['seconds'])} |"
             )
-    lines.append("")
+    lines += ["", "Seconds are wall time of the pruning engine while other jobs shared the 2 cores (load 8-14), so "
+              "the time ratios are indicative only; the operator-level table below times the solvers alone.", ""]
     abl = [r for r in recs if r["experiment"] != "main"]
     if abl:
         n = abl[0]["layers_pruned_request"]
@@ -424,14 +429,14 @@ def report_only(args) -> int:
         data = json.loads(path.read_text())
         base = base or data
         for key, rec in data.get("runs", {}).items():
-            runs[key + json.dumps(rec["method_config"], sort_keys=True)] = rec
+            runs[key + json.dumps([rec["method_config"], rec["scope"]], sort_keys=True)] = rec
     if base is None:
         print("no cached runs")
         return 1
     recs = list(runs.values())
     md = write_report(recs, base["settings"], args, base["machine"], base["dense_ppl"])
     md = md.replace("Command:", "Combined by:", 1)
-    sources = [f"- `{p.name}`: `.venv/bin/python bench/prune_fista.py {json.loads(p.read_text()).get('command', '?')}`"
+    sources = [f"- `{p.name}`: `.venv/bin/python bench/prune_fista.py {json.loads(p.read_text()).get('command', '(not recorded)')}`"
                for p in caches]  # fmt: skip
     md = md.replace("\n\nCalibration:", "\n\nRuns from:\n" + "\n".join(sources) + "\n\nCalibration:", 1)
     op = RESULTS / "prune_fista_operator.md"
@@ -528,7 +533,8 @@ def main() -> int:
         write_json(out_json, {"settings": s, "dense_ppl": dense_ppl, "machine": machine_line(), "runs": runs,
                               "command": " ".join(sys.argv[1:])})  # fmt: skip
     recs = list(runs.values())
-    write_json(out_json, {"settings": s, "dense_ppl": dense_ppl, "machine": machine_line(), "runs": runs})
+    write_json(out_json, {"settings": s, "dense_ppl": dense_ppl, "machine": machine_line(), "runs": runs,
+                          "command": " ".join(sys.argv[1:])})  # fmt: skip
     md = write_report(recs, s, args, machine_line(), dense_ppl)
     (RESULTS / f"prune_fista{tag}.md").write_text(md)
     plot(recs, RESULTS / f"prune_fista{tag}.png")
