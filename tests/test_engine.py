@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_opt
 
+from conftest import tiny_llama, tiny_opt
 from leanml.models.adapters import get_adapter
 from leanml.prune.base import GroupStats, Pruner
 from leanml.prune.engine import capture_layer_inputs, prune_model
