@@ -81,8 +81,10 @@ def run_method(
 def write_outputs(records: list[dict[str, Any]], command: str, extra_md: str = "") -> None:
     """``prune.json``, the Markdown table and the plot, from all records."""
     RESULTS.mkdir(parents=True, exist_ok=True)
+    records = list({record_key(r): r for r in records}.values())  # one record per key, the latest
     write_json(RESULTS / "prune.json", records)
-    ref = {r["pattern"]: r for r in records if r["method"] == "sparsegpt"}
+    # ratios only against SparseGPT measured in the same setting (same variant)
+    ref = {(r["pattern"], r.get("variant")): r for r in records if r["method"] == "sparsegpt"}
     lines = [
         "# Pruning benchmark",
         "",
@@ -92,13 +94,17 @@ def write_outputs(records: list[dict[str, Any]], command: str, extra_md: str = "
         f"{records[0]['eval_windows']} windows x {records[0]['seqlen']} tokens; calibration "
         f"{records[0]['nsamples']} x {records[0]['seqlen']} tokens from other plays (seed 0), the same set for every method.",
         "",
+        "Rows with a variant (e.g. only some layers pruned, other evaluation windows) come from "
+        "`bench/prune_fista.py`; their ratios are in `prune_fista.md`, against SparseGPT in the same setting.",
+        "Prune seconds include the engine's calibration forward passes, which dominate for the cheap methods.",
+        "",
         "| method | warm start | variant | pattern | sparsity | ppl | ppl / SparseGPT | prune s | time / SparseGPT |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     order = {"dense": 0, "magnitude": 1, "wanda": 2, "sparsegpt": 3, "fista": 4}
     for r in sorted(records, key=lambda r: (r["pattern"] != "unstructured", order.get(r["method"], 9),
                                             str(r.get("warm_start")), str(r.get("variant")))):
-        base = ref.get(r["pattern"])
+        base = ref.get((r["pattern"], r.get("variant")))
         ratio = f"{r['ppl'] / base['ppl']:.3f}" if base else "-"
         tratio = f"{r['seconds'] / base['seconds']:.2f}" if base and base["seconds"] and r["seconds"] else "-"
         lines.append(
@@ -140,7 +146,13 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=DEFAULT_EVAL_WINDOWS)
     ap.add_argument("--methods", default=",".join(BASELINES))
     ap.add_argument("--quick", action="store_true", help="8 calibration and 8 evaluation windows")
+    ap.add_argument("--render-only", action="store_true", help="rewrite the table and plot from prune.json")
     args = ap.parse_args()
+    if args.render_only:
+        records = json.loads((RESULTS / "prune.json").read_text())
+        write_outputs(records, "python bench/prune.py")
+        print((RESULTS / "prune.md").read_text())
+        return
     if args.quick:
         args.nsamples, args.eval_windows = 8, 8
     torch.manual_seed(0)
