@@ -26,7 +26,7 @@ EPILOG = """examples:
   leanml eval --model smollm2-135m --data shakespeare --seqlen 512
   leanml prune --model smollm2-135m --method sparsegpt --sparsity 0.5 --out out/sgpt50
   leanml train --model smollm2-135m --data shakespeare --memory adacc --memory-budget 0.5
-  leanml ctr train --model deepfm --features id,visual
+  leanml ctr train --model deepfm --features id,visual --out out/ctr
   leanml features train --graph movielens
   leanml demo
 """

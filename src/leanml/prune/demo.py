@@ -9,7 +9,7 @@ import time
 DEMO_CALIB = 16
 DEMO_SEQLEN = 256
 DEMO_EVAL_WINDOWS = 8
-FISTA_LAYERS = 4
+FISTA_LAYERS = 2
 
 
 def run_demo() -> None:
