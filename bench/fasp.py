@@ -93,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--combine", nargs="+", metavar="JSON",
                     help="only re-render: merge the records of these result files (e.g. runs split over processes)")
     ap.add_argument("--commands", nargs="+", default=[], help="with --combine: the commands that made the files")
+    ap.add_argument("--speed-only", metavar="JSON",
+                    help="re-measure speed for the records of this result file on shape-identical models "
+                         "(the dense model with its MLPs cut to each record's width), then re-render")
     args = ap.parse_args(argv)
+    if args.speed_only:
+        return speed_only(args)
     if args.combine:
         return combine(args)
     if args.quick:
@@ -152,6 +157,41 @@ def main(argv: list[str] | None = None) -> int:
             r["prefill_tok_s"], r["gen_tok_s"] = speeds.get(key, (None, None))
         order = ["dense", *METHODS, "fasp:dense-target"]
         write_outputs(sorted(records, key=lambda r: (r["sparsity"], order.index(r["method"]))), args, Path(args.out))
+    return 0
+
+
+def speed_only(args: argparse.Namespace) -> int:
+    """Speed of dense vs FASP-shaped models: time depends only on the shapes, so each FASP record's
+    model is rebuilt as the dense model with its MLPs cut to the record's ``intermediate_size``."""
+    import copy
+
+    from leanml.models.adapters import get_adapter
+    from leanml.prune.structured import replace_module, select_columns, select_rows
+
+    data = json.loads(Path(args.speed_only).read_text())
+    dense, _ = load_model("smollm2-135m")
+    models: dict[str, torch.nn.Module] = {"dense": dense}
+    for r in data["records"]:
+        if r["method"] == "fasp" and r.get("intermediate_size"):
+            m = copy.deepcopy(dense)
+            adapter = get_adapter(m)
+            keep = torch.arange(int(r["intermediate_size"]))
+            for layer in adapter.layers():
+                for g in adapter.groups(layer):
+                    if g.name == "mlp_out":
+                        for name, lin in g.producers.items():
+                            replace_module(layer, name, select_rows(lin, keep))
+                        for name, lin in g.linears.items():
+                            replace_module(layer, name, select_columns(lin, keep))
+            models[f"fasp@{r['sparsity']}"] = m
+    speeds = measure_speeds(models, args)
+    for r in data["records"]:
+        key = "dense" if r["method"] == "dense" else f"{r['method']}@{r['sparsity']}"
+        r["prefill_tok_s"], r["gen_tok_s"] = speeds.get(key, (None, None))
+        r["speed_note"] = "shape-identical model" if key in speeds and key != "dense" else None
+    this = ("python bench/fasp.py " + " ".join(sys.argv[1:])).strip()
+    write_outputs(data["records"], args, Path(args.out), [*data.get("commands", []), *args.commands, this])
+    print((Path(args.out) / "fasp.md").read_text())
     return 0
 
 
