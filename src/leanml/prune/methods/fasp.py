@@ -81,7 +81,8 @@ class StructuredPairPruner(Pruner):
         g.add_argument("--fasp-no-shrink", action="store_true",
                        help="keep pruned MLP units as zeros instead of physically smaller MLPs")
         g.add_argument("--fasp-damp", type=float, default=0.01,
-                       help="fasp: least-squares damping, relative to mean(diag H) (default: 0.01)")
+                       help="fasp: least-squares damping towards the dense weights, relative to each "
+                            "feature's diag(H) (default: 0.01)")
         g.add_argument("--fasp-target", choices=("pruned", "dense"), default="pruned",
                        help="fasp: refit against the pruned-path input (W H[:,S] (H[S,S]+dI)^-1; default) or "
                             "against the dense model's input (W G[:,S] ...; needs the dense statistics, slower)")
