@@ -266,7 +266,7 @@ def targets(records: list[dict[str, Any]], loss_records: list[dict[str, Any]],
         predicted = a50["plan"]["predicted_time_s"] / none["step_s"]
         model_note = ("its planner predicted {:+.0%}; the time model prices each option with kernel timings taken in "
                       "isolation during the profile, which under-predicts memory-bound casts and quantization inside "
-                      "the running step (see docs/memory.md)" if added > predicted else
+                      "the running step (see the Adacc section of README.md)" if added > predicted else
                       "its planner predicted {:+.0%}").format(predicted)
         lines.append(f"- Why: on this CPU full checkpointing costs {none['tokens_s'] / ck['tokens_s'] - 1:+.0%} over no "
                      f"optimization, so 1.2x over it allows a half-memory plan at most {allowed:+.1%} over the "
