@@ -94,8 +94,9 @@ def write_outputs(records: list[dict[str, Any]], command: str, extra_md: str = "
         f"{records[0]['eval_windows']} windows x {records[0]['seqlen']} tokens; calibration "
         f"{records[0]['nsamples']} x {records[0]['seqlen']} tokens from other plays (seed 0), the same set for every method.",
         "",
-        "Rows with a variant (e.g. only some layers pruned, other evaluation windows) come from "
-        "`bench/prune_fista.py`; their ratios are in `prune_fista.md`, against SparseGPT in the same setting.",
+        "Rows with a variant come from separate runs (`bench/prune_fista.py`, or `bench/prune.py --variant`); "
+        "their ratios are against SparseGPT with the same variant, measured in the same run (`-` where that run "
+        "had none: see `prune_fista.md`).",
         "Prune seconds include the engine's calibration forward passes, which dominate for the cheap methods.",
         "",
         "| method | warm start | variant | pattern | sparsity | ppl | ppl / SparseGPT | prune s | time / SparseGPT |",
@@ -146,6 +147,8 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=DEFAULT_EVAL_WINDOWS)
     ap.add_argument("--methods", default=",".join(BASELINES))
     ap.add_argument("--quick", action="store_true", help="8 calibration and 8 evaluation windows")
+    ap.add_argument("--patterns", default=",".join(PATTERNS), help="comma list of: unstructured,2:4")
+    ap.add_argument("--variant", default=None, help="label for this run's records (ratios stay within a variant)")
     ap.add_argument("--render-only", action="store_true", help="rewrite the table and plot from prune.json")
     args = ap.parse_args()
     if args.render_only:
@@ -162,15 +165,23 @@ def main() -> None:
     dense_state = copy.deepcopy(model.state_dict())
     common = {"model": args.model, "calib": "shakespeare", "nsamples": args.nsamples, "seqlen": args.seqlen,
               "eval_windows": int(test.shape[0])}
+    if args.variant:
+        common["variant"] = args.variant
     records = [{"method": "dense", "pattern": "dense", "sparsity": 0.0,
                 "ppl": perplexity(model, test, batch_size=4, progress=False), "seconds": 0.0, **common}]
     print(f"dense ppl {records[0]['ppl']:.2f}", flush=True)
-    for pattern, spec in PATTERNS.items():
+    for pattern in args.patterns.split(","):
+        spec = PATTERNS[pattern]
         for method in args.methods.split(","):
-            ppl, seconds, _ = run_method(model, dense_state, calib, test, method, spec, progress=True,
-                                         batch_size=DEFAULT_BATCH_SIZE)
-            records.append({"method": method, "pattern": pattern, "sparsity": spec.target_sparsity, "ppl": ppl,
-                            "seconds": seconds, **common})
+            pruner = pruner_class(method)()
+            ppl, seconds, _ = run_method(model, dense_state, calib, test, method, spec, pruner=pruner,
+                                         progress=True, batch_size=DEFAULT_BATCH_SIZE)
+            record = {"method": method, "pattern": pattern, "sparsity": spec.target_sparsity, "ppl": ppl,
+                      "seconds": seconds, **common}
+            if hasattr(pruner, "warm_start"):
+                record["warm_start"] = pruner.warm_start
+                record["method_config"] = pruner.config()
+            records.append(record)
             print(f"{method:10s} {pattern:12s} ppl {ppl:8.2f}  {seconds:6.1f} s", flush=True)
     all_records = merge_records(records)
     for r in all_records:
