@@ -164,11 +164,13 @@ class Op:
 
     @property
     def inputs(self) -> list[str]:
-        raise NotImplementedError
+        """Input column names; by default the op's single ``input`` field."""
+        return [self.input]
 
     @property
     def outputs(self) -> list[str]:
-        raise NotImplementedError
+        """Output column names; by default the op's single ``output`` field."""
+        return [self.output]
 
     def forward(self, cols: list[Column], ctx: OpContext) -> list[Column]:
         """numpy implementation: input columns in ``inputs`` order -> output columns in ``outputs`` order."""
@@ -241,14 +243,6 @@ class Split(Op):
         if not self.sep:
             raise LeanmlError(f"split {self.output}: sep must be a non-empty string")
         super().__post_init__()
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.input]
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.output]
 
     def forward(self, cols: list[Column], ctx: OpContext) -> list[Column]:
         (col,) = cols
@@ -323,14 +317,6 @@ class Hash(Op):
         if self.buckets is not None and self.buckets < 1:
             raise LeanmlError(f"hash {self.output}: buckets must be >= 1")
         super().__post_init__()
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.input]
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.output]
 
     @property
     def seed_value(self) -> int:
@@ -448,14 +434,6 @@ class Bucketize(Op):
             raise LeanmlError(f"bucketize {self.output}: boundaries must be a non-empty increasing list")
         super().__post_init__()
 
-    @property
-    def inputs(self) -> list[str]:
-        return [self.input]
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.output]
-
     def cardinality(self, output: str) -> int | None:
         return len(self.boundaries) + 1
 
@@ -489,14 +467,6 @@ class Normalize(Op):
             raise LeanmlError(f"normalize {self.output}: std must be > 0")
         super().__post_init__()
 
-    @property
-    def inputs(self) -> list[str]:
-        return [self.input]
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.output]
-
     def forward(self, cols: list[Column], ctx: OpContext) -> list[Column]:
         (col,) = cols
         out = ctx.alloc(len(col), np.float32)
@@ -521,14 +491,6 @@ class LogTransform(Op):
     has_torch: ClassVar[bool] = True
     input: str
     output: str
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.input]
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.output]
 
     def forward(self, cols: list[Column], ctx: OpContext) -> list[Column]:
         (col,) = cols
@@ -562,14 +524,6 @@ class TruncatePad(Op):
         if self.keep not in ("first", "last"):
             raise LeanmlError(f"truncate_pad {self.output}: keep must be first or last")
         super().__post_init__()
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.input]
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.output]
 
     def forward(self, cols: list[Column], ctx: OpContext) -> list[Column]:
         (col,) = cols
@@ -754,14 +708,6 @@ class Filter(Op):
             raise LeanmlError(f"filter {self.output}: cmp {self.cmp} needs a list value")
         super().__post_init__()
 
-    @property
-    def inputs(self) -> list[str]:
-        return [self.input]
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.output]
-
     def forward(self, cols: list[Column], ctx: OpContext) -> list[Column]:
         (col,) = cols
         if self.cmp in ("in", "not_in"):
@@ -786,14 +732,6 @@ class ContentIdLookup(Op):
     table: str
     k: int | None = None  # the codebook size K, when known up front (checked against the table)
     _state: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.input]
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.output]
 
     def spec(self) -> dict[str, Any]:
         d = super().spec()
