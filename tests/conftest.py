@@ -55,3 +55,12 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test with one torch thread, restoring the previous count afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

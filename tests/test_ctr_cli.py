@@ -7,20 +7,14 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 from PIL import Image
 
 from leanml.cli import main
 from leanml.ctr.content_ids.assign import write_visual_ids
 from leanml.ctr.data import fashion_ads, load_fashion_mnist
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# single-threaded torch: faster and fairer on a shared 2-core machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_fit_and_assign_from_an_image_folder(tmp_path, capsys) -> None:

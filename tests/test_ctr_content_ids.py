@@ -26,13 +26,8 @@ from leanml.ctr.content_ids.trainer import (
 from leanml.ctr.data import fashion_ads
 from leanml.utils import LeanmlError
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# single-threaded torch: faster and fairer on a shared 2-core machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,8 @@ from leanml.ctr.metrics import auc
 from leanml.ctr.models import MODELS, CrossLayer, FieldSpec, build_model, fm_interaction
 from leanml.utils import LeanmlError
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Single-threaded torch: faster and fairer on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# single-threaded torch: faster and fairer on a shared 2-core machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_fm_interaction_matches_pairwise_sum() -> None:

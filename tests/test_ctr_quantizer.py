@@ -21,14 +21,8 @@ from leanml.ctr.content_ids.quantizer import (
 from leanml.ctr.content_ids.trainer import ContentIDConfig, ContentIDModel, info_nce
 from leanml.utils import LeanmlError
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Single-threaded torch: faster and fairer on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# single-threaded torch: faster and fairer on a shared 2-core machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_soft_assignment_converges_to_hard_as_tau_goes_to_zero() -> None:
