@@ -83,3 +83,52 @@ def test_fasp_beats_wanda_sp_and_magnitude_sp_on_held_out_loss():
 def test_engine_rejects_patterns_for_structured_methods():
     with pytest.raises(LeanmlError, match="pattern"):
         prune_model(tiny_llama(), _ids(2, 16, 0), FaspPruner(), MaskSpec(pattern=(2, 4)), progress=False)
+
+
+def test_sparsity_leaving_no_unit_fails_before_any_calibration_pass(monkeypatch):
+    import leanml.prune.engine as engine
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("calibration inputs were captured before the settings were checked")
+
+    monkeypatch.setattr(engine, "capture_layer_inputs", no_capture)
+    with pytest.raises(LeanmlError, match="remove all"):
+        prune_model(tiny_llama(), _ids(2, 16, 0), WandaStructuredPruner(), MaskSpec(sparsity=0.999), progress=False)
+    # the attention pair alone (4 query heads x 16 dims / 2 kv heads = 32 units) also fails up front
+    with pytest.raises(LeanmlError, match="remove all"):
+        prune_model(tiny_llama(), _ids(2, 16, 0), FaspPruner(pairs="attention"), MaskSpec(sparsity=0.99),
+                    progress=False)
+
+
+class _CrashingFlap(FlapPruner):
+    """FLAP that dies in the second layer, after the first layer's consumers gained biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def prune_group(self, group, stats, spec):
+        self.calls += 1
+        if self.calls == 6:  # four groups per layer: the 6th call is layer 1's attention pair
+            raise KeyboardInterrupt
+        return super().prune_group(group, stats, spec)
+
+
+def test_flap_resume_restores_added_biases_and_equals_an_uninterrupted_run(tmp_path):
+    calib = _ids(4, 32, 0)
+    ref = tiny_llama()
+    ref_pruner = FlapPruner()
+    prune_model(ref, calib, ref_pruner, MaskSpec(sparsity=0.5), progress=False)
+    assert ref.model.layers[0].mlp.down_proj.bias is not None
+    with pytest.raises(KeyboardInterrupt):
+        prune_model(tiny_llama(), calib, _CrashingFlap(), MaskSpec(sparsity=0.5), checkpoint_dir=tmp_path,
+                    progress=False)
+    resumed = tiny_llama()
+    pruner = FlapPruner()
+    report = prune_model(resumed, calib, pruner, MaskSpec(sparsity=0.5), checkpoint_dir=tmp_path, progress=False)
+    assert report["engine"]["resumed_from_layer"] == 1
+    assert report["finalize"]["params_before"] == count_parameters(tiny_llama())
+    ref_state, res_state = ref.state_dict(), resumed.state_dict()
+    assert ref_state.keys() == res_state.keys()
+    for key in ref_state:
+        torch.testing.assert_close(res_state[key], ref_state[key])

@@ -120,6 +120,10 @@ class Pruner:
         """Method options, recorded in the report."""
         return {}
 
+    def check_layer(self, groups: list[Group], spec: MaskSpec) -> None:
+        """Raise :class:`~leanml.utils.LeanmlError` if this method cannot prune a layer with these groups
+        at ``spec``; the engine calls it for every layer to prune before any calibration pass."""
+
     def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
         """Rewrite the weights of ``group.linears`` in place; return extra per-linear report fields."""
         raise NotImplementedError

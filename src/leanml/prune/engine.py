@@ -182,6 +182,8 @@ def prune_model(
     todo = set(range(n_layers)) if layers is None else set(layers)
     if not todo <= set(range(n_layers)):
         raise LeanmlError(f"layer indices must be in [0, {n_layers}), got {sorted(todo)}")
+    for idx in sorted(todo):  # settings a layer cannot take fail now, not after the calibration passes
+        pruner.check_layer(adapter.groups(all_layers[idx]), spec)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     model_device = next(model.parameters()).device
     t_start = time.perf_counter()
@@ -211,7 +213,7 @@ def prune_model(
         streams = _Streams(state["pruned"], state["dense"])
         kwargs_list = state["kwargs"]
         for i in range(start_layer):
-            all_layers[i].load_state_dict(torch.load(ckpt / f"layer_{i:03d}.pt", weights_only=True))
+            _load_layer(all_layers[i], torch.load(ckpt / f"layer_{i:03d}.pt", weights_only=True))
         if hasattr(pruner, "load_state_dict") and "pruner" in state:
             pruner.load_state_dict(state["pruner"])
     else:
@@ -278,6 +280,18 @@ def prune_model(
         "finalize": final_info,
         "prune_seconds": time.perf_counter() - t_start,
     }
+
+
+def _load_layer(layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a checkpointed layer; a linear whose saved state has a bias it lacks (added by bias
+    compensation) gets a bias parameter first."""
+    own = layer.state_dict()
+    for key, value in state.items():
+        if key not in own and key.endswith(".bias"):
+            module = layer.get_submodule(key[: -len(".bias")])
+            if isinstance(module, nn.Linear) and module.bias is None:
+                module.bias = nn.Parameter(torch.zeros_like(value, device=module.weight.device))
+    layer.load_state_dict(state)
 
 
 def _run_layer(

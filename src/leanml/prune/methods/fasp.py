@@ -113,6 +113,28 @@ class StructuredPairPruner(Pruner):
         return core.zero_columns(W, keep_cols), None
 
     # ---- engine hooks ----------------------------------------------------------------------------
+    def check_layer(self, groups: list[Group], spec: MaskSpec) -> None:
+        """Fail before calibration on an N:M pattern, a layer without the pairs, or a sparsity that
+        would leave a pair with no unit."""
+        if spec.pattern is not None:
+            raise LeanmlError(f"{self.name} removes whole units and has no N:M pattern; drop --pattern")
+        wanted = {PAIRS[p] for p in self.pairs}
+        found = {g.name for g in groups if g.units is not None} & wanted
+        if found != wanted:
+            raise LeanmlError(
+                f"{self.name}: this architecture has no known pair map for {', '.join(sorted(wanted - found))}"
+            )
+        for g in groups:
+            if g.units is not None and g.name in wanted:
+                core.num_kept(int(g.units.columns.shape[0]), spec.sparsity, self.multiple)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs: the count of biases added by bias compensation so far."""
+        return {"bias_params_added": self._bias_params_added}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._bias_params_added = int(state.get("bias_params_added", 0))
+
     def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
         """Prune the units of a structured pair group; other groups are left untouched."""
         if group.units is None or group.name not in {PAIRS[p] for p in self.pairs}:
