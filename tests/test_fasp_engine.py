@@ -109,7 +109,7 @@ class _CrashingFlap(FlapPruner):
 
     def prune_group(self, group, stats, spec):
         self.calls += 1
-        if self.calls == 6:  # four groups per layer: the 6th call is layer 1's attention pair
+        if self.calls == 3:  # called for the two pairs of each layer: the 3rd call is layer 1's attention
             raise KeyboardInterrupt
         return super().prune_group(group, stats, spec)
 
@@ -132,3 +132,20 @@ def test_flap_resume_restores_added_biases_and_equals_an_uninterrupted_run(tmp_p
     assert ref_state.keys() == res_state.keys()
     for key in ref_state:
         torch.testing.assert_close(res_state[key], ref_state[key])
+
+
+def test_groups_a_structured_method_leaves_alone_cost_no_statistics(monkeypatch):
+    import leanml.prune.engine as engine
+
+    seen = []
+    real = engine._group_stats
+
+    def counting(layer, dense_layer, group, *args, **kwargs):
+        seen.append(group.name)
+        return real(layer, dense_layer, group, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_group_stats", counting)
+    model = tiny_llama()
+    prune_model(model, _ids(2, 16, 0), FaspPruner(pairs="mlp"), MaskSpec(sparsity=0.5), progress=False)
+    assert seen == ["mlp_out", "mlp_out"]  # one group per layer, two layers
+    assert (model.model.layers[0].self_attn.o_proj.weight != 0).all()

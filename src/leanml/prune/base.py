@@ -124,6 +124,11 @@ class Pruner:
         """Raise :class:`~leanml.utils.LeanmlError` if this method cannot prune a layer with these groups
         at ``spec``; the engine calls it for every layer to prune before any calibration pass."""
 
+    def touches(self, group: Group) -> bool:
+        """Whether :meth:`prune_group` may change ``group``; the engine gathers no statistics for (and
+        does not call the method on) groups it leaves alone."""
+        return True
+
     def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
         """Rewrite the weights of ``group.linears`` in place; return extra per-linear report fields."""
         raise NotImplementedError

@@ -128,6 +128,10 @@ class StructuredPairPruner(Pruner):
             if g.units is not None and g.name in wanted:
                 core.num_kept(int(g.units.columns.shape[0]), spec.sparsity, self.multiple)
 
+    def touches(self, group: Group) -> bool:
+        """Only the selected structured pairs (``attn_out``, ``mlp_out``) are pruned."""
+        return group.units is not None and group.name in {PAIRS[p] for p in self.pairs}
+
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs: the count of biases added by bias compensation so far."""
         return {"bias_params_added": self._bias_params_added}
@@ -137,7 +141,7 @@ class StructuredPairPruner(Pruner):
 
     def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
         """Prune the units of a structured pair group; other groups are left untouched."""
-        if group.units is None or group.name not in {PAIRS[p] for p in self.pairs}:
+        if not self.touches(group):
             return {}
         if spec.pattern is not None:
             raise LeanmlError(f"{self.name} removes whole units and has no N:M pattern; drop --pattern")
