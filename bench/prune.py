@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -89,7 +90,8 @@ def write_outputs(records: list[dict[str, Any]], command: str, extra_md: str = "
         "# Pruning benchmark",
         "",
         f"Machine: {machine_line()}.  ",
-        f"Command: `{command}`.  ",
+        "Commands: " + "; ".join(f"`{c}`" for c in dict.fromkeys([*(r["command"] for r in records if r.get("command")),
+                                                                  command])) + ".  ",
         "Perplexity: SparseGPT protocol on the Hamlet test split (Shakespeare stands in for WikiText-2 offline), "
         f"{records[0]['eval_windows']} windows x {records[0]['seqlen']} tokens; calibration "
         f"{records[0]['nsamples']} x {records[0]['seqlen']} tokens from other plays (seed 0), the same set for every method.",
@@ -145,7 +147,8 @@ def main() -> None:
     ap.add_argument("--nsamples", type=int, default=DEFAULT_NSAMPLES)
     ap.add_argument("--seqlen", type=int, default=DEFAULT_SEQLEN)
     ap.add_argument("--eval-windows", type=int, default=DEFAULT_EVAL_WINDOWS)
-    ap.add_argument("--methods", default=",".join(BASELINES))
+    ap.add_argument("--methods", default=",".join(BASELINES),
+                    help="comma list of methods; fista:<start> sets FISTA's warm start (e.g. fista:dense)")
     ap.add_argument("--quick", action="store_true", help="8 calibration and 8 evaluation windows")
     ap.add_argument("--patterns", default=",".join(PATTERNS), help="comma list of: unstructured,2:4")
     ap.add_argument("--variant", default=None, help="label for this run's records (ratios stay within a variant)")
@@ -163,6 +166,7 @@ def main() -> None:
     calib = calibration_windows(tok, DEFAULT_CALIB, args.nsamples, args.seqlen, seed=DEFAULT_SEED)
     test = token_windows(tok, load_text("shakespeare", "test"), args.seqlen)[: args.eval_windows]
     dense_state = copy.deepcopy(model.state_dict())
+    command = shlex.join(["python", "bench/prune.py", *sys.argv[1:]])
     common = {"model": args.model, "calib": "shakespeare", "nsamples": args.nsamples, "seqlen": args.seqlen,
               "eval_windows": int(test.shape[0])}
     if args.variant:
@@ -172,8 +176,9 @@ def main() -> None:
     print(f"dense ppl {records[0]['ppl']:.2f}", flush=True)
     for pattern in args.patterns.split(","):
         spec = PATTERNS[pattern]
-        for method in args.methods.split(","):
-            pruner = pruner_class(method)()
+        for entry in args.methods.split(","):
+            method, _, warm = entry.partition(":")  # fista:dense is FISTA from a cold (dense) start
+            pruner = pruner_class(method)(warm_start=warm) if warm else pruner_class(method)()
             ppl, seconds, _ = run_method(model, dense_state, calib, test, method, spec, pruner=pruner,
                                          progress=True, batch_size=DEFAULT_BATCH_SIZE)
             record = {"method": method, "pattern": pattern, "sparsity": spec.target_sparsity, "ppl": ppl,
@@ -181,12 +186,12 @@ def main() -> None:
             if hasattr(pruner, "warm_start"):
                 record["warm_start"] = pruner.warm_start
                 record["method_config"] = pruner.config()
+            record["command"] = command
             records.append(record)
             print(f"{method:10s} {pattern:12s} ppl {ppl:8.2f}  {seconds:6.1f} s", flush=True)
     all_records = merge_records(records)
     for r in all_records:
         r.setdefault("machine", machine_info()["cpu"])
-    command = " ".join(["python", "bench/prune.py", *sys.argv[1:]])
     write_outputs(all_records, command)
     print((RESULTS / "prune.md").read_text())
 
