@@ -114,3 +114,26 @@ def test_existing_output_and_unsupported_architecture(tiny_model_dir, tmp_path, 
     assert "unsupported architecture 'gpt2'" in err and "llama" in err
     assert main(["eval", "--model", "someorg/not-a-model-here", "--seqlen", "32"]) == 2
     assert "hub" in capsys.readouterr().err
+
+
+def test_fasp_cli_saves_a_smaller_model_that_plain_transformers_loads(tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from leanml.models import count_parameters
+
+    out = tmp_path / "fasp"
+    rc = main(["prune", "--model", str(tiny_model_dir), "--method", "fasp", "--sparsity", "0.25",
+               "--nsamples", "4", "--seqlen", "64", "--no-eval", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    fin = report["finalize"]
+    dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    width = dense.config.intermediate_size
+    assert model.config.intermediate_size == fin["intermediate_size"] == width - round(0.25 * width)
+    assert count_parameters(model) == fin["params_after"] < fin["params_before"] == count_parameters(dense)
+    printed = capsys.readouterr().out
+    assert f"parameters {fin['params_before']:,} -> {fin['params_after']:,}" in printed
+    # the attention pair keeps its shapes with exact zero value rows / output columns
+    v = model.model.layers[0].self_attn.v_proj.weight
+    assert int((v == 0).all(dim=1).sum()) == round(0.25 * v.shape[0])

@@ -240,5 +240,9 @@ def run_prune(args: argparse.Namespace) -> int:
         write_json(tmp / "report.json", report)
     shutil.rmtree(ckpt, ignore_errors=True)
     ppl_txt = f", ppl {before['ppl']:.2f} -> {after['ppl']:.2f}" if before and after else ""
-    print(f"{args.method}: sparsity {sparsity:.3f}{ppl_txt}, pruned in {report['prune_seconds']:.1f} s -> {out}")
+    if cls.structured:  # the zeros left are only the pruned attention dimensions: say what shrank
+        what = f"parameters {params_before:,} -> {report['model']['params_after']:,} (zeros left {sparsity:.3f})"
+    else:
+        what = f"sparsity {sparsity:.3f}"
+    print(f"{args.method}: {what}{ppl_txt}, pruned in {report['prune_seconds']:.1f} s -> {out}")
     return 0
