@@ -163,10 +163,13 @@ def _plan_key(p: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
-def _operator_stats(dense, tok, s: dict[str, Any], seed: int, layer: int, holdout: int) -> dict[str, Any]:
-    """Statistics of ``layer``'s attention input projections (q, k, v) after SparseGPT pruned the
-    layers before it: fit statistics from ``nsamples - holdout`` calibration windows, held-out
-    statistics from the other ``holdout`` windows (the same seeded draw)."""
+def _operator_stats(
+    dense, tok, s: dict[str, Any], seed: int, layer: int, holdout: int, target: str = "qkv"
+) -> dict[str, Any]:
+    """Statistics of ``layer``'s attention input projections (``target="qkv"``: q, k, v stacked) or of
+    its MLP down projection (``"down"``) after SparseGPT pruned the layers before it: fit statistics
+    from ``nsamples - holdout`` calibration windows, held-out statistics from the other ``holdout``
+    windows (the same seeded draw)."""
     from leanml.data.text import calibration_windows
     from leanml.prune.engine import prune_model
     from leanml.prune.masks import MaskSpec
@@ -182,7 +185,8 @@ def _operator_stats(dense, tok, s: dict[str, Any], seed: int, layer: int, holdou
     def stats(x_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         box: dict[str, list[torch.Tensor]] = {"pruned": [], "dense": []}
         hooks = [
-            m.model.layers[layer].self_attn.q_proj.register_forward_pre_hook(
+            (m.model.layers[layer].self_attn.q_proj if target == "qkv" else m.model.layers[layer].mlp.down_proj)
+            .register_forward_pre_hook(
                 lambda _m, a, k=key: box[k].append(a[0].reshape(-1, a[0].shape[-1]).float())
             )
             for m, key in ((trunc, "pruned"), (ref, "dense"))
@@ -198,7 +202,10 @@ def _operator_stats(dense, tok, s: dict[str, Any], seed: int, layer: int, holdou
         return {"H": xs.T @ xs / n, "G": x.T @ xs / n, "Hd": x.T @ x / n}
 
     attn = dense.model.layers[layer].self_attn
-    W = torch.cat([attn.q_proj.weight.data, attn.k_proj.weight.data, attn.v_proj.weight.data]).float()
+    if target == "qkv":
+        W = torch.cat([attn.q_proj.weight.data, attn.k_proj.weight.data, attn.v_proj.weight.data]).float()
+    else:
+        W = dense.model.layers[layer].mlp.down_proj.weight.data.float()
     return {"W": W, "fit": stats(fit), "held": stats(held)}
 
 
@@ -260,6 +267,77 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
                                 "fit_error": rel_err(res.W, W, fit), "heldout_error": rel_err(res.W, W, held)})  # fmt: skip
                     print(out[-1], flush=True)
     return out
+
+
+def _rel_err(Wn: torch.Tensor, W: torch.Tensor, st: dict[str, torch.Tensor]) -> float:
+    """||Wn X* - W X||^2 / ||W X||^2 from the statistics H = X*X*^T, G = X X*^T, Hd = X X^T."""
+    t1 = torch.einsum("ij,jk,ik->", Wn, st["H"], Wn)
+    t2 = torch.einsum("ij,jk,ik->", W, st["G"], Wn)
+    t3 = torch.einsum("ij,jk,ik->", W, st["Hd"], W)
+    return float((t1 - 2 * t2 + t3) / t3)
+
+
+def calib_size_study(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any]]:
+    """Why FISTA's lead over SparseGPT shrinks from calibration to test: fit both on n calibration
+    windows and measure the relative output error on held-out windows, for several n.
+
+    Both methods use their leanml defaults (FISTA: SparseGPT warm start, K=20, T=3, refine 20, one
+    threshold per matrix; SparseGPT: one threshold per matrix), on layer ``--operator-layer``'s q/k/v
+    and down projection.
+    """
+    from leanml.prune.fista import fista_prune
+    from leanml.prune.masks import MaskSpec
+    from leanml.prune.methods.baselines import sparsegpt_prune
+    from leanml.prune.methods.fista import FistaPruner
+
+    d = FistaPruner()
+    cfg = {"iters": d.iters, "rounds": d.rounds, "xi": d.xi, "lam": d.lam, "precondition": d.precondition,
+           "refine_iters": d.refine, "lambda_scope": d.lambda_scope, "damp": d.damp}  # fmt: skip
+    out: list[dict[str, Any]] = []
+    for target in ("qkv", "down"):
+        for n_fit in args.calib_sizes:
+            for seed in args.operator_seeds:
+                st = _operator_stats(dense, tok, dict(s, nsamples=n_fit + args.operator_holdout), seed,
+                                     args.operator_layer, args.operator_holdout, target)  # fmt: skip
+                W, fit, held = st["W"], st["fit"], st["held"]
+                for pattern in (None, (2, 4)):
+                    spec = MaskSpec(0.5, pattern, "layer")
+                    t0 = time.perf_counter()
+                    sg = sparsegpt_prune(W, fit["H"], spec)
+                    sg_s = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    fi = fista_prune(W, fit["H"], spec, G=fit["G"], Hd=fit["Hd"], W_start=sg, **cfg).W
+                    fi_s = time.perf_counter() - t0 + sg_s
+                    row = {"target": target, "shape": list(W.shape), "fit_windows": n_fit, "seed": seed,
+                           "pattern": "2:4" if pattern else "unstructured",
+                           "sparsegpt_fit": _rel_err(sg, W, fit), "sparsegpt_heldout": _rel_err(sg, W, held),
+                           "fista_fit": _rel_err(fi, W, fit), "fista_heldout": _rel_err(fi, W, held),
+                           "sparsegpt_seconds": sg_s, "fista_seconds": fi_s}  # fmt: skip
+                    out.append(row)
+                    print(row, flush=True)
+    return out
+
+
+def calib_size_report(rows: list[dict[str, Any]], s: dict[str, Any], args, machine: str, command: str) -> str:
+    lines = [f"## Calibration size: FISTA / SparseGPT error on fit and held-out windows (layer {args.operator_layer})",
+             "", f"Machine: {machine}", "", f"Command: `{command}`", "",
+             f"Each method fitted on n windows of {s['seqlen']} calibration tokens (layers before it pruned by "
+             f"SparseGPT on the same windows), error measured on {args.operator_holdout} further windows of the "
+             "same seeded draw. Relative output error against the dense layer; ratio < 1 means FISTA is better. "
+             f"Seeds: {args.operator_seeds} (mean).", "",
+             "| linear | pattern | fit windows | SparseGPT fit | FISTA fit | fit ratio | SparseGPT held-out | "
+             "FISTA held-out | held-out ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["target"], r["pattern"], r["fit_windows"]), []).append(r)
+    for (target, pattern, n), rr in groups.items():
+        m = {k: statistics.mean(r[k] for r in rr) for k in ("sparsegpt_fit", "fista_fit", "sparsegpt_heldout",
+                                                             "fista_heldout")}  # fmt: skip
+        name = f"{'q/k/v' if target == 'qkv' else 'down_proj'} {'x'.join(map(str, rr[0]['shape']))}"
+        lines.append(f"| {name} | {pattern} | {n} | {m['sparsegpt_fit']:.5f} | {m['fista_fit']:.5f} | "
+                     f"{m['fista_fit'] / m['sparsegpt_fit']:.3f} | {m['sparsegpt_heldout']:.5f} | "
+                     f"{m['fista_heldout']:.5f} | {m['fista_heldout'] / m['sparsegpt_heldout']:.3f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def operator_report(rows: list[dict[str, Any]], s: dict[str, Any], args) -> str:
@@ -434,7 +512,7 @@ def plot(recs: list[dict[str, Any]], path: Path) -> None:
 def report_only(args) -> int:
     """Combine the cached runs of every tag (not --quick) and the operator ablations into prune_fista.md."""
     runs: dict[str, Any] = {}
-    caches = sorted(p for p in RESULTS.glob("prune_fista*.json") if "quick" not in p.name and "operator" not in p.name)
+    caches = sorted(p for p in RESULTS.glob("prune_fista*.json") if not any(t in p.name for t in ("quick", "operator", "calibsize")))
     base = None
     for path in caches:
         data = json.loads(path.read_text())
@@ -450,9 +528,9 @@ def report_only(args) -> int:
     sources = [f"- `{p.name}`: `.venv/bin/python bench/prune_fista.py {json.loads(p.read_text()).get('command', '(not recorded)')}`"
                for p in caches]  # fmt: skip
     md = md.replace("\n\nCalibration:", "\n\nRuns from:\n" + "\n".join(sources) + "\n\nCalibration:", 1)
-    op = RESULTS / "prune_fista_operator.md"
-    if op.exists():
-        md += "\n" + op.read_text()
+    for extra in ("prune_fista_operator.md", "prune_fista_calibsize.md"):
+        if (RESULTS / extra).exists():
+            md += "\n" + (RESULTS / extra).read_text()
     (RESULTS / "prune_fista.md").write_text(md)
     plot(recs, RESULTS / "prune_fista.png")
     fista_main = _fista_records(recs)
@@ -464,7 +542,9 @@ def report_only(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["main", "ablations", "all", "operator"], default="all")
+    ap.add_argument("--only", choices=["main", "ablations", "all", "operator", "calib-size"], default="all")
+    ap.add_argument("--calib-sizes", type=int, nargs="+", default=[8, 24, 56],
+                    help="with --only calib-size: calibration windows to fit on")
     ap.add_argument("--operator-layer", type=int, default=1, help="layer of the operator-level ablations")
     ap.add_argument("--operator-holdout", type=int, default=8, help="held-out calibration windows")
     ap.add_argument("--operator-seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -494,6 +574,16 @@ def main() -> int:
     tag = args.tag
     if args.report_only:
         return report_only(args)
+    if args.only == "calib-size":
+        dense, tok = _load(s["model"])
+        rows = calib_size_study(dense, tok, s, args)
+        command = f".venv/bin/python bench/prune_fista.py {' '.join(sys.argv[1:])}"
+        write_json(RESULTS / "prune_fista_calibsize.json", {"settings": s, "machine": machine_line(), "rows": rows,
+                                                              "command": command})  # fmt: skip
+        md = calib_size_report(rows, s, args, machine_line(), command)
+        (RESULTS / "prune_fista_calibsize.md").write_text(md)
+        print(md)
+        return 0
     if args.only == "operator":
         dense, tok = _load(s["model"])
         rows = operator_ablation(dense, tok, s, args)
