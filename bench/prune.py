@@ -105,8 +105,10 @@ def write_outputs(records: list[dict[str, Any]], command: str, extra_md: str = "
         "|---|---|---|---|---|---|---|---|---|",
     ]
     order = {"dense": 0, "magnitude": 1, "wanda": 2, "sparsegpt": 3, "fista": 4}
-    for r in sorted(records, key=lambda r: (r["pattern"] != "unstructured", order.get(r["method"], 9),
-                                            str(r.get("warm_start")), str(r.get("variant")))):
+    patterns = {"dense": 0, "unstructured": 1}
+    shown = [r for r in records if r["method"] != "dense" or not r.get("variant")]  # one dense row: same model
+    for r in sorted(shown, key=lambda r: (patterns.get(r["pattern"], 2), str(r.get("variant") or ""),
+                                          order.get(r["method"], 9), str(r.get("warm_start")))):
         base = ref.get((r["pattern"], r.get("variant")))
         ratio = f"{r['ppl'] / base['ppl']:.3f}" if base else "-"
         tratio = f"{r['seconds'] / base['seconds']:.2f}" if base and base["seconds"] and r["seconds"] else "-"
@@ -124,12 +126,20 @@ def _plot(records: list[dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
     for ax, pattern in zip(axes, ["unstructured", "2:4"]):
-        rows = [r for r in records if r["pattern"] in (pattern, "dense") and not r.get("variant")]
-        labels = [r["method"] + (f"\n({r['warm_start']})" if r.get("warm_start") else "") for r in rows]
-        ax.bar(range(len(rows)), [r["ppl"] for r in rows], color="tab:blue")
-        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+        # the baselines' run, then every full-model variant (FISTA beside its same-run SparseGPT);
+        # reduced settings (only some layers pruned) stay in the table
+        base = [r for r in records if r["pattern"] in (pattern, "dense") and not r.get("variant")]
+        full = [r for r in records if r["pattern"] == pattern and str(r.get("variant", "")).startswith("full model")]
+        full.sort(key=lambda r: (r["variant"], r["method"] != "sparsegpt", str(r.get("warm_start"))))
+        rows = base + full
+        labels = [r["method"] + (f"\n({r['warm_start']})" if r.get("warm_start") else "")
+                  + (f"\n[{r['variant'].removeprefix('full model, ')[:25]}]" if r.get("variant") else "")
+                  for r in rows]  # fmt: skip
+        colors = ["tab:orange" if r["method"] == "fista" else "tab:blue" for r in rows]
+        ax.bar(range(len(rows)), [r["ppl"] for r in rows], color=colors)
+        ax.set_xticks(range(len(rows)), labels, fontsize=6)
         ax.set_yscale("log")
         ax.set_ylabel("perplexity (log)")
         ax.set_title(f"{'50% unstructured' if pattern == 'unstructured' else '2:4'}")
