@@ -424,26 +424,28 @@ def write_report(recs: list[dict[str, Any]], s: dict[str, Any], args, machine: s
              f"perplexity on the test split (Hamlet), first {s['eval_windows']} windows of {s['seqlen']}. "
              f"Dense perplexity {dense_ppl:.3f}. FISTA: K={args.iters}, T={args.rounds}, other options default.",
              ""]  # fmt: skip
-    n_main = main[0]["layers_pruned_request"] if main else None
-    scope = "all 30 layers pruned" if n_main is None else f"reduced: only the first {n_main} of 30 layers pruned"
-    lines += [f"## Main comparison ({scope})", "",
-              "| pattern | method | warm start | ppl | ppl / SparseGPT | seconds | seconds / SparseGPT |",
-              "|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
-    for pattern in ("unstructured", "2:4"):
-        rows = [r for r in main if r["pattern"] == pattern]
-        sg = next((r for r in rows if r["method"] == "sparsegpt"), None)
-        for r in rows:
-            refine = r["method_config"].get("refine", 0)
-            warm = f"{r['warm_start']}, refine {refine}" if r.get("warm_start") else "-"
-            if r.get("warm_start") and r["pattern"] == "unstructured":
-                warm += f", per-{r['scope']} mask"
-            lines.append(
-                f"| {pattern if pattern == '2:4' else '50% unstructured'} | {r['method']} | {warm} "
-                f"| {r['ppl']:.3f} | {_fmt_ratio(r['ppl'], sg and sg['ppl'])} | {r['seconds']:.0f} "
-                f"| {_fmt_ratio(r['seconds'], sg and sg['seconds'])} |"
-            )
-    lines += ["", "Seconds are wall time of the pruning engine while other jobs shared the 2 cores (load 8-14), so "
-              "the time ratios are indicative only; the operator-level table below times the solvers alone.", ""]
+    if main:
+        n_main = main[0]["layers_pruned_request"]
+        scope = "all 30 layers pruned" if n_main is None else f"reduced: only the first {n_main} of 30 layers pruned"
+        lines += [f"## Main comparison ({scope})", "",
+                  "| pattern | method | warm start | ppl | ppl / SparseGPT | seconds | seconds / SparseGPT |",
+                  "|---|---|---|---:|---:|---:|---:|"]  # fmt: skip
+        for pattern in ("unstructured", "2:4"):
+            rows = [r for r in main if r["pattern"] == pattern]
+            sg = next((r for r in rows if r["method"] == "sparsegpt"), None)
+            for r in rows:
+                refine = r["method_config"].get("refine", 0)
+                warm = f"{r['warm_start']}, refine {refine}" if r.get("warm_start") else "-"
+                if r.get("warm_start") and r["pattern"] == "unstructured":
+                    warm += f", per-{r['scope']} mask"
+                lines.append(
+                    f"| {pattern if pattern == '2:4' else '50% unstructured'} | {r['method']} | {warm} "
+                    f"| {r['ppl']:.3f} | {_fmt_ratio(r['ppl'], sg and sg['ppl'])} | {r['seconds']:.0f} "
+                    f"| {_fmt_ratio(r['seconds'], sg and sg['seconds'])} |"
+                )
+        lines += ["", "Seconds are wall time of the pruning engine. These main-comparison runs shared the 2 cores "
+                  "with other jobs (load 8-14), so their time ratios are indicative only; the operator-level "
+                  "table below times the solvers alone.", ""]  # fmt: skip
     abl = [r for r in recs if r["experiment"] != "main"]
     if abl:
         n = abl[0]["layers_pruned_request"]
