@@ -215,12 +215,6 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
     from leanml.prune.masks import MaskSpec
     from leanml.prune.methods.baselines import magnitude_prune, sparsegpt_prune, wanda_prune
 
-    def rel_err(Wn: torch.Tensor, W: torch.Tensor, st: dict[str, torch.Tensor]) -> float:
-        t1 = torch.einsum("ij,jk,ik->", Wn, st["H"], Wn)
-        t2 = torch.einsum("ij,jk,ik->", W, st["G"], Wn)
-        t3 = torch.einsum("ij,jk,ik->", W, st["Hd"], W)
-        return float((t1 - 2 * t2 + t3) / t3)
-
     base = {"iters": 20, "rounds": 3, "xi": 0.3, "lam": 1e-3, "precondition": True, "refine_iters": 0,
             "lambda_scope": "row", "damp": 0.0}  # fmt: skip
     variants: list[tuple[str, str, dict[str, Any]]] = [("default", "", {})]
@@ -244,11 +238,11 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
             starts = {"dense": W, "sparsegpt": sg}
             common = {"seed": seed, "pattern": pname}
             out.append({**common, "method": "sparsegpt", "ablation": "-", "value": "-", "seconds": sg_s,
-                        "fit_error": rel_err(sg, W, fit), "heldout_error": rel_err(sg, W, held)})  # fmt: skip
+                        "fit_error": _rel_err(sg, W, fit), "heldout_error": _rel_err(sg, W, held)})  # fmt: skip
             for name, Wn in (("magnitude", magnitude_prune(W, spec_row)),
                              ("wanda", wanda_prune(W, torch.diagonal(fit["H"]), spec_row))):  # fmt: skip
                 out.append({**common, "method": name, "ablation": "-", "value": "-", "seconds": 0.0,
-                            "fit_error": rel_err(Wn, W, fit), "heldout_error": rel_err(Wn, W, held)})  # fmt: skip
+                            "fit_error": _rel_err(Wn, W, fit), "heldout_error": _rel_err(Wn, W, held)})  # fmt: skip
             for warm, Ws in starts.items():
                 for abl, val, kw in variants:
                     if seed != args.operator_seeds[0] and abl != "default":
@@ -264,7 +258,7 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
                     res = fista_prune(W, fit["H"], spec, G=fit["G"], Hd=fit["Hd"], W_start=Ws, **cfg)
                     sec = time.perf_counter() - t0 + (sg_s if warm == "sparsegpt" else 0.0)
                     out.append({**common, "method": f"fista/{warm}", "ablation": abl, "value": val, "seconds": sec,
-                                "fit_error": rel_err(res.W, W, fit), "heldout_error": rel_err(res.W, W, held)})  # fmt: skip
+                                "fit_error": _rel_err(res.W, W, fit), "heldout_error": _rel_err(res.W, W, held)})  # fmt: skip
                     print(out[-1], flush=True)
     return out
 

@@ -146,6 +146,9 @@ def test_groups_a_structured_method_leaves_alone_cost_no_statistics(monkeypatch)
 
     monkeypatch.setattr(engine, "_group_stats", counting)
     model = tiny_llama()
-    prune_model(model, _ids(2, 16, 0), FaspPruner(pairs="mlp"), MaskSpec(sparsity=0.5), progress=False)
+    report = prune_model(model, _ids(2, 16, 0), FaspPruner(pairs="mlp"), MaskSpec(sparsity=0.5), progress=False)
     assert seen == ["mlp_out", "mlp_out"]  # one group per layer, two layers
+    linears = report["layers"][0]["linears"]
+    assert "rel_error" not in linears["self_attn.o_proj"]  # no statistics, so no error is claimed
+    assert "rel_error" in linears["mlp.down_proj"]
     assert (model.model.layers[0].self_attn.o_proj.weight != 0).all()

@@ -321,10 +321,10 @@ def _prune_layer(
     linear_reports: dict[str, dict[str, Any]] = {}
     t_stats = t_prune = 0.0
     for group in groups:
-        if not pruner.touches(group):  # left alone: no statistics, no calibration pass
+        if not pruner.touches(group):  # left alone: no statistics, so no error to report
             for name, lin in group.linears.items():
                 linear_reports[name] = {"group": group.name, "shape": list(lin.weight.shape),
-                                        "sparsity": sparsity_of(lin.weight.data), "rel_error": 0.0}
+                                        "sparsity": sparsity_of(lin.weight.data)}
             continue
         t0 = time.perf_counter()
         stats = _group_stats(

@@ -62,6 +62,7 @@ class StructuredPairPruner(Pruner):
             raise LeanmlError(f"unknown pair in {self.pairs}; choose from {', '.join(PAIRS)}")
         if multiple < 1:
             raise LeanmlError(f"--fasp-multiple must be >= 1, got {multiple}")
+        self.group_names = frozenset(PAIRS[p] for p in self.pairs)  # the engine groups this method prunes
         self.multiple = int(multiple)
         self.shrink = bool(shrink)
         self._bias_params_added = 0  # biases created by bias compensation, for the params_before count
@@ -114,23 +115,18 @@ class StructuredPairPruner(Pruner):
 
     # ---- engine hooks ----------------------------------------------------------------------------
     def check_layer(self, groups: list[Group], spec: MaskSpec) -> None:
-        """Fail before calibration on an N:M pattern, a layer without the pairs, or a sparsity that
-        would leave a pair with no unit."""
-        if spec.pattern is not None:
-            raise LeanmlError(f"{self.name} removes whole units and has no N:M pattern; drop --pattern")
-        wanted = {PAIRS[p] for p in self.pairs}
-        found = {g.name for g in groups if g.units is not None} & wanted
-        if found != wanted:
-            raise LeanmlError(
-                f"{self.name}: this architecture has no known pair map for {', '.join(sorted(wanted - found))}"
-            )
-        for g in groups:
-            if g.units is not None and g.name in wanted:
-                core.num_kept(int(g.units.columns.shape[0]), spec.sparsity, self.multiple)
+        """Fail before calibration on a layer without the pairs or a sparsity that would leave a pair
+        with no unit (the engine itself refuses N:M patterns for structured methods)."""
+        pairs = [g for g in groups if self.touches(g)]
+        missing = self.group_names - {g.name for g in pairs}
+        if missing:
+            raise LeanmlError(f"{self.name}: this architecture has no known pair map for {', '.join(sorted(missing))}")
+        for g in pairs:
+            core.num_kept(int(g.units.columns.shape[0]), spec.sparsity, self.multiple)
 
     def touches(self, group: Group) -> bool:
         """Only the selected structured pairs (``attn_out``, ``mlp_out``) are pruned."""
-        return group.units is not None and group.name in {PAIRS[p] for p in self.pairs}
+        return group.units is not None and group.name in self.group_names
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs: the count of biases added by bias compensation so far."""
