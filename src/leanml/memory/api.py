@@ -282,9 +282,10 @@ class Adacc:
             if not self.calibrate:
                 break
             record.measured_peak = self.measure(*args, **kwargs)
-            if record.measured_peak <= budget:
+            # every rank must take the same decision, or their broadcasts no longer pair up
+            over = _max_over_ranks(record.measured_peak - budget)
+            if over <= 0:
                 break
-            over = record.measured_peak - budget
             log.info("plan measured %d bytes over budget; tightening the planner's budget", over)
             model_budget = max(floor, model_budget - over - 0.01 * budget)
             self.remove_plan()
@@ -345,17 +346,22 @@ class Adacc:
         self._steps += 1
         hooks = self._applied.hooks if self._applied is not None else None
         reasons: list[str] = []
-        if hooks is not None and self._sampling:
+        sampled = hooks is not None and self._sampling
+        checked = sampled or bool(self.check_every and self._steps % self.check_every == 0)
+        if sampled:
             hooks.sample = False
             self._sampling = False
             reasons = self.monitor.check(hooks.drift.error, hooks.drift.outlier)
             hooks.drift.error.clear()
             hooks.drift.outlier.clear()
-        elif self.check_every and self._steps % self.check_every == 0:
+        elif checked:
             reasons = self.monitor.check({}, {})
-            if hooks is not None and not reasons:
-                hooks.sample = True  # sample the next step's compressed tensors
-                self._sampling = True
+        # checks fall on the same steps on every rank; re-planning (a collective) must too
+        if checked and _max_over_ranks(float(bool(reasons))) > 0 and not reasons:
+            reasons = ["drift on another rank"]
+        if checked and not sampled and hooks is not None and not reasons:
+            hooks.sample = True  # sample the next step's compressed tensors
+            self._sampling = True
         if reasons:
             log.info("adacc: re-planning at step %d: %s", self._steps, "; ".join(reasons))
             self._replan("; ".join(reasons))
@@ -383,6 +389,16 @@ class Adacc:
             "history": self.history,
             "profile": self.profile.to_json() if self.profile else None,
         }
+
+
+def _max_over_ranks(value: float) -> float:
+    """Under torch.distributed, the largest ``value`` over all ranks; else ``value``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
+        t = torch.tensor([float(value)], dtype=torch.float64, device="cuda" if nccl else "cpu")
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t.item())
+    return value
 
 
 def _broadcast(sol: Solution) -> Solution:

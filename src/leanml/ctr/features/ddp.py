@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     write_json(Path(args.out) / f"rank{rank}.json", {
         "rank": rank, "world": world, "rows": sum(r.rows for r in reps), "steps": sum(r.steps for r in reps),
         "loss": reps[-1].loss, "wall_s": wall, "param_checksum": checksum})
+    # free DDP's reducer while the process group lives: freeing it last would destroy the gloo group
+    # while holding the GIL that group's worker thread needs, which can deadlock at exit
+    del ddp
     dist.destroy_process_group()
     return 0
 
