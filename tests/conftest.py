@@ -9,31 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from builders import tiny_llama
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-
-def tiny_llama(seed: int = 0, vocab: int = 256, layers: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-def tiny_opt(seed: int = 0, vocab: int = 256, layers: int = 2):
-    from transformers import OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = OPTConfig(
-        hidden_size=64, ffn_dim=128, num_hidden_layers=layers, num_attention_heads=4, vocab_size=vocab,
-        max_position_embeddings=256, word_embed_proj_dim=64,
-    )
-    return OPTForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +44,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+#: fixtures that load the real bundled model or real offline data; tests using them are marked ``slow``
+REAL_FIXTURES = {"smollm2_dir", "tiny_model_dir", "fashion", "fitted", "logs"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark tests on real models or data ``slow`` (``pytest -m "not slow"`` is the fast inner loop)."""
+    for item in items:
+        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -18,7 +18,7 @@ SUBSYSTEMS = [
     "leanml.prune.cli",  # prune, eval
     "leanml.memory.cli",  # train
     "leanml.ctr.cli",  # ctr
-    "leanml.ctr.features.cli",  # features
+    "leanml.features.cli",  # features
     "leanml.demo",  # demo
 ]
 

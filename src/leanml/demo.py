@@ -10,7 +10,7 @@ DEMO_PARTS = [
     "leanml.prune.demo",
     "leanml.memory.demo",
     "leanml.ctr.demo",
-    "leanml.ctr.features.demo",
+    "leanml.features.demo",
 ]
 
 

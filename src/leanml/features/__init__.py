@@ -1,0 +1,40 @@
+"""FeatureBox: raw ad logs -> feature operators pipelined straight into CTR training.
+
+Readers stream raw TSV / JSON-lines / Parquet logs in chunks (malformed rows go to a quarantine file);
+an operator graph (declared in Python or YAML) is cut into topological levels and run layer by layer,
+CPU ops in a thread pool and GPU ops on one CUDA stream, with a per-batch memory arena for op outputs;
+finished batches stream through a bounded queue into training while the next batch is extracted.
+The two-stage baseline (extract to Parquet, then train) runs the same graph for comparison, and the
+same graph runs on Ray Data and feeds ``torchrun`` DDP training.
+"""
+
+from leanml.features.arena import Arena, NoArena
+from leanml.features.batch import FeatureBatch
+from leanml.features.graph import FeatureGraph, OutputSpec, graph, load_graph
+from leanml.features.ops import (
+    OPS,
+    Bucketize,
+    ContentIdLookup,
+    Cross,
+    DictJoin,
+    Filter,
+    Hash,
+    LogTransform,
+    Normalize,
+    Op,
+    Ragged,
+    Split,
+    TruncatePad,
+)
+from leanml.features.pipeline import ExtractConfig, Extractor, Prefetcher, run_pipelined
+from leanml.features.readers import LogReader, Quarantine, Schema
+from leanml.features.scheduler import LayerwiseExecutor, Plan, make_plan
+from leanml.features.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
+
+__all__ = [
+    "OPS", "Arena", "Bucketize", "ContentIdLookup", "Cross", "DictJoin", "ExtractConfig", "Extractor",
+    "FeatureBatch", "FeatureGraph", "Filter", "Hash", "LayerwiseExecutor", "LogReader", "LogTransform", "NoArena",
+    "Normalize", "Op", "OutputSpec", "Plan", "Prefetcher", "Quarantine", "Ragged", "Schema", "Split",
+    "TruncatePad", "extract_to_parquet", "graph", "load_graph", "make_plan", "read_parquet_batches",
+    "run_pipelined", "run_two_stage",
+]
