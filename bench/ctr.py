@@ -30,7 +30,7 @@ from leanml.ctr.train import (
     record,
     run_ctr,
 )
-from leanml.utils import machine_info, machine_line, write_json
+from leanml.utils import atomic_file, machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).parent / "results"
 FEATURES = ("id", "raw", "visual", "id+visual")
@@ -311,9 +311,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
     axes[2].legend(fontsize=8)
     fig.suptitle(f"Visual IDs for new-ad CTR — {out['machine_line']}", fontsize=9)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    with atomic_file(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
 
 

@@ -66,14 +66,28 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
         tmp.rename(final)
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> Path:
-    """Write ``obj`` as indented JSON atomically (temp file + rename)."""
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` to write; on success it replaces ``path`` in one rename.
+
+    On an exception the temporary file is removed, so ``path`` is never half-written. ``suffix`` is
+    appended to the temporary name for writers that pick the format from it (``.npy``, ``.png``).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
-    tmp.replace(path)
-    return path
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{suffix}")
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON atomically (temp file + rename)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    return Path(path)
 
 
 def _json_default(obj: Any) -> Any:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from leanml.data.offline import widedeep_data_dir
 from leanml.features.readers import Schema
-from leanml.utils import LeanmlError, cache_dir
+from leanml.utils import LeanmlError, atomic_file, cache_dir
 
 LOG_SCHEMA = Schema((("ts", "int"), ("user_id", "int"), ("item_id", "int"), ("click", "int"), ("hist", "str")))
 GENRES = ["unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
@@ -42,7 +42,7 @@ def _open_text(path: Path, gz: bool) -> IO[str]:
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
         for r in records:
             fh.write(json.dumps(r) + "\n")
 
@@ -81,10 +81,8 @@ def movielens_logs(out_dir: str | Path | None = None, test_fraction: float = 0.1
     cut = len(ratings) - n_test
     cols = (ratings["timestamp"].to_numpy(), ratings["user_id"].to_numpy(), ratings["movie_id"].to_numpy(), clicks)
     for name, sl in (("train", slice(0, cut)), ("test", slice(cut, None))):
-        tmp = out / f".impressions_{name}{suffix}.tmp"
-        with _open_text(tmp, gz) as fh:
+        with atomic_file(out / f"impressions_{name}{suffix}") as tmp, _open_text(tmp, gz) as fh:
             fh.write(_log_lines(*(c[sl] for c in cols), hist[sl]))
-        tmp.replace(out / f"impressions_{name}{suffix}")
     _write_jsonl(out / "users.jsonl", [
         {"user_id": int(r.user_id), "age": int(r.age), "gender": r.gender, "occupation": r.occupation,
          "zip_code": str(r.zip_code)} for r in users.itertuples()])
@@ -156,8 +154,7 @@ def generate_logs(out_dir: str | Path, rows: int, *, seed: int = 0, n_users: int
     bar = tqdm(total=rows, desc="generate logs", unit="row", disable=not progress)
     for f in range(files):
         path = out / f"impressions_{f:03d}{suffix}"
-        tmp = path.with_name(f".{path.name}.tmp")
-        with _open_text(tmp, gz) as fh:
+        with atomic_file(path) as tmp, _open_text(tmp, gz) as fh:
             left = min(per_file, rows - written)
             while left > 0:
                 n = min(chunk_rows, left)
@@ -179,7 +176,6 @@ def generate_logs(out_dir: str | Path, rows: int, *, seed: int = 0, n_users: int
                 written += n
                 left -= n
                 bar.update(n)
-        tmp.replace(path)
     bar.close()
     return out
 

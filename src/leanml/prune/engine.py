@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from leanml.models.adapters import DecoderAdapter, get_adapter
 from leanml.prune.base import Group, GroupStats, Pruner, output_error
 from leanml.prune.masks import MaskSpec, sparsity_of
-from leanml.utils import LeanmlError
+from leanml.utils import LeanmlError, atomic_file
 
 ENGINE_READY = True
 
@@ -141,9 +141,8 @@ def _fingerprint(meta: dict[str, Any]) -> str:
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(obj, tmp)
-    tmp.replace(path)
+    with atomic_file(path) as tmp:
+        torch.save(obj, tmp)
 
 
 @torch.no_grad()

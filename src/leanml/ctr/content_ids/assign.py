@@ -21,7 +21,7 @@ import torch
 
 from leanml.ctr.content_ids.quantizer import global_ids
 from leanml.ctr.content_ids.trainer import ContentIDModel, embed_all
-from leanml.utils import LeanmlError
+from leanml.utils import LeanmlError, atomic_file
 
 
 def assign_visual_ids(model: ContentIDModel, inputs: torch.Tensor, batch_size: int = 1024) -> np.ndarray:
@@ -52,13 +52,8 @@ def write_visual_ids(path: str | os.PathLike, ad_ids: np.ndarray, visual_ids: np
     """Write the serving table to ``path`` atomically."""
     path = Path(path)
     table = visual_ids_table(ad_ids, visual_ids, m, k)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_file(path) as tmp:
         pq.write_table(table, tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 

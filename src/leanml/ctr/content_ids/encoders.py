@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from leanml.utils import LeanmlError, cache_dir
+from leanml.utils import LeanmlError, atomic_file, cache_dir
 
 
 class SmallCNN(nn.Module):
@@ -112,10 +112,8 @@ def embed_texts(
     uniq, inverse = np.unique(np.array(texts, dtype=object), return_inverse=True)
     emb = _encode_minilm(list(uniq), batch_size, model_dir)[inverse.ravel()]
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npy")
-        np.save(tmp, emb)
-        tmp.replace(path)
+        with atomic_file(path, suffix=".npy") as tmp:
+            np.save(tmp, emb)
     return emb
 
 
