@@ -8,6 +8,7 @@ import torch
 from leanml.data.text import (
     SHAKESPEARE_CALIB,
     SHAKESPEARE_TEST,
+    SHAKESPEARE_VAL,
     calibration_windows,
     load_text,
     shakespeare_plays,
@@ -30,6 +31,22 @@ def test_splits_are_disjoint_by_play():
     assert not set(SHAKESPEARE_TEST) & set(SHAKESPEARE_CALIB)
     test = load_text("shakespeare", "test")
     assert "HAMLET" in test[:200] and test not in load_text("shakespeare", "train")
+    val = set(SHAKESPEARE_VAL)
+    assert val <= set(plays) and not val & (set(SHAKESPEARE_TEST) | set(SHAKESPEARE_CALIB))
+    assert load_text("shakespeare", "val") not in load_text("shakespeare", "calib")
+
+
+def test_reviews_splits_are_disjoint_and_ordered():
+    from leanml.data.text import REVIEWS_TEST, REVIEWS_VAL, review_texts
+
+    texts = review_texts()
+    cut = len(texts) - REVIEWS_TEST
+    assert load_text("reviews", "test") == "\n\n".join(texts[cut:])
+    assert load_text("reviews", "val") == "\n\n".join(texts[cut - REVIEWS_VAL : cut])
+    assert load_text("reviews", "calib") == "\n\n".join(texts[: cut - REVIEWS_VAL])
+    assert load_text("reviews", "train") == load_text("reviews", "calib")
+    with pytest.raises(LeanmlError, match="split"):
+        load_text("reviews", "dev")
 
 
 def test_calibration_windows_are_seeded(smollm2):

