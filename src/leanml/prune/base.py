@@ -1,9 +1,10 @@
 """The contract between the layer-wise engine and pruning methods.
 
 The engine walks a model one decoder layer at a time. Inside a layer it visits :class:`Group` s in
-order (attention input projections, attention output, MLP input, MLP output). For each group it
-accumulates the input statistics of that group (:class:`GroupStats`) over the calibration tokens,
-then calls :meth:`Pruner.prune_group`, which rewrites the group's weights in place.
+forward order (linears reading the same input, found automatically; for structured methods the
+declared pairs of :mod:`leanml.models.adapters`). For each group it accumulates the input statistics
+of that group (:class:`GroupStats`) over the calibration tokens, then calls
+:meth:`Pruner.prune_group`, which rewrites the group's weights in place.
 
 Notation (per group, n = input features of the group's linears):
 
@@ -23,13 +24,25 @@ so for a dense weight W and a candidate W*, the mean squared output error agains
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from leanml.models.layout import Group, StructUnits
 from leanml.prune.masks import MaskSpec
+
+__all__ = ["Group", "GroupStats", "LinearSpecs", "Pruner", "StructUnits", "linear_spec", "output_error"]
+
+#: what :meth:`Pruner.prune_group` receives: one spec for the group, or one per linear name
+LinearSpecs = MaskSpec | Mapping[str, MaskSpec]
+
+
+def linear_spec(spec: LinearSpecs, name: str) -> MaskSpec:
+    """The mask spec of linear ``name``: ``spec`` itself, or its entry when it maps names to specs."""
+    return spec if isinstance(spec, MaskSpec) else spec[name]
 
 
 @dataclass
@@ -62,51 +75,25 @@ def output_error(W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats) -> flo
     return float(t1 - 2 * t2 + t3)
 
 
-@dataclass
-class Group:
-    """Linears of one decoder layer that read the same input.
-
-    ``linears`` maps the linear's qualified name inside the decoder layer (e.g. ``"mlp.down_proj"``)
-    to the module. For groups whose input columns are produced elementwise by earlier linears (the
-    structured pairs: attention value -> output projection, MLP in -> MLP out), ``producers`` maps
-    those earlier linears' names to modules and ``units`` describes the removable units:
-    ``units.columns[u]`` are this group's input columns fed by unit ``u`` and ``units.rows[u]`` the
-    producers' output rows of unit ``u`` (the same row indices in every producer).
-    """
-
-    name: str
-    linears: dict[str, nn.Linear]
-    producers: dict[str, nn.Linear] = field(default_factory=dict)
-    units: StructUnits | None = None
-
-
-@dataclass
-class StructUnits:
-    """Removable structured units of a (producers -> consumer) pair.
-
-    ``columns``: (n_units, cols_per_unit) long tensor of consumer input columns per unit.
-    ``rows``: (n_units, rows_per_unit) long tensor of producer output rows per unit.
-    ``kind``: ``"mlp"`` or ``"attention"``.
-    """
-
-    columns: torch.Tensor
-    rows: torch.Tensor
-    kind: str
-
-
 class Pruner:
     """Base class of pruning methods used by the engine.
 
-    Subclasses set ``name``, optionally ``needs_dense`` (accumulate ``G`` and ``Hd``) and
-    ``structured`` (the method removes units of structured pairs and may shrink the model in
-    :meth:`finalize`), implement :meth:`prune_group`, and may add CLI options through
-    :meth:`add_args` / :meth:`from_args` (prefix option names with the method name).
+    Subclasses set ``name``, optionally ``needs_dense`` (accumulate ``G`` and ``Hd``), ``needs_stats``
+    (False: the method reads no calibration statistics), ``structured`` (the method removes units of
+    the declared structured pairs and may shrink the model in :meth:`finalize`), ``default_scope``
+    (the unstructured mask scope when the caller leaves it open) and ``default_intra_layer``
+    (whether later groups of a layer see the already pruned earlier groups); implement
+    :meth:`prune_group`, and may add CLI options through :meth:`add_args` / :meth:`from_args` (prefix
+    option names with the method name).
     """
 
     name: ClassVar[str] = "base"
     needs_dense: ClassVar[bool] = False
+    needs_stats: ClassVar[bool] = True
     structured: ClassVar[bool] = False
     supports_pattern: ClassVar[bool] = True
+    default_scope: ClassVar[str] = "row"
+    default_intra_layer: ClassVar[bool] = True
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -120,19 +107,46 @@ class Pruner:
         """Method options, recorded in the report."""
         return {}
 
+    def resolve_spec(self, spec: MaskSpec) -> MaskSpec:
+        """``spec`` with an open scope (``None``) set to this method's default: the one place where a
+        mask scope is chosen, for the Python API and the CLI alike."""
+        if spec.scope is None:
+            return replace(spec, scope=self.default_scope)
+        return spec
+
+    def resolve_intra_layer(self, intra_layer: bool | None) -> bool:
+        """``intra_layer`` when given, else this method's default."""
+        return self.default_intra_layer if intra_layer is None else bool(intra_layer)
+
     def check_layer(self, groups: list[Group], spec: MaskSpec) -> None:
         """Raise :class:`~leanml.utils.LeanmlError` if this method cannot prune a layer with these groups
-        at ``spec``; the engine calls it for every layer to prune before any calibration pass."""
+        at ``spec``; the engine calls it for every layer to prune before any calibration pass (for
+        unstructured methods each group is one linear; for structured methods the declared pairs)."""
 
     def touches(self, group: Group) -> bool:
         """Whether :meth:`prune_group` may change ``group``; the engine gathers no statistics for (and
         does not call the method on) groups it leaves alone."""
         return True
 
-    def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
-        """Rewrite the weights of ``group.linears`` in place; return extra per-linear report fields."""
+    def prune_group(self, group: Group, stats: GroupStats | None, spec: LinearSpecs) -> dict[str, dict[str, Any]]:
+        """Rewrite the weights of ``group.linears`` in place; return extra per-linear report fields.
+
+        ``stats`` is ``None`` for methods with ``needs_stats = False``; ``spec`` is one
+        :class:`MaskSpec` or one per linear name (see :func:`linear_spec`), already resolved."""
         raise NotImplementedError
 
     def finalize(self, model: nn.Module, adapter: Any) -> dict[str, Any]:
         """Called once after all layers are pruned, before saving (e.g. to shrink modules)."""
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed or multi-process run needs to carry over (default: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+    @staticmethod
+    def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """Combine the states of several ranks that pruned disjoint layers (default: the first)."""
+        return states[0] if states else {}

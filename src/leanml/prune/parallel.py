@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leanml.models.adapters import get_adapter
+from leanml.models.layout import get_adapter
+from leanml.models.surgery import load_layer_state
 from leanml.prune.base import Pruner
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec
@@ -104,6 +105,7 @@ def prune_distributed(
             "layers": {i: {k: v.detach().cpu() for k, v in layers_all[i].state_dict().items()} for i in mine},
             "reports": report["layers"],
             "seconds": report["prune_seconds"],
+            "pruner": pruner.state_dict(),
         }
         gathered: list[Any] | None = [None] * world_size if rank == 0 else None
         dist.gather_object(payload, gathered, dst=0)
@@ -114,11 +116,12 @@ def prune_distributed(
         layer_reports: list[dict[str, Any]] = []
         for part in gathered:
             for i, state in part["layers"].items():
-                layers_all[i].load_state_dict(state)
+                load_layer_state(layers_all[i], state)  # keeps biases added by bias compensation (FLAP)
             for rep in part["reports"]:
                 rep["rank"] = part["rank"]
                 layer_reports.append(rep)
         layer_reports.sort(key=lambda r: r["layer"])
+        pruner.load_state_dict(pruner.merge_states([part["pruner"] for part in gathered]))
         final_info = pruner.finalize(model, adapter)
         report["engine"]["sequential"] = False
         report["engine"]["requested_sequential"] = bool(requested_sequential)

@@ -13,21 +13,21 @@ from typing import Any, ClassVar
 
 import torch
 
-from leanml.prune.base import Group, GroupStats, Pruner
-from leanml.prune.masks import MaskSpec, keep_mask
+from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
+from leanml.prune.masks import MaskSpec, keep_mask, prune_count, prune_lowest_per_row, row_quotas
 from leanml.utils import LeanmlError
 
 
 def magnitude_prune(W: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
     """Zero the smallest-magnitude weights."""
-    return W * keep_mask(W.abs(), spec)
+    return W * keep_mask(W.float().abs(), spec)
 
 
 def wanda_prune(W: torch.Tensor, sq_norms: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
     """Zero the weights with the smallest ``|W_ij| * ||X_j||``; ``sq_norms[j]`` is ``||X_j||^2`` (any scale)."""
     if sq_norms.shape != (W.shape[1],):
         raise ValueError(f"sq_norms must have shape ({W.shape[1]},), got {tuple(sq_norms.shape)}")
-    scores = W.abs() * sq_norms.to(W.dtype).clamp_min(0).sqrt().unsqueeze(0)
+    scores = W.float().abs() * sq_norms.float().clamp_min(0).sqrt().unsqueeze(0)
     return W * keep_mask(scores, spec)
 
 
@@ -59,8 +59,8 @@ def sparsegpt_prune(
     """SparseGPT: prune ``W`` (out x in) given ``H = E[x x^T]`` (in x in), updating the kept weights.
 
     Columns are processed left to right in blocks of ``blocksize``. Unstructured masks are chosen per
-    block by the OBS saliency ``w^2 / U_jj^2`` — per row within the block for ``spec.scope == "row"``,
-    over the whole block (the original method) for ``"layer"``. N:M masks are chosen every ``M``
+    block by the OBS saliency ``w^2 / U_jj^2`` — per row within the block for a row scope, over the
+    whole block (the original method) for ``"layer"``. N:M masks are chosen every ``M``
     columns. ``U`` may pass a precomputed :func:`hinv_upper` factor (shared by linears of one input).
     """
     if blocksize < 1:
@@ -78,6 +78,7 @@ def sparsegpt_prune(
         dead = torch.diagonal(H) == 0
     W = W.to(torch.float32).clone()
     W[:, dead] = 0
+    quotas = row_quotas(rows, cols, spec) if nm is None and spec.row_scope else None
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
         count = i2 - i1
@@ -87,7 +88,7 @@ def sparsegpt_prune(
         U1 = U[i1:i2, i1:i2]
         d1 = torch.diagonal(U1)
         if nm is None:
-            prune1 = _block_prune_mask(W1**2 / d1.unsqueeze(0) ** 2, spec, i1, i2)
+            prune1 = _block_prune_mask(W1**2 / d1.unsqueeze(0) ** 2, spec, i1, i2, cols, quotas)
         else:
             prune1 = torch.zeros_like(W1, dtype=torch.bool)
         for i in range(count):
@@ -108,22 +109,26 @@ def sparsegpt_prune(
     return W.to(dtype)
 
 
-def _block_prune_mask(scores: torch.Tensor, spec: MaskSpec, i1: int, i2: int) -> torch.Tensor:
-    """Weights to prune in the block of columns ``[i1, i2)``, lowest scores first.
+def _block_prune_mask(
+    scores: torch.Tensor, spec: MaskSpec, i1: int, i2: int, cols: int, quotas: torch.Tensor | None
+) -> torch.Tensor:
+    """Weights to prune in the block of columns ``[i1, i2)`` of a matrix with ``cols`` columns, lowest
+    scores first.
 
-    Quotas use cumulative rounding (``round(s * i2) - round(s * i1)`` per row, or over all rows for
-    scope ``"layer"``), so the whole matrix meets the exact target whatever the block size.
+    Quotas use cumulative rounding (per row ``round(q_r * i2 / cols) - round(q_r * i1 / cols)`` for the
+    row quotas ``q_r`` of :func:`~leanml.prune.masks.row_quotas`; over all rows for scope ``"layer"``),
+    so the whole matrix meets the exact target whatever the block size.
     """
     rows = scores.shape[0]
+    if quotas is not None:
+        q = quotas.to(torch.float64)
+        k = (q * i2 / cols).round().long() - (q * i1 / cols).round().long()
+        return prune_lowest_per_row(scores, k)
     prune = torch.zeros_like(scores, dtype=torch.bool)
-    if spec.scope == "row":
-        k = int(round(spec.sparsity * i2)) - int(round(spec.sparsity * i1))
-        if k:
-            prune.scatter_(1, scores.topk(k, dim=1, largest=False).indices, True)
-    else:
-        k = int(round(spec.sparsity * rows * i2)) - int(round(spec.sparsity * rows * i1))
-        if k:
-            prune.view(-1)[scores.flatten().topk(k, largest=False).indices] = True
+    total = prune_count(spec, rows * cols)
+    k = int(round(total * i2 / cols)) - int(round(total * i1 / cols))
+    if k:
+        prune.view(-1)[scores.flatten().topk(k, largest=False).indices] = True
     return prune
 
 
@@ -132,29 +137,34 @@ class _UnstructuredPruner(Pruner):
 
     default_scope: ClassVar[str] = "row"
 
-    def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
+    def prune_group(self, group: Group, stats: GroupStats | None, spec: LinearSpecs) -> dict[str, dict[str, Any]]:
         # the engine reports each linear's error; nothing extra to add here
-        shared = self.prepare(stats)
-        for lin in group.linears.values():
-            lin.weight.data.copy_(self.prune_weight(lin.weight.data, stats, spec, shared))
+        shared = self.prepare(stats) if stats is not None else None
+        for name, lin in group.linears.items():
+            lin.weight.data.copy_(self.prune_weight(lin.weight.data, stats, linear_spec(spec, name), shared))
         return {}
 
     def prepare(self, stats: GroupStats) -> Any:
         return None
 
-    def prune_weight(self, W: torch.Tensor, stats: GroupStats, spec: MaskSpec, shared: Any) -> torch.Tensor:
+    def prune_weight(self, W: torch.Tensor, stats: GroupStats | None, spec: MaskSpec, shared: Any) -> torch.Tensor:
         raise NotImplementedError
 
 
 class MagnitudePruner(_UnstructuredPruner):
+    """Magnitude pruning: needs no calibration statistics (one threshold per matrix by default)."""
+
     name = "magnitude"
     default_scope = "layer"
+    needs_stats = False
 
     def prune_weight(self, W, stats, spec, shared):
         return magnitude_prune(W, spec)
 
 
 class WandaPruner(_UnstructuredPruner):
+    """Wanda: ``|W| * ||X||`` scores, compared per output row by default (the paper's choice)."""
+
     name = "wanda"
     default_scope = "row"
 
