@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,11 @@ FORMAT = "sparse-bitmask"
 
 def _require() -> Any:
     try:
-        import compressed_tensors  # noqa: F401
-        from compressed_tensors.compressors import ModelCompressor
-        from compressed_tensors.config import BitmaskConfig
+        with warnings.catch_warnings():  # its import trips torch's deprecation warnings
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import compressed_tensors  # noqa: F401
+            from compressed_tensors.compressors import ModelCompressor
+            from compressed_tensors.config import BitmaskConfig
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise LeanmlError(
             "--save-format compressed needs the compressed-tensors package: pip install 'compressed-tensors==0.13.0'"
@@ -65,13 +68,14 @@ def save_compressed(
                         sparsity_structure=structure)
     compressor = ModelCompressor(sparsity_config=cfg)
     dense = model.state_dict()
+    dense_bytes = sum(dense[f"{t}.weight"].numel() * dense[f"{t}.weight"].element_size() for t in targets)
     packed = compressor.compress(model, dense)
-    model.save_pretrained(out_dir, state_dict=packed, safe_serialization=True)
+    prefixes = tuple(t + "." for t in targets)
+    packed_bytes = sum(v.numel() * v.element_size() for k, v in packed.items()
+                       if k.startswith(prefixes) and not k.endswith(".bias"))
+    model.save_pretrained(out_dir, state_dict=packed, safe_serialization=True)  # (consumes ``packed``)
     compressor.update_config(os.fspath(out_dir))
-    nbytes = lambda sd, keys: sum(sd[k].numel() * sd[k].element_size() for k in keys)  # noqa: E731
-    dense_keys = [f"{t}.weight" for t in targets]
-    packed_keys = [k for k in packed if any(k.startswith(t + ".") for t in targets) and not k.endswith(".bias")]
-    return {"dense_bytes": nbytes(dense, dense_keys), "compressed_bytes": nbytes(packed, packed_keys)}
+    return {"dense_bytes": dense_bytes, "compressed_bytes": packed_bytes}
 
 
 def load_compressed(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:

@@ -24,9 +24,10 @@ to the next layer, and keeps a second, dense activation stream only for methods 
 targets (``needs_dense``); ``sequential=False`` gives every layer the dense model's inputs, which
 makes layers independent (so they can be pruned in parallel by several processes).
 
-Every pruned layer reports ``rel_output_error``: the relative squared error of the pruned layer's
-output against the dense layer's output on the same (pruned-path) inputs, computed from the passes the
-engine runs anyway; with a dense stream also ``rel_model_error`` against the dense model's activations.
+Every pruned layer reports ``rel_output_error``, the relative squared error of its output against the
+reference the method aims at, from passes the engine runs anyway: with a dense stream (methods with a
+dense target in sequential mode) the dense model's activations, otherwise the dense layer's output on
+the same (pruned-path) inputs.
 Embeddings and ``lm_head`` are never touched.
 """
 
@@ -286,7 +287,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b) ** 2).sum() / (b**2).sum().clamp_min(1e-30))
 
 
-def _linear_report(group: Group, name: str, W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats | None) -> dict:
+def _linear_report(group: Group, W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats | None) -> dict:
+    """One linear's report: sparsity and (with statistics) its relative output error on them."""
     rep: dict[str, Any] = {"group": group.name, "shape": list(W.shape), "sparsity": sparsity_of(W_new)}
     if stats is not None:
         err = output_error(W, W_new, stats)
@@ -317,8 +319,15 @@ def _prune_layer(
     stats: dict[str, GroupStats] = {}
     ref_out: torch.Tensor | None = None
     dense_next: torch.Tensor | None = None
-    t_prune = 0.0
+    t_prune = t_report = 0.0
     linear_reports: dict[str, dict[str, Any]] = {}
+
+    def report_group(group: Group, dense_w: dict[str, torch.Tensor], st: GroupStats | None, extra: dict) -> None:
+        nonlocal t_report
+        t = time.perf_counter()
+        for n, lin in group.linears.items():
+            linear_reports[n] = {**_linear_report(group, dense_w[n], lin.weight.data, st), **extra.get(n, {})}
+        t_report += time.perf_counter() - t
 
     def prune(group: Group, st: GroupStats | None) -> dict[str, dict[str, Any]]:
         nonlocal t_prune
@@ -339,9 +348,7 @@ def _prune_layer(
         for g in groups:
             if pruner.touches(g):
                 dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
-                extra = prune(g, None)
-                for n, lin in g.linears.items():
-                    linear_reports[n] = {**_linear_report(g, n, dense_w[n], lin.weight.data, None), **extra.get(n, {})}
+                report_group(g, dense_w, None, prune(g, None))
     elif not intra_layer:
         groups, stats, ref_out, dense_next = _one_pass(
             layer, groups, streams, kw, needs_dense, batch_size, device, adapter.model_type
@@ -350,10 +357,7 @@ def _prune_layer(
         for g in groups:
             if pruner.touches(g):
                 dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
-                extra = prune(g, stats[g.name])
-                for n, lin in g.linears.items():
-                    linear_reports[n] = {**_linear_report(g, n, dense_w[n], lin.weight.data, stats[g.name]),
-                                         **extra.get(n, {})}
+                report_group(g, dense_w, stats[g.name], prune(g, stats[g.name]))
     else:
         if groups is None:
             groups, _ = _discover(layer, streams, kw, batch_size, device, adapter.model_type)
@@ -366,9 +370,7 @@ def _prune_layer(
             st = _group_stats_intra(layer, dense_layer, g, streams, kw, needs_dense, batch_size, device)
             t_stats += time.perf_counter() - t
             dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
-            extra = prune(g, st)
-            for n, lin in g.linears.items():
-                linear_reports[n] = {**_linear_report(g, n, dense_w[n], lin.weight.data, st), **extra.get(n, {})}
+            report_group(g, dense_w, st, prune(g, st))
     for g in groups:
         if not pruner.touches(g):  # left alone: no statistics, so no error to report
             for n, lin in g.linears.items():
@@ -379,12 +381,16 @@ def _prune_layer(
                 linear_reports[n]["sparsity"] = sparsity_of(lin.weight.data)
     t = time.perf_counter()
     pruned_next = run_layer(layer, streams.pruned, kw, batch_size, device)
-    if ref_out is None:  # dense layer on the pruned-path input: the error report's reference
-        assert dense_layer is not None
-        ref_out = run_layer(dense_layer, streams.pruned, kw, batch_size, device)
-    if streams.dense is not None and dense_next is None:
-        assert dense_layer is not None
-        dense_next = run_layer(dense_layer, streams.dense, kw, batch_size, device)
+    if streams.dense is not None:  # the dense model's activations: what a dense-target method aims at
+        if dense_next is None:
+            assert dense_layer is not None
+            dense_next = run_layer(dense_layer, streams.dense, kw, batch_size, device)
+        reference = dense_next
+    else:  # the dense layer on the same (pruned-path) input
+        if ref_out is None:
+            assert dense_layer is not None
+            ref_out = run_layer(dense_layer, streams.pruned, kw, batch_size, device)
+        reference = ref_out
     t_forward = time.perf_counter() - t
     changed = {n for g in groups if pruner.touches(g) for n in [*g.linears, *g.producers]}
     zeros = sum(int((lin.weight == 0).sum()) for n, lin in layer_linears(layer).items() if n in changed)
@@ -396,10 +402,9 @@ def _prune_layer(
         "stats_seconds": t_stats,
         "prune_seconds": t_prune,
         "forward_seconds": t_forward,
-        "rel_output_error": _rel(pruned_next, ref_out),
+        "report_seconds": t_report,
+        "rel_output_error": _rel(pruned_next, reference),
     }
-    if dense_next is not None:
-        report["rel_model_error"] = _rel(pruned_next, dense_next)
     return report, pruned_next, dense_next, ref_out
 
 
@@ -530,6 +535,7 @@ def prune_model(
     }
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     start_layer = 0
+    capture_seconds = 0.0
     layer_reports: list[dict[str, Any]] = []
     state_path = ckpt / "state.pt" if ckpt else None
     if state_path is not None and state_path.exists():
@@ -549,8 +555,10 @@ def prune_model(
     else:
         from leanml.models.layerwise import outer_on
 
+        t = time.perf_counter()
         with outer_on(model, adapter, device):
             inps, kwargs = capture_layer_inputs(model, adapter, calib_ids, batch_size)
+        capture_seconds = time.perf_counter() - t
         streams = _Streams(inps, inps.clone() if keep_dense else None)
 
     # layers after the last one to prune change nothing: the walk stops there
@@ -591,6 +599,7 @@ def prune_model(
             "device": str(device),
             "resumed_from_layer": start_layer,
             "dense_stream": keep_dense,
+            "capture_seconds": capture_seconds,
         },
         "method": pruner.name,
         "method_config": pruner.config(),

@@ -59,7 +59,9 @@ def prune_distributed(
     Returns the merged report on rank 0 (its ``model`` then holds every pruned layer) and ``None`` on
     the other ranks. ``engine_kwargs`` go to :func:`leanml.prune.engine.prune_model`; ``sequential``
     is forced to ``False`` (dense inputs: the condition for independent layers) and recorded.
-    ``checkpoint_dir`` gets one sub-directory per rank.
+    ``checkpoint_dir`` gets one sub-directory per rank. Without a process group this function creates
+    one and destroys it at the end; a program that prunes several times in one process should call
+    ``dist.init_process_group`` once itself (re-creating gloo groups in one process can hang).
     """
     rank, world_size, local_rank = world()
     created = False
