@@ -142,3 +142,23 @@ def test_fasp_cli_saves_a_smaller_model_that_plain_transformers_loads(tiny_model
     # the attention pair keeps its shapes with exact zero value rows / output columns
     v = model.model.layers[0].self_attn.v_proj.weight
     assert int((v == 0).all(dim=1).sum()) == round(0.25 * v.shape[0])
+
+
+def test_compressed_bfloat16_owl_run_saves_a_smaller_model_that_leanml_reloads(tiny_model_dir, tmp_path, capsys):
+    from leanml.models import load_model
+
+    out = tmp_path / "c"
+    assert main(["prune", "--model", str(tiny_model_dir), "--method", "wanda", "--sparsity", "0.6",
+                 "--sparsity-profile", "owl", "--owl-m", "2", "--dtype", "bfloat16", "--save-format", "compressed",
+                 "--nsamples", "4", "--seqlen", "32", "--eval-windows", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["save"]["format"] == "compressed" and report["model"]["dtype"] == "bfloat16"
+    assert report["save"]["compressed_bytes"] < 0.6 * report["save"]["dense_bytes"]
+    assert report["mask"]["profile"]["name"] == "owl" and report["engine"]["intra_layer"] is False
+    requested = [lay["sparsity_requested"] for lay in report["layers"]]
+    assert len(set(requested)) == 2 and report["measured_sparsity"] == pytest.approx(0.6, abs=1e-4)
+    model, _ = load_model(str(out), dtype="bfloat16")
+    w = model.model.layers[0].mlp.down_proj.weight
+    assert w.dtype == torch.bfloat16
+    assert float((w == 0).float().mean()) == pytest.approx(requested[0], abs=0.01)
+    assert "compressed" in capsys.readouterr().out

@@ -159,3 +159,17 @@ def test_a_model_without_linears_says_what_it_found():
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
     with pytest.raises(LeanmlError, match=r"gpt2: decoder layers hold weights outside nn.Linear \(attn.c_attn.weight"):
         get_adapter(model)
+
+
+def test_dense_input_cache_gives_the_partial_pass_result():
+    """With intra-layer correction and a dense target, one dense pass with the groups' inputs kept equals
+    one partial dense pass per group."""
+    from leanml.prune.methods.fista import FistaPruner
+
+    a, b = tiny_llama(seed=6), tiny_llama(seed=6)
+    ra = prune_model(a, IDS, FistaPruner(rounds=1, iters=3), MaskSpec(0.5), progress=False, batch_size=5)
+    rb = prune_model(b, IDS, FistaPruner(rounds=1, iters=3), MaskSpec(0.5), progress=False, batch_size=5,
+                     dense_cache_bytes=0)
+    for x, y in zip(a.state_dict().values(), b.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    assert [r["rel_output_error"] for r in ra["layers"]] == pytest.approx([r["rel_output_error"] for r in rb["layers"]])

@@ -237,18 +237,42 @@ def _one_pass(
     return groups, stats, torch.cat(ref_out), (torch.cat(dense_out) if dense_out else None)
 
 
+def _dense_pass(
+    layer: nn.Module, groups: list[Group], src: torch.Tensor, kw: list[dict[str, Any]], batch_size: int,
+    device: torch.device,
+) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
+    """One pass of the still dense ``layer`` over ``src`` that keeps every group's input, per batch, on
+    the CPU (in the activations' dtype); returns them and the layer's outputs."""
+    cache: dict[str, list[torch.Tensor]] = {g.leader: [] for g in groups}
+    outs = []
+    for b, s, e in _batches(src.shape[0], batch_size):
+        cap = _Capture(layer, list(cache))
+        outs.append(cap.run(layer, src[s:e].to(device), kw[b]).cpu())
+        for name in cache:
+            x = cap.inputs[name]
+            cache[name].append(x.reshape(-1, x.shape[-1]).cpu())
+    return cache, torch.cat(outs)
+
+
+def _dense_cache_bytes(groups: list[Group], src: torch.Tensor) -> int:
+    tokens = src.shape[0] * src.shape[1]
+    return tokens * sum(next(iter(g.linears.values())).in_features for g in groups) * src.element_size()
+
+
 def _group_stats_intra(
     layer: nn.Module,
-    dense_layer: nn.Module,
+    dense_layer: nn.Module | None,
     group: Group,
     streams: _Streams,
     kw: list[dict[str, Any]],
     needs_dense: bool,
     batch_size: int,
     device: torch.device,
+    dense_cache: dict[str, list[torch.Tensor]] | None = None,
 ) -> GroupStats:
     """One group's statistics from the partially pruned ``layer`` (stopped at the group's first linear),
-    paired with the dense copy's input on the dense stream when ``needs_dense``."""
+    paired with the dense layer's input on the dense stream when ``needs_dense`` (from ``dense_cache``
+    when given, else from the dense copy stopped at the same linear)."""
     m: _Moments | None = None
     dense_in = streams.dense_or_pruned()
     for b, s, e in _batches(streams.pruned.shape[0], batch_size):
@@ -256,7 +280,10 @@ def _group_stats_intra(
         cap.run(layer, streams.pruned[s:e].to(device), kw[b])
         xs = _flat(cap.inputs[group.leader])
         x = None
-        if needs_dense:
+        if needs_dense and dense_cache is not None:
+            x = dense_cache[group.leader][b].to(device).float()
+        elif needs_dense:
+            assert dense_layer is not None
             dcap = _Capture(dense_layer, [group.leader], stop_at=group.leader)
             dcap.run(dense_layer, dense_in[s:e].to(device), kw[b])
             x = _flat(dcap.inputs[group.leader])
@@ -308,6 +335,7 @@ def _prune_layer(
     intra_layer: bool,
     batch_size: int,
     device: torch.device,
+    dense_cache_bytes: int = 2**31,
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Prune one decoder layer; return its report, the pruned layer's output on the pruned stream,
     (with a dense stream) the dense layer's output on the dense stream, and the dense layer's output on
@@ -361,13 +389,22 @@ def _prune_layer(
     else:
         if groups is None:
             groups, _ = _discover(layer, streams, kw, batch_size, device, adapter.model_type)
-        dense_layer = copy.deepcopy(layer)
+        touched = [g for g in groups if pruner.touches(g)]
+        cache = None
+        src = streams.dense_or_pruned()
+        if needs_dense and _dense_cache_bytes(touched, src) <= dense_cache_bytes:
+            # one pass of the dense layer gives every group's dense input (and the layer's dense output)
+            cache, out = _dense_pass(layer, touched, src, kw, batch_size, device)
+            if streams.dense is not None:
+                dense_next = out
+            else:
+                ref_out = out
+        else:
+            dense_layer = copy.deepcopy(layer)
         t_stats = time.perf_counter() - t0
-        for g in groups:
-            if not pruner.touches(g):
-                continue
+        for g in touched:
             t = time.perf_counter()
-            st = _group_stats_intra(layer, dense_layer, g, streams, kw, needs_dense, batch_size, device)
+            st = _group_stats_intra(layer, dense_layer, g, streams, kw, needs_dense, batch_size, device, cache)
             t_stats += time.perf_counter() - t
             dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
             report_group(g, dense_w, st, prune(g, st))
@@ -457,6 +494,7 @@ def prune_model(
     finalize: bool = True,
     sparsity_profile: str | Sequence[float] = "uniform",
     owl: dict[str, float] | None = None,
+    dense_cache_bytes: int = 2**31,
 ) -> dict[str, Any]:
     """Prune ``model`` in place, layer by layer; return the report (per-layer and per-linear stats).
 
@@ -472,6 +510,9 @@ def prune_model(
     layer sparsities, :mod:`leanml.prune.owl`, options in ``owl``: ``m``, ``lam``) or one sparsity per
     decoder layer; unstructured methods only, without an N:M pattern. For unstructured masks the total
     over all pruned linears is exact: ``round(sum_l s_l * numel_l)`` weights (see :func:`linear_specs`).
+    ``dense_cache_bytes``: with intra-layer correction and a dense target, the dense inputs of a layer's
+    groups are kept on the CPU when they fit in this many bytes (one dense pass instead of one partial
+    pass per group); larger layers fall back to the partial passes.
     """
     if calib_ids.dim() != 2:
         raise LeanmlError(f"calibration ids must be (nsamples, seqlen), got shape {tuple(calib_ids.shape)}")
@@ -570,7 +611,7 @@ def prune_model(
             if idx in todo:
                 lspec = per_linear[idx] if per_linear is not None else spec
                 report, pruned_next, dense_next, dense_out = _prune_layer(
-                    layer, adapter, streams, kw, pruner, lspec, intra_layer, batch_size, device
+                    layer, adapter, streams, kw, pruner, lspec, intra_layer, batch_size, device, dense_cache_bytes
                 )
                 report["layer"] = idx
                 report["sparsity_requested"] = requested[idx]
