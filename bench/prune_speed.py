@@ -19,6 +19,7 @@ of the process (all its threads). Records merge into ``bench/results/prune_speed
     python bench/prune_speed.py --layers 4 --runs sparsegpt:intra,sparsegpt:one-pass
     PYTHONPATH=/path/to/old/src python bench/prune_speed.py --code before --layers 4 --runs sparsegpt:intra
     python bench/prune_speed.py --runs sparsegpt:default --nsamples 32          # the full model
+    python bench/prune_speed.py --runs fista+iters=5+rounds=1+refine=10:default --nsamples 64 --eval val
     python bench/prune_speed.py --render-only
 """
 
@@ -57,7 +58,9 @@ def run(method: str, mode: str, args: argparse.Namespace, model, calib) -> dict[
     from leanml.prune.masks import MaskSpec
     from leanml.prune.methods import pruner_class
 
-    pruner = pruner_class(method)()
+    name, *opts = method.split("+")  # e.g. fista+iters=5+rounds=1+refine=10
+    options = {k: type_of(v) for k, v in (o.split("=") for o in opts)}
+    pruner = pruner_class(name)(**options)
     scope = getattr(pruner, "default_scope", "row")
     kwargs: dict[str, Any] = {"batch_size": args.batch_size, "progress": False}
     if mode != "default":
@@ -87,13 +90,24 @@ def run(method: str, mode: str, args: argparse.Namespace, model, calib) -> dict[
         quality = {"eval_split": args.eval, "eval_windows": int(windows.shape[0]),
                    "ppl": perplexity(m, windows, batch_size=8, progress=False)}
     return {**quality,
-        "code": args.code, "rev": _git_rev(), "method": method, "mode": mode,
+        "code": args.code, "rev": args.rev or _git_rev(), "method": method,
+        "method_config": report.get("method_config"), "mode": mode,
         "intra_layer": report["engine"].get("intra_layer"), "layers_pruned": len(layers),
         "nsamples": args.nsamples, "seqlen": args.seqlen, "batch_size": args.batch_size,
         "wall_s": wall, "cpu_s": cpu, **{f"{k}_s": v for k, v in phases.items()},
         "threads": torch.get_num_threads(), "load_before": load, "load_after": os.getloadavg()[0],
         "command": "python bench/prune_speed.py " + " ".join(sys.argv[1:]),
     }
+
+
+def type_of(text: str) -> Any:
+    """``"5"`` -> 5, ``"0.3"`` -> 0.3, anything else stays a string."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def key(r: dict[str, Any]) -> tuple:
@@ -135,6 +149,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--code", default="after", help="label of the code under test (before / after)")
+    ap.add_argument("--rev", default=None, help="revision of the code under test (default: git of leanml)")
     ap.add_argument("--eval", default=None, choices=["val"],
                     help="also measure perplexity on this Shakespeare split (val: two held-out plays)")
     ap.add_argument("--render-only", action="store_true")

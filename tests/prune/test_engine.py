@@ -90,7 +90,10 @@ def test_group_statistics_match_a_direct_computation():
     n = x.shape[0]
     torch.testing.assert_close(st.H, xs.T @ xs / n, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(st.G, x.T @ xs / n, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(st.Hd, x.T @ x / n, atol=1e-5, rtol=1e-4)
+    # the dense target's energy per row: diag(W Hd W^T), from the dense outputs the engine ran anyway
+    W = layer.self_attn.o_proj.weight
+    torch.testing.assert_close(st.dense_energy("self_attn.o_proj", W), ((W @ (x.T @ x / n)) * W).sum(1),
+                               atol=1e-5, rtol=1e-4)
     assert st.ntokens == IDS.numel()
 
 

@@ -15,7 +15,9 @@ Notation (per group, n = input features of the group's linears):
 - ``H  = mean over tokens of x* x*^T``  (n x n)
 - ``G  = mean over tokens of x  x*^T``  (n x n, dense rows x pruned-path columns); only when the
   pruner sets ``needs_dense = True``
-- ``Hd = mean over tokens of x  x^T``   (n x n); only when ``needs_dense``.
+- ``Hd = mean over tokens of x  x^T``   (n x n); only when ``needs_dense``. When the engine runs the
+  dense layer's linears anyway it records instead, per linear, ``out_sq = diag(W Hd W^T)``: the mean
+  squared dense output of each row (bias excluded), which is all a method needs from ``Hd``.
 
 so for a dense weight W and a candidate W*, the mean squared output error against the dense layer is
 ``tr(W* H W*^T) - 2 tr(W G W*^T) + tr(W Hd W^T)`` (see :func:`output_error`).
@@ -55,6 +57,16 @@ class GroupStats:
     ntokens: int = 0
     #: per input feature, the mean of the pruned-path input (FLAP's fluctuation and bias compensation)
     mean: torch.Tensor | None = None
+    #: per linear name, ``diag(W Hd W^T)``: the mean squared dense output per row (bias excluded)
+    out_sq: dict[str, torch.Tensor] | None = None
+
+    def dense_energy(self, name: str, W: torch.Tensor) -> torch.Tensor:
+        """Per output row of linear ``name`` (dense weight ``W``), ``w Hd w^T``: the dense output's mean
+        square (from ``out_sq``, else ``Hd``, else ``H`` when there is no dense/pruned distinction)."""
+        if self.out_sq is not None and name in self.out_sq:
+            return self.out_sq[name].to(self.H.dtype)
+        Wd = W.to(self.H.dtype)
+        return ((Wd @ (self.H if self.Hd is None else self.Hd)) * Wd).sum(1)
 
     @property
     def sq_norms(self) -> torch.Tensor:
@@ -62,16 +74,17 @@ class GroupStats:
         return torch.diagonal(self.H)
 
 
-def output_error(W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats) -> float:
-    """Mean over tokens of ``||W_new x* - W x||^2`` (needs ``G``/``Hd``; else uses ``x = x*``)."""
+def output_error(W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats, name: str | None = None) -> float:
+    """Mean over tokens of ``||W_new x* - W x||^2`` (needs ``G`` and ``Hd`` or ``out_sq[name]``; without
+    ``G`` it uses ``x = x*``)."""
     W = W.to(stats.H.dtype)
     W_new = W_new.to(stats.H.dtype)
-    if stats.G is None or stats.Hd is None:
+    if stats.G is None:
         D = W_new - W
         return float(torch.einsum("ij,jk,ik->", D, stats.H, D))
     t1 = torch.einsum("ij,jk,ik->", W_new, stats.H, W_new)
     t2 = torch.einsum("ij,jk,ik->", W, stats.G, W_new)
-    t3 = torch.einsum("ij,jk,ik->", W, stats.Hd, W)
+    t3 = stats.dense_energy(name or "", W).sum()
     return float(t1 - 2 * t2 + t3)
 
 

@@ -127,25 +127,33 @@ def linear_specs(
 
 
 class _Moments:
-    """Running sums of one group's input statistics on ``device``."""
+    """Running sums of one group's input statistics on ``device``.
 
-    def __init__(self, n: int, device: torch.device, dense: bool) -> None:
+    ``dense``: also the cross moment ``G`` and the dense target's energy: ``Hd`` (n x n), or, when the
+    dense outputs of the group's linears are given (``out_sq``), only their squared norms per row."""
+
+    def __init__(self, n: int, device: torch.device, dense: bool, hd: bool = True) -> None:
         self.H = torch.zeros(n, n, device=device)
         self.total = torch.zeros(n, device=device)
         self.G = torch.zeros(n, n, device=device) if dense else None
-        self.Hd = torch.zeros(n, n, device=device) if dense else None
+        self.Hd = torch.zeros(n, n, device=device) if dense and hd else None
+        self.out_sq: dict[str, torch.Tensor] = {}
         self.ntokens = 0
 
-    def add(self, xs: torch.Tensor, x: torch.Tensor | None) -> None:
+    def add(self, xs: torch.Tensor, x: torch.Tensor | None, out_sq: dict[str, torch.Tensor] | None = None) -> None:
         self.H.addmm_(xs.T, xs)
         self.total += xs.sum(0)
         if self.G is not None:
-            x = xs if x is None else x
+            same = x is None
+            x = xs if same else x
             self.G.addmm_(x.T, xs)
-            if x is xs:
-                self.Hd.copy_(self.H)  # dense input = pruned-path input
-            else:
-                self.Hd.addmm_(x.T, x)
+            if self.Hd is not None:
+                if same:
+                    self.Hd.copy_(self.H)  # dense input = pruned-path input
+                else:
+                    self.Hd.addmm_(x.T, x)
+        for name, v in (out_sq or {}).items():
+            self.out_sq[name] = self.out_sq[name] + v if name in self.out_sq else v
         self.ntokens += xs.shape[0]
 
     def stats(self) -> GroupStats:
@@ -156,6 +164,7 @@ class _Moments:
             Hd=None if self.Hd is None else self.Hd / n,
             ntokens=self.ntokens,
             mean=self.total / n,
+            out_sq={k: v / n for k, v in self.out_sq.items()} or None,
         )
 
 
@@ -168,9 +177,14 @@ class _Capture:
 
     ``names=None`` records every linear of the layer in call order (to discover the groups)."""
 
-    def __init__(self, layer: nn.Module, names: Sequence[str] | None, stop_at: str | None = None) -> None:
+    def __init__(
+        self, layer: nn.Module, names: Sequence[str] | None, stop_at: str | None = None,
+        energies: Sequence[str] = (),
+    ) -> None:
         self.calls: list[tuple[str, torch.Tensor]] = []
         self.inputs: dict[str, torch.Tensor] = {}
+        #: per linear in ``energies``: sum over tokens of its squared output per row, bias excluded
+        self.out_sq: dict[str, torch.Tensor] = {}
         self.handles = []
         targets = layer_linears(layer) if names is None else {n: layer.get_submodule(n) for n in names}
         for name, mod in targets.items():
@@ -181,6 +195,14 @@ class _Capture:
                     raise _Stop
 
             self.handles.append(mod.register_forward_pre_hook(hook))
+        for name in energies:
+            def out_hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor, name: str = name) -> None:
+                y = out.reshape(-1, out.shape[-1]).float()
+                if module.bias is not None:
+                    y = y - module.bias.float()
+                self.out_sq[name] = (y * y).sum(0)
+
+            self.handles.append(layer.get_submodule(name).register_forward_hook(out_hook))
 
     def run(self, layer: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
         """Run the layer; its output, or ``None`` when stopped early."""
@@ -221,16 +243,18 @@ def _one_pass(
             groups = [Group(name, {n: layer.get_submodule(n) for n in names})
                       for name, names in group_calls(layer_linears(layer), cap.calls, model_type)]
         dense_in: dict[str, torch.Tensor] = {}
+        out_sq: dict[str, torch.Tensor] = {}
         if needs_dense and streams.dense is not None:
-            dcap = _Capture(layer, [g.leader for g in groups])
+            dcap = _Capture(layer, [g.leader for g in groups], energies=[n for g in groups for n in g.linears])
             dense_out.append(dcap.run(layer, streams.dense[s:e].to(device), kw[b]).cpu())
-            dense_in = dcap.inputs
+            dense_in, out_sq = dcap.inputs, dcap.out_sq
         for g in groups:
             xs = _flat(cap.inputs[g.leader])
             m = moments.get(g.name)
             if m is None:
-                m = moments[g.name] = _Moments(xs.shape[1], device, needs_dense)
-            m.add(xs, _flat(dense_in[g.leader]) if g.leader in dense_in else None)
+                m = moments[g.name] = _Moments(xs.shape[1], device, needs_dense, hd=False)
+            m.add(xs, _flat(dense_in[g.leader]) if g.leader in dense_in else None,
+                  {n: out_sq[n] for n in g.linears if n in out_sq})
         del cap
     assert groups is not None
     stats = {name: m.stats() for name, m in moments.items()}
@@ -240,18 +264,21 @@ def _one_pass(
 def _dense_pass(
     layer: nn.Module, groups: list[Group], src: torch.Tensor, kw: list[dict[str, Any]], batch_size: int,
     device: torch.device,
-) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
+) -> tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]], torch.Tensor]:
     """One pass of the still dense ``layer`` over ``src`` that keeps every group's input, per batch, on
-    the CPU (in the activations' dtype); returns them and the layer's outputs."""
+    the CPU (in the activations' dtype) and its linears' squared outputs per row; returns both, per
+    batch, and the layer's outputs."""
     cache: dict[str, list[torch.Tensor]] = {g.leader: [] for g in groups}
+    energies: list[dict[str, torch.Tensor]] = []
     outs = []
     for b, s, e in _batches(src.shape[0], batch_size):
-        cap = _Capture(layer, list(cache))
+        cap = _Capture(layer, list(cache), energies=[n for g in groups for n in g.linears])
         outs.append(cap.run(layer, src[s:e].to(device), kw[b]).cpu())
         for name in cache:
             x = cap.inputs[name]
             cache[name].append(x.reshape(-1, x.shape[-1]).cpu())
-    return cache, torch.cat(outs)
+        energies.append(cap.out_sq)
+    return cache, energies, torch.cat(outs)
 
 
 def _dense_cache_bytes(groups: list[Group], src: torch.Tensor) -> int:
@@ -268,7 +295,7 @@ def _group_stats_intra(
     needs_dense: bool,
     batch_size: int,
     device: torch.device,
-    dense_cache: dict[str, list[torch.Tensor]] | None = None,
+    dense_cache: tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None,
 ) -> GroupStats:
     """One group's statistics from the partially pruned ``layer`` (stopped at the group's first linear),
     paired with the dense layer's input on the dense stream when ``needs_dense`` (from ``dense_cache``
@@ -280,16 +307,18 @@ def _group_stats_intra(
         cap.run(layer, streams.pruned[s:e].to(device), kw[b])
         xs = _flat(cap.inputs[group.leader])
         x = None
+        out_sq = None
         if needs_dense and dense_cache is not None:
-            x = dense_cache[group.leader][b].to(device).float()
+            x = dense_cache[0][group.leader][b].to(device).float()
+            out_sq = {n: dense_cache[1][b][n] for n in group.linears}
         elif needs_dense:
             assert dense_layer is not None
             dcap = _Capture(dense_layer, [group.leader], stop_at=group.leader)
             dcap.run(dense_layer, dense_in[s:e].to(device), kw[b])
             x = _flat(dcap.inputs[group.leader])
         if m is None:
-            m = _Moments(xs.shape[1], device, needs_dense)
-        m.add(xs, x)
+            m = _Moments(xs.shape[1], device, needs_dense, hd=dense_cache is None)
+        m.add(xs, x, out_sq)
     assert m is not None
     return m.stats()
 
@@ -314,13 +343,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b) ** 2).sum() / (b**2).sum().clamp_min(1e-30))
 
 
-def _linear_report(group: Group, W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats | None) -> dict:
+def _linear_report(group: Group, name: str, W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats | None) -> dict:
     """One linear's report: sparsity and (with statistics) its relative output error on them."""
     rep: dict[str, Any] = {"group": group.name, "shape": list(W.shape), "sparsity": sparsity_of(W_new)}
     if stats is not None:
-        err = output_error(W, W_new, stats)
-        Wd = W.to(stats.H.dtype)
-        ref = float(torch.einsum("ij,jk,ik->", Wd, stats.H if stats.Hd is None else stats.Hd, Wd))
+        err = output_error(W, W_new, stats, name)
+        ref = float(stats.dense_energy(name, W).sum())
         rep["rel_error"] = err / max(ref, 1e-30)
     return rep
 
@@ -354,7 +382,7 @@ def _prune_layer(
         nonlocal t_report
         t = time.perf_counter()
         for n, lin in group.linears.items():
-            linear_reports[n] = {**_linear_report(group, dense_w[n], lin.weight.data, st), **extra.get(n, {})}
+            linear_reports[n] = {**_linear_report(group, n, dense_w[n], lin.weight.data, st), **extra.get(n, {})}
         t_report += time.perf_counter() - t
 
     def prune(group: Group, st: GroupStats | None) -> dict[str, dict[str, Any]]:
@@ -394,7 +422,8 @@ def _prune_layer(
         src = streams.dense_or_pruned()
         if needs_dense and _dense_cache_bytes(touched, src) <= dense_cache_bytes:
             # one pass of the dense layer gives every group's dense input (and the layer's dense output)
-            cache, out = _dense_pass(layer, touched, src, kw, batch_size, device)
+            inputs, energies, out = _dense_pass(layer, touched, src, kw, batch_size, device)
+            cache = (inputs, energies)
             if streams.dense is not None:
                 dense_next = out
             else:

@@ -210,6 +210,7 @@ def _to_device(stats: GroupStats, device: torch.device) -> GroupStats:
         Hd=None if stats.Hd is None else stats.Hd.to(device),
         ntokens=stats.ntokens,
         mean=None if stats.mean is None else stats.mean.to(device),
+        out_sq=None if stats.out_sq is None else {k: v.to(device) for k, v in stats.out_sq.items()},
     )
 
 

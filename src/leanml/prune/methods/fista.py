@@ -184,6 +184,7 @@ class FistaPruner(Pruner):
                 lspec,
                 G=stats.G,
                 Hd=stats.Hd,
+                dense_const=stats.out_sq[name] if stats.out_sq and name in stats.out_sq else None,
                 W_start=start,
                 lam=self.lam,
                 rounds=self.rounds,
