@@ -20,6 +20,7 @@ of the process (all its threads). Records merge into ``bench/results/prune_speed
     PYTHONPATH=/path/to/old/src python bench/prune_speed.py --code before --layers 4 --runs sparsegpt:intra
     python bench/prune_speed.py --runs sparsegpt:default --nsamples 32          # the full model
     python bench/prune_speed.py --runs fista+iters=5+rounds=1+refine=10:default --nsamples 64 --eval val
+    python bench/prune_speed.py --torchrun 2 --runs fista:dense --nsamples 64     # layer-parallel, 2 processes
     python bench/prune_speed.py --render-only
 """
 
@@ -110,6 +111,44 @@ def type_of(text: str) -> Any:
     return text
 
 
+def run_torchrun(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Layer-parallel pruning with ``--torchrun`` processes through the CLI (dense inputs, one torch
+    thread per process); wall time and the CPU time of all processes."""
+    import resource
+    import tempfile
+
+    name, *opts = method.split("+")
+    extra = [f"--{name}-{k}={v}" for k, v in (o.split("=") for o in opts)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.torchrun}",
+               "-m", "leanml", "prune", "--model", "smollm2-135m", "--method", name, "--mode", "dense",
+               "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen), "--batch-size", str(args.batch_size),
+               "--no-eval", "--out", str(out), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // args.torchrun))}
+        load = os.getloadavg()[0]
+        c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, env=env, check=True)
+        wall = time.perf_counter() - t0
+        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        report = json.loads((out / "report.json").read_text())
+    layers = report["layers"]
+    phases = {"capture": report["engine"].get("capture_seconds", 0.0),
+              "stats": sum(lay["stats_seconds"] for lay in layers), "solve": sum(lay["prune_seconds"] for lay in layers),
+              "forward": sum(lay["forward_seconds"] for lay in layers),
+              "report": sum(lay["report_seconds"] for lay in layers)}
+    phases["other"] = None  # the phases of two processes overlap in time
+    return {"code": args.code, "rev": args.rev or _git_rev(), "method": method, "method_config": report["method_config"],
+            "mode": f"torchrun x{args.torchrun}", "intra_layer": report["engine"]["intra_layer"],
+            "layers_pruned": len(layers), "nsamples": args.nsamples, "seqlen": args.seqlen,
+            "batch_size": args.batch_size, "wall_s": wall,
+            "cpu_s": (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime),
+            "rank_seconds": report.get("rank_seconds"), **{f"{k}_s": v for k, v in phases.items()},
+            "threads": f"{args.torchrun} x {max(1, args.threads // args.torchrun)}", "load_before": load,
+            "load_after": os.getloadavg()[0], "command": "python bench/prune_speed.py " + " ".join(sys.argv[1:])}
+
+
 def key(r: dict[str, Any]) -> tuple:
     return (r["code"], r["method"], r["mode"], r["layers_pruned"], r["nsamples"], r["seqlen"], r.get("eval_split"))
 
@@ -133,7 +172,7 @@ def render(records: list[dict[str, Any]]) -> str:
         mode = r["mode"] + ("" if r["mode"] != "default" else f" ({'intra' if r['intra_layer'] else 'one-pass'})")
         lines.append(f"| {r['code']} ({r['rev']}) | {r['method']} | {mode} | {r['layers_pruned']} | "
                      f"{r['nsamples']} x {r['seqlen']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
-                     + " | ".join(f"{r[p + '_s']:.1f}" for p in PHASES)
+                     + " | ".join("-" if r[p + "_s"] is None else f"{r[p + '_s']:.1f}" for p in PHASES)
                      + (f" | {r['ppl']:.2f}" if "ppl" in r else " | -")
                      + f" | {r['threads']} | {r['load_before']:.1f} / {r['load_after']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -152,6 +191,8 @@ def main() -> int:
     ap.add_argument("--rev", default=None, help="revision of the code under test (default: git of leanml)")
     ap.add_argument("--eval", default=None, choices=["val"],
                     help="also measure perplexity on this Shakespeare split (val: two held-out plays)")
+    ap.add_argument("--torchrun", type=int, default=0,
+                    help="run each method layer-parallel with this many processes through the CLI instead")
     ap.add_argument("--render-only", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -162,12 +203,13 @@ def main() -> int:
         from leanml.models import load_model
         from leanml.utils import write_json
 
-        model, tok = load_model("smollm2-135m")
-        args.tokenizer = tok
-        calib = calibration_windows(tok, "shakespeare", args.nsamples, args.seqlen, 0)
+        if not args.torchrun:
+            model, tok = load_model("smollm2-135m")
+            args.tokenizer = tok
+            calib = calibration_windows(tok, "shakespeare", args.nsamples, args.seqlen, 0)
         for item in args.runs.split(","):
             method, mode = item.split(":")
-            rec = run(method, mode, args, model, calib)
+            rec = run_torchrun(method, args) if args.torchrun else run(method, mode, args, model, calib)
             print(json.dumps(rec), flush=True)
             records = [r for r in records if key(r) != key(rec)] + [rec]
             write_json(path, records)
