@@ -388,6 +388,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
                     es.append(s.std)
             label = method + ("" if profile == "uniform" else f" ({profile})")
             ax.bar(xs, ys, width, yerr=es, label=label, hatch="//" if method in PEERS else None)
+            for x, y in zip(xs, ys):
+                ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=6)
         dense = stats(records, method="dense", corpus=corpus)
         if dense:
             ax.axhline(dense.mean, color="k", ls="--", lw=1, label=f"dense {dense.mean:.1f}")
@@ -396,6 +398,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel("perplexity (log)")
         ax.set_title(f"{CORPUS_NAMES.get(corpus, corpus)} (lower is better)")
         ax.legend(fontsize=7)
+    models = ", ".join(str(m) for m in _distinct(r.get("model") for r in records))
+    fig.suptitle(f"{models}: perplexity after pruning, whole test splits (bars: seed mean, whiskers: std; hatched: llm-compressor)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
