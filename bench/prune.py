@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
-import inspect
 import json
 import os
 import resource
@@ -70,7 +69,6 @@ DEFAULT_CALIB = "shakespeare"
 DEFAULT_NSAMPLES = 64
 DEFAULT_SEQLEN = 512
 DEFAULT_SEED = 0
-DEFAULT_BATCH_SIZE = 8
 DEFAULT_THREADS = 2
 CORPORA = ("shakespeare", "reviews")
 CPU_LOCK = "/tmp/leanml-cpu.lock"
@@ -171,39 +169,64 @@ class Context:
 # ---------------------------------------------------------------- rows
 
 
-def prune_ours(ctx: Context, label: str, pattern: str, profile: str, seed: int, out: Path) -> dict[str, Any]:
-    """Prune with our engine, save to ``out``; return timing and settings."""
-    from leanml.models import load_model, save_model
-    from leanml.prune.engine import prune_model
+def cli_defaults(method: str) -> argparse.Namespace:
+    """What ``leanml prune --method METHOD`` parses to with every other option at its default: the
+    settings our rows run with (method options, mask scope, sequential mode, intra-layer correction,
+    batch size, OWL's M and lambda), taken from the CLI's own parser so they cannot drift from it."""
+    from leanml.prune import cli
+    from leanml.prune.methods import pruner_class
+
+    pruner_class(method)  # an unknown name: a one-line LeanmlError, not argparse's exit
+    ap = argparse.ArgumentParser(prog="leanml")
+    cli.register(ap.add_subparsers(dest="command"))
+    return ap.parse_args(["prune", "--method", method, "--out", "unused"])
+
+
+def our_settings(label: str, pattern: str, profile: str, batch_size: int | None) -> tuple[Any, Any, dict[str, Any]]:
+    """(pruner, open mask spec, ``prune_model`` keyword arguments) for a row of ours, as ``leanml prune``
+    builds them; ``label`` is a method name, or ``method:warm`` for a warm start (``fista:dense``);
+    ``batch_size`` None keeps the CLI's."""
     from leanml.prune.masks import MaskSpec
     from leanml.prune.methods import pruner_class
 
     method, _, warm = label.partition(":")
-    cls = pruner_class(method)
-    pruner = cls(warm_start=warm) if warm else cls()
+    args = cli_defaults(method)
+    if warm:
+        attr = f"{method.replace('-', '_')}_warm_start"
+        if not hasattr(args, attr):
+            raise LeanmlError(f"method {method!r} takes no warm start; drop ':{warm}' from {label!r}")
+        setattr(args, attr, warm)
+    pruner = pruner_class(method).from_args(args)
     sparsity, nm = H.parse_pattern(pattern)
-    spec = MaskSpec(sparsity, nm, getattr(cls, "default_scope", "row"))
-    kwargs = engine_profile_kwargs(profile)
+    spec = MaskSpec(sparsity, nm, args.scope)  # scope None: the method's default, resolved by the engine
+    engine = {"sequential": args.mode == "sequential", "intra_layer": args.intra_layer,
+              "batch_size": args.batch_size if batch_size is None else batch_size,
+              "sparsity_profile": profile, "owl": {"m": args.owl_m, "lam": args.owl_lambda}}
+    return pruner, spec, engine
+
+
+def prune_ours(ctx: Context, label: str, pattern: str, profile: str, seed: int, out: Path) -> dict[str, Any]:
+    """Prune with our engine (``prune_model``, the CLI's default settings), save to ``out``; return
+    timing and the settings the engine reports it used.
+
+    Timed like the peer's ``oneshot``: the pruning call only, model already loaded, saving after;
+    no per-layer checkpoint files (the CLI writes them for ``--resume``)."""
+    from leanml.models import load_model, save_model
+    from leanml.prune.engine import prune_model
+
+    pruner, spec, engine = our_settings(label, pattern, profile, ctx.args.batch_size)
     _, ids = ctx.calibration(seed)
     model, tok = load_model(str(ctx.model_dir))
     t0, c0 = time.perf_counter(), cpu_seconds()
-    prune_model(model, ids, pruner, spec, batch_size=ctx.args.batch_size, progress=True, **kwargs)
+    report = prune_model(model, ids, pruner, spec, progress=True, **engine)
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     save_model(model, tok, out)
-    return {"seconds": seconds, "cpu_seconds": cpu, "method_config": pruner.config(), "mask_scope": spec.scope}
-
-
-def engine_profile_kwargs(profile: str) -> dict[str, Any]:
-    """Keyword arguments that ask ``prune_model`` for a layer sparsity profile (none for uniform)."""
-    if profile == "uniform":
-        return {}
-    from leanml.prune.engine import prune_model
-
-    params = inspect.signature(prune_model).parameters
-    for name in ("sparsity_profile", "profile"):
-        if name in params:
-            return {name: profile}
-    raise LeanmlError(f"this engine has no sparsity profile option; profile {profile!r} needs it")
+    profile_info = report["mask"]["profile"]
+    return {"seconds": seconds, "cpu_seconds": cpu, "method_config": report["method_config"],
+            "mask_scope": report["mask"]["scope"], "engine": {**report["engine"], "owl": engine["owl"]},
+            "settings": f"leanml prune --method {label.partition(':')[0]} defaults",
+            "profile_info": {k: v for k, v in profile_info.items() if k != "name"} or None,
+            "engine_prune_seconds": report["prune_seconds"]}
 
 
 def ensure_peers(python: Path) -> None:
@@ -325,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib", default=DEFAULT_CALIB, help="corpus whose calib split calibrates (default shakespeare)")
     ap.add_argument("--corpora", default=",".join(CORPORA), help="evaluation corpora, whole test splits")
     ap.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads, ours and the peer's (default 2)")
-    ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="engine calibration batch size")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="engine calibration batch size of our rows (default: leanml prune's)")
     ap.add_argument("--eval-batch-size", type=int, default=4)
     ap.add_argument("--peers-python", default=str(PEERS_PYTHON), help="python of the peer venv (default .venv-peers)")
     ap.add_argument("--work-dir", default=None, help="calibration files, saved models, peer logs (default <cache>/bench-prune)")
@@ -349,6 +373,12 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(exc))
     if bad := [p for p in profiles if p not in H.PROFILES]:
         ap.error(f"unknown profile(s) {bad}; use uniform, owl")
+    for m in methods:
+        if m not in ("dense", *H.PEERS):
+            try:
+                our_settings(m, "50%", "uniform", args.batch_size)
+            except LeanmlError as exc:
+                ap.error(str(exc))
     torch.set_num_threads(args.threads)
     from leanml.models import BUNDLED, bundled_dir, load_model
 

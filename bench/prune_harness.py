@@ -199,6 +199,20 @@ def best_sparsegpt(records: list[dict[str, Any]], pattern: str, corpus: str) -> 
     return min(cands, key=lambda c: c[1].mean) if cands else None
 
 
+def paired_stats(runs: list[dict[str, Any]], field: str, a: str, b: str, **where: Any) -> tuple[Stats | None, Stats | None, str]:
+    """``field`` of methods ``a`` and ``b`` over the calibration seeds both have usable runs of (a ratio
+    of the two means then compares the same calibration sets), and what is missing when there is no
+    common seed (``(None, None, "needs ...")``)."""
+    rows = {m: {r.get("seed"): r for r in runs if usable(r) and r["method"] == m
+                and all(r.get(k) == v for k, v in where.items())} for m in (a, b)}
+    common = set(rows[a]) & set(rows[b])
+    if not common:
+        lacking = [m for m in (a, b) if not rows[m]] or [a, b]
+        return None, None, "needs " + " and ".join(lacking) + (" on a common calibration seed" if len(lacking) == 2 and rows[a] else "")
+    pick = {m: [r for seed, r in rows[m].items() if seed in common] for m in (a, b)}
+    return stats(pick[a], field), stats(pick[b], field), ""
+
+
 def _target(name: str, corpus: str | None, value: float | None, limit: str, ok: bool | None, detail: str) -> dict[str, Any]:
     status = "pending" if ok is None else ("met" if ok else "missed")
     return {"target": name, "corpus": corpus or "-", "value": value, "limit": limit, "status": status, "detail": detail}
@@ -238,14 +252,13 @@ def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for a, b, limit in (("fista", "sparsegpt", 2.0), ("sparsegpt", "llmc-sparsegpt", 1.0)):
         for field, what in (("seconds", "wall s"), ("cpu_seconds", "CPU-s")):
             name = f"{a} prune {what} <= {limit:g} x {b} (50%)"
-            sa = stats(runs, field, method=a, pattern="50%", profile="uniform")
-            sb = stats(runs, field, method=b, pattern="50%", profile="uniform")
+            sa, sb, missing = paired_stats(runs, field, a, b, pattern="50%", profile="uniform")
             if not sa or not sb:
-                out.append(_target(name, None, None, f"{limit:g}", None,
-                                   "needs " + " and ".join(w for w, s in ((a, sa), (b, sb)) if not s)))
+                out.append(_target(name, None, None, f"{limit:g}", None, missing))
                 continue
             ratio = sa.mean / sb.mean
-            out.append(_target(name, None, ratio, f"{limit:g}", ratio <= limit, f"{a} {sa.text(0)} / {b} {sb.text(0)}"))
+            out.append(_target(name, None, ratio, f"{limit:g}", ratio <= limit,
+                               f"{a} {sa.text(0)} / {b} {sb.text(0)} (seeds {', '.join(map(str, sa.seeds))})"))
     for corpus in corpora:
         name = "our SparseGPT within ±3 % of llmc-sparsegpt (same windows)"
         ours = {r["seed"]: r for r in records if usable(r) and r["method"] == "sparsegpt" and r["pattern"] == "50%"
@@ -273,6 +286,27 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 def _distinct(values: Iterable[Any]) -> list[Any]:
     return list(dict.fromkeys(json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v for v in values))
+
+
+def settings_text(r: dict[str, Any]) -> str:
+    """The settings a run used, from its record: the peer's modifier arguments, or our method options
+    and engine settings (sparsity and N:M, given by the pattern column, left out)."""
+    if peer := r.get("peer"):
+        args = {k: v for k, v in (peer.get("settings") or {}).items() if k not in ("sparsity", "mask_structure")}
+        return (f"{peer.get('modifier')}({', '.join(f'{k}={v!r}' for k, v in args.items())}), oneshot batch 1, "
+                f"llmcompressor {(peer.get('versions') or {}).get('llmcompressor')}")
+    if r.get("error") and not r.get("method_config") and not r.get("engine"):
+        return "- (the run failed before pruning)"
+    engine = r.get("engine") or {}
+    config = r.get("method_config") or {}
+    parts = [r.get("settings") or "engine API",
+             ", ".join(f"{k}={v}" for k, v in config.items()) or "no method options",
+             f"mask scope {r.get('mask_scope')}", f"intra-layer {engine.get('intra_layer')}",
+             "sequential" if engine.get("sequential", True) else "dense inputs",
+             f"batch {engine.get('batch_size')}"]
+    if r.get("profile") == "owl" and engine.get("owl"):
+        parts.append(f"owl M={engine['owl'].get('m')} lambda={engine['owl'].get('lam')}")
+    return "; ".join(str(x) for x in parts)
 
 
 def render_markdown(records: list[dict[str, Any]]) -> str:
@@ -309,8 +343,10 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
         "llm-compressor's `oneshot` in its own venv on the same calibration file).  ",
         "`sparsity` is measured from the saved weights over the decoder linears; `/ best SGPT` is the ratio to the "
         "better of our SparseGPT and llm-compressor's (seed mean, uniform) at the same pattern on the same corpus.  ",
-        "Prune s / CPU-s: the pruning call only (`prune_model`, or `oneshot`), calibration forwards included; "
-        "CPU-s is user + system time of the process and its children.",
+        "Prune s / CPU-s: the pruning call only, timed alike for both (model already loaded, saving after, "
+        "calibration forwards and any OWL pass included): our `prune_model` with `leanml prune`'s default "
+        "settings (without the per-layer checkpoint files the CLI writes for `--resume`), llm-compressor's "
+        "`oneshot`; CPU-s is user + system time of the process and its children.",
         "",
     ]
     header = "| pattern | method | profile | seeds | sparsity | " + " | ".join(
@@ -339,6 +375,11 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
         value = "-" if t["value"] is None else (f"{100 * t['value']:+.2f} %" if "%" in t["limit"] else f"{t['value']:.3f}")
         lines.append(f"| {t['target']} | {CORPUS_NAMES.get(t['corpus'], t['corpus'])} | {value} | {t['limit']} | "
                      f"**{t['status']}** | {t['detail']} |")
+    lines += ["", "## Settings (from the records)", "", "| method | profile | settings |", "|---|---|---|"]
+    for method, profile in sorted({(r["method"], r["profile"]) for r in runs if r["method"] != "dense"},
+                                  key=lambda k: (k[0] in PEERS, str(k[0]), k[1])):
+        texts = _distinct(settings_text(r) for r in runs if (r["method"], r["profile"]) == (method, profile))
+        lines.append(f"| {method} | {profile} | {'<br>'.join(texts)} |")
     lines += ["", "## Measured sparsity by module kind (fraction of zeros in the saved weights)", "",
               "| method | pattern | profile | seed | " + " | ".join(KIND_ORDER) + " | flags |",
               "|" + "---|" * (5 + len(KIND_ORDER))]

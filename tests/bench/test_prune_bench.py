@@ -190,6 +190,43 @@ def test_targets_met_missed_pending():
     assert t["value"] == pytest.approx(250.0 / 400.0) and t["status"] == "met" and t["detail"].startswith("wanda owl")
 
 
+def test_timing_targets_compare_common_seeds_only():
+    rs = [rec("sparsegpt", seed=0, seconds=50.0, cpu_seconds=80.0),
+          rec("llmc-sparsegpt", seed=0, seconds=100.0, cpu_seconds=100.0),
+          rec("llmc-sparsegpt", seed=1, seconds=300.0, cpu_seconds=900.0)]  # no seed 1 of ours: not compared
+    by = {t["target"]: t for t in H.targets(rs)}
+    t = by["sparsegpt prune CPU-s <= 1 x llmc-sparsegpt (50%)"]
+    assert t["value"] == pytest.approx(0.8) and t["status"] == "met" and "(seeds 0)" in t["detail"]
+    rs = [rec("sparsegpt", seed=2), rec("llmc-sparsegpt", seed=0)]
+    t = {t["target"]: t for t in H.targets(rs)}["sparsegpt prune wall s <= 1 x llmc-sparsegpt (50%)"]
+    assert t["status"] == "pending" and t["detail"] == "needs sparsegpt and llmc-sparsegpt on a common calibration seed"
+    assert {t["target"]: t for t in H.targets(rs)}["fista prune wall s <= 2 x sparsegpt (50%)"]["detail"] == "needs fista"
+
+
+def test_our_rows_run_with_the_cli_defaults():
+    """Our rows take `leanml prune --method X`'s settings; FISTA rows need no option to run at its defaults."""
+    from leanml.prune.methods.baselines import SparseGPTPruner, WandaPruner
+    from leanml.prune.methods.fista import FistaPruner
+    from leanml.utils import LeanmlError
+
+    bp = load_bench_prune()
+    pruner, spec, engine = bp.our_settings("fista", "50%", "uniform", None)
+    assert pruner.config() == FistaPruner().config() and spec.scope is None and spec.sparsity == 0.5
+    assert pruner.resolve_spec(spec).scope == "layer" and pruner.resolve_intra_layer(engine["intra_layer"]) is True
+    assert engine == {"sequential": True, "intra_layer": None, "batch_size": 4, "sparsity_profile": "uniform",
+                      "owl": {"m": 5.0, "lam": 0.08}}
+    assert bp.our_settings("fista:dense", "2:4", "uniform", 8)[0].config()["warm_start"] == "dense"
+    pruner, spec, engine = bp.our_settings("sparsegpt", "4:8", "uniform", 8)
+    assert isinstance(pruner, SparseGPTPruner) and spec.pattern == (4, 8) and engine["batch_size"] == 8
+    pruner, spec, engine = bp.our_settings("wanda", "70%", "owl", None)
+    assert isinstance(pruner, WandaPruner) and pruner.resolve_intra_layer(None) is False
+    assert engine["sparsity_profile"] == "owl"
+    with pytest.raises(LeanmlError, match="no warm start"):
+        bp.our_settings("wanda:dense", "50%", "uniform", None)
+    with pytest.raises(SystemExit):  # unknown methods are refused before any row runs
+        bp.main(["--methods", "dense,nosuch", "--results", "/nonexistent/prune.json"])
+
+
 def test_baseline_check_needs_identical_calibration():
     rs = [rec("sparsegpt", ppl=60.0), rec("llmc-sparsegpt", ppl=70.0, calib_sha256="other")]
     t = [t for t in H.targets(rs) if t["target"].startswith("our SparseGPT within")][0]
@@ -228,11 +265,16 @@ def test_harness_runs_rows_and_records_a_failing_peer(tiny_model_dir, tmp_path):
     results = tmp_path / "res" / "prune.json"
     common = ["--model", str(tiny_model_dir), "--nsamples", "2", "--seqlen", "32", "--corpora", str(text),
               "--results", str(results), "--work-dir", str(tmp_path / "work"), "--threads", "1"]
-    bp.main([*common, "--methods", "dense,magnitude,llmc-wanda", "--patterns", "60%",
+    bp.main([*common, "--methods", "dense,magnitude,fista,llmc-wanda", "--patterns", "60%",
              "--peers-python", str(tmp_path / "no-such-venv" / "python")])
     recs = json.loads(results.read_text())
     by = {r["method"]: r for r in recs}
-    assert set(by) == {"dense", "magnitude", "llmc-wanda"}
+    assert set(by) == {"dense", "magnitude", "fista", "llmc-wanda"}
+    fista = by["fista"]
+    assert fista["sparsity_measured"] == pytest.approx(0.6, abs=0.01) and fista["ppl"] > 1
+    assert fista["method_config"]["warm_start"] == "sparsegpt" and fista["mask_scope"] == "layer"
+    assert fista["engine"]["intra_layer"] is True and fista["engine"]["batch_size"] == 4
+    assert fista["settings"] == "leanml prune --method fista defaults"
     assert "peer python" in by["llmc-wanda"]["error"] and by["llmc-wanda"]["ppl"] is None
     mag = by["magnitude"]
     assert mag["sparsity_measured"] == pytest.approx(0.6, abs=0.01) and mag["sparsity_by_kind"]["embeddings"] == 0.0
@@ -243,11 +285,16 @@ def test_harness_runs_rows_and_records_a_failing_peer(tiny_model_dir, tmp_path):
     md = results.with_suffix(".md").read_text()
     assert f"{n_windows} windows x 32 tokens" in md and "error: LeanmlError: peer python" in md
     assert results.with_suffix(".png").exists()
-    # a second chunk merges: the dense record is kept, a new seed is added
-    bp.main([*common, "--methods", "magnitude", "--patterns", "60%", "--seeds", "1"])
+    assert "| fista | uniform | leanml prune --method fista defaults; lambda=0.001" in md
+    # a second chunk merges: the dense record is kept, a new seed and an owl row are added
+    bp.main([*common, "--methods", "magnitude", "--patterns", "60%", "--seeds", "1", "--profiles", "uniform,owl"])
     recs = json.loads(results.read_text())
-    assert sorted((r["method"], r["seed"]) for r in recs) == [
-        ("dense", None), ("llmc-wanda", 0), ("magnitude", 0), ("magnitude", 1)]
+    assert sorted((r["method"], r["seed"], r["profile"]) for r in recs) == [
+        ("dense", None, "uniform"), ("fista", 0, "uniform"), ("llmc-wanda", 0, "uniform"), ("magnitude", 0, "uniform"),
+        ("magnitude", 1, "owl"), ("magnitude", 1, "uniform")]
+    owl = next(r for r in recs if r["profile"] == "owl")
+    assert owl["sparsity_measured"] == pytest.approx(0.6, abs=0.01) and len(owl["profile_info"]["layer_sparsity"]) == 2
+    assert owl["engine"]["owl"] == {"m": 5.0, "lam": 0.08}
 
 
 PEERS_PY = Path(__file__).resolve().parents[2] / ".venv-peers" / "bin" / "python"
