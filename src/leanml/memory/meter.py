@@ -79,7 +79,7 @@ class ActivationMeter:
     # ------------------------------------------------------------------ context
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.track(t)
-        return t
+        return t.detach()  # the tensor itself would make a cycle with the node saving its own output
 
     def __enter__(self) -> ActivationMeter:
         _ACTIVE.append(self)
