@@ -278,6 +278,7 @@ class Adacc:
         self.plan: PlanRecord | None = None
         self.history: list[dict[str, Any]] = []
         self.step_peaks: list[int] = []
+        self.step_budgets: list[float] = []  # the budget in bytes each measured step ran under
         self.step_cuda_peaks: list[int] = []
         self.replan_s = 0.0  # all time spent profiling, solving and calibrating (initial plan included)
         self.last_step_replan_s = 0.0  # of that, what the most recent training step spent
@@ -595,6 +596,7 @@ class Adacc:
             return None
         meter.__exit__(None, None, None)
         self.step_peaks.append(meter.peak)
+        self.step_budgets.append(self.plan.budget_bytes if self.plan is not None else float("inf"))
         if meter.cuda_peak is not None:
             self.step_cuda_peaks.append(meter.cuda_peak)
         return meter.peak
@@ -621,7 +623,7 @@ class Adacc:
         self.replan_s += seconds
         self.history.append({"step": self._steps, "reason": f"step peak {over / MIB:.1f} MiB over budget",
                              "shape": self._sig, "plan": record.summary(), "measured_peak": None,
-                             "budget_bytes": budget, "seconds": seconds})
+                             "budget_bytes": self.plan.budget_bytes if self.plan else None, "seconds": seconds})
 
     def remove_plan(self) -> None:
         """Uninstall the current plan (the model runs unoptimized until the next forward plans again)."""
@@ -640,16 +642,15 @@ class Adacc:
     def report(self) -> dict[str, Any]:
         """Budget, profile, plan (per shape), measured step peaks and history as JSON-ready data."""
         peaks = self.step_peaks
-        budget = self.plan.budget_bytes if self.plan else None
         return {
             "budget": self.budget.to_json(),
-            "budget_bytes": budget,
+            "budget_bytes": self.plan.budget_bytes if self.plan else None,
             "unoptimized_peak_bytes": self.profile.peak_bytes if self.profile else None,
             "profile_peak_bytes": self.profile.profile_peak_bytes if self.profile else None,
             "plan": self.plan.to_json() if self.plan else None,
             "plans": {sig: e.record.to_json() for sig, e in self._plans.items()},
             "steps": {"measured": len(peaks), "max_peak_bytes": max(peaks) if peaks else None,
-                      "over_budget": sum(p > (budget or float("inf")) for p in peaks),
+                      "over_budget": sum(p > b for p, b in zip(peaks, self.step_budgets)),
                       "max_cuda_peak_bytes": max(self.step_cuda_peaks) if self.step_cuda_peaks else None},
             "replan_s": self.replan_s,
             "history": self.history,
