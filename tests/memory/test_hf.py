@@ -11,7 +11,7 @@ from .test_runtime import tiny_llama
 
 
 def test_trainer_callback_keeps_the_budget(tmp_path: Path) -> None:
-    from transformers import Trainer, TrainingArguments, TrainerCallback
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     torch.set_num_threads(1)
     model = tiny_llama()
