@@ -64,12 +64,16 @@ QUICK = [("none", 1.0, False), ("checkpoint", 1.0, False), ("sac", 1.0, False), 
          ("compile", 0.5, False), ("adacc", 0.25, False), ("adacc", 0.5, False), ("adacc", 0.75, False),
          ("adacc", 0.5, True)]
 
+EVERY_THIRD = [*range(0, 30, 3), 29]  # SmolLM2 layers whose compressors / compiled variants are measured
 SECTIONS = {
-    # name: model, dtype, batch, seqlen, warmup, timed steps, strategies
-    "smollm2": dict(model="smollm2-135m", dtype="float32", batch=2, seqlen=512, warmup=2, timed=10, plan=ALL),
-    "bf16": dict(model="smollm2-135m", dtype="bfloat16", batch=2, seqlen=512, warmup=2, timed=10, plan=BF16),
-    "small": dict(model="small", dtype="float32", batch=4, seqlen=256, warmup=2, timed=10, plan=QUICK),
-    "loss": dict(model="smollm2-135m", dtype="float32", batch=2, seqlen=128, warmup=2, timed=198, plan=LOSS),
+    # name: model, dtype, batch, seqlen, warmup, timed steps, strategies, measured layers
+    "smollm2": dict(model="smollm2-135m", dtype="float32", batch=2, seqlen=512, warmup=2, timed=10, plan=ALL,
+                    layers=EVERY_THIRD),
+    "bf16": dict(model="smollm2-135m", dtype="bfloat16", batch=2, seqlen=512, warmup=2, timed=10, plan=BF16,
+                 layers=EVERY_THIRD),
+    "small": dict(model="small", dtype="float32", batch=4, seqlen=256, warmup=2, timed=10, plan=QUICK, layers=None),
+    "loss": dict(model="smollm2-135m", dtype="float32", batch=2, seqlen=128, warmup=2, timed=198, plan=LOSS,
+                 layers=EVERY_THIRD),
 }
 
 
@@ -124,6 +128,7 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
     runners: list[StrategyRunner] = []
     errors: list[dict[str, Any]] = []
     shared_opt = None
+    profiles: dict[bool, Any] = {}  # one Adacc profile per kind (eager / compiled options), shared by budgets
     for strategy, budget, cb in plan:
         if section == "loss":  # independent training runs: own weights, own optimizer
             torch.manual_seed(seed)
@@ -137,8 +142,8 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
             opt = shared_opt
         cfg = TrainConfig(strategy=strategy, budget=budget, batch_size=spec["batch"], steps=steps, lr=lr,
                           warmup=spec["warmup"], progress=False,
-                          compile_blocks=COMPILE_BLOCK_BUDGETS if cb else False)
-        runner = StrategyRunner(m, cfg, unoptimized_peak=base, optimizer=opt)
+                          compile_blocks=COMPILE_BLOCK_BUDGETS if cb else False, compress_layers=spec["layers"])
+        runner = StrategyRunner(m, cfg, unoptimized_peak=base, optimizer=opt, profile=profiles.get(cb))
         t0 = time.perf_counter()
         try:
             runner.setup(data[0])
@@ -149,6 +154,8 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
             errors.append({"label": cfg.label, "strategy": strategy, "error": msg})
             continue
         print(f"[{section}] {cfg.label}: set up in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        if runner.adacc is not None and runner.adacc.profile is not None:
+            profiles.setdefault(cb, runner.adacc.profile)
         runners.append(runner)
     for i, x in enumerate(tqdm(data, desc=f"{section}: interleaved steps")):
         k = i % max(1, len(runners))
@@ -157,6 +164,7 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
     load_after = os.getloadavg()
     common = {"section": section, "repeat": repeat, "seed": seed, "model": spec["model"], "dtype": spec["dtype"],
               "batch_size": spec["batch"], "seqlen": spec["seqlen"], "threads": threads, "lr": lr,
+              "measured_layers": spec["layers"],
               "unoptimized_peak_bytes": base, "load_before": load_before, "load_after": load_after}
     records = []
     for runner in runners:

@@ -216,3 +216,18 @@ def test_bf16_model_compresses_its_activations() -> None:
     assert adacc.step_peaks[-1] <= plan.budget_bytes
     assert torch.nn.functional.cosine_similarity(got, ref, dim=0).item() > 0.98
     adacc.remove()
+
+
+def test_profile_shared_between_models_sharing_weights() -> None:
+    from leanml.memory.train import shared_weights_copy
+
+    model = tiny_llama()
+    first = Adacc(model, budget=0.6)
+    plan = first.prepare(input_ids=IDS, labels=IDS)
+    twin = shared_weights_copy(model)
+    second = Adacc(twin, budget=0.6, profile=first.profile)
+    again = second.prepare(input_ids=IDS, labels=IDS)
+    assert second.profile is first.profile and second.history[0]["profile_reused"]
+    assert again.options == plan.options and again.measured_peak <= again.budget_bytes
+    first.remove()
+    second.remove()

@@ -226,6 +226,9 @@ class Adacc:
     its saved tensors retained or compressed (needs a working ``torch.compile``). ``on_new_shape``:
     ``"replan"`` (default: profile and plan a batch of a new shape before running it, plans cached per
     shape) or ``"error"``. ``measure_steps``: measure every training step's peak (``step_peaks``).
+    ``profile``: a profile of the same architecture and input shape (``other.profile``, e.g. from an Adacc
+    on a model sharing these weights, with the same compressors and ``compile_blocks``) to plan the first
+    batch of that shape from instead of profiling again.
     """
 
     def __init__(
@@ -249,6 +252,7 @@ class Adacc:
         measure_steps: bool = True,
         max_calibrations: int = 4,
         progress: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         if on_new_shape not in ("replan", "error"):
             raise LeanmlError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
@@ -282,6 +286,7 @@ class Adacc:
         self.step_cuda_peaks: list[int] = []
         self.replan_s = 0.0  # all time spent profiling, solving and calibrating (initial plan included)
         self.last_step_replan_s = 0.0  # of that, what the most recent training step spent
+        self._given_profile = profile
         self._plans: dict[str, _ShapePlan] = {}
         self._sig: str | None = None
         self._applied: AppliedPlan | None = None
@@ -394,11 +399,23 @@ class Adacc:
         t0 = time.perf_counter()
         args, kwargs = self._inputs
         self.remove_plan()
-        profile = self._isolated(lambda: profile_step(
+        given, self._given_profile = self._given_profile, None
+        if given is not None and given.shape == sig and given.n_layers == len(self.blocks):
+            profile = given
+        else:
+            profile = self._profile(args, kwargs)
+        profile.shape = sig
+        self._plan_from(profile, sig, reason, t0)
+        self.history[-1]["profile_reused"] = profile is given
+        return self.plan  # type: ignore[return-value]
+
+    def _profile(self, args: tuple, kwargs: dict) -> Profile:
+        return self._isolated(lambda: profile_step(
             self.model, self.blocks, lambda: self._run(args, kwargs), self.compressors, self.outlier_frac,
             self.compress_layers, measure_outside=self.compress_head, compile_budgets=self.compile_budgets,
             progress=self.progress))
-        profile.shape = sig
+
+    def _plan_from(self, profile: Profile, sig: str, reason: str, t0: float) -> None:
         budget = self.budget.to_bytes(profile.peak_bytes)
         problem, names, post_names = build_problem(profile, self.max_error, self.error_caps, self.compress_head)
         floor = min_peak(problem)
@@ -420,7 +437,6 @@ class Adacc:
                              "measured_peak": entry.record.measured_peak, "budget_bytes": budget,
                              "profile_peak_bytes": profile.profile_peak_bytes, "seconds": seconds})
         log.info("adacc plan (%s, %.1fs): %s", reason, seconds, entry.record.summary())
-        return entry.record
 
     def _calibrated(self, entry: _ShapePlan, budget: float, model_budget: float) -> PlanRecord:
         """Solve, install and (with ``calibrate``) measure; tighten the planner's budget by any overshoot.

@@ -142,7 +142,7 @@ class StrategyRunner:
     between runners whose models share weights (default: a new AdamW)."""
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, unoptimized_peak: int | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, profile: Any = None) -> None:
         cfg.check()
         self.model = model
         self.cfg = cfg
@@ -160,6 +160,7 @@ class StrategyRunner:
         self.setup_peak: int | None = None
         self.budget_bytes: float | None = None
         self.optim = optimizer
+        self.profile = profile  # an Adacc profile of the same model and batch shape to plan from
         self.tokens = 0
         self.setup_s = 0.0
 
@@ -172,7 +173,7 @@ class StrategyRunner:
         self.tokens = x.numel()
         if cfg.strategy == "adacc":
             self.adacc = Adacc(model, budget=self.budget, max_error=cfg.max_error, compile_blocks=cfg.compile_blocks,
-                               compress_layers=cfg.compress_layers)
+                               compress_layers=cfg.compress_layers, profile=self.profile)
             record = self.adacc.prepare(input_ids=x, labels=x)
             assert self.adacc.profile is not None
             if self.unoptimized_peak is not None and self.unoptimized_peak != self.adacc.profile.peak_bytes:
@@ -275,6 +276,7 @@ class StrategyRunner:
             assert self.adacc.profile is not None
             out["profile_peak_bytes"] = self.adacc.profile.profile_peak_bytes
             out["profile_s"] = self.adacc.profile.profile_s
+            out["profile_reused"] = bool(self.adacc.history and self.adacc.history[0].get("profile_reused"))
             out["compile_error"] = self.adacc.profile.compile_error
         return out
 
