@@ -4,9 +4,9 @@ optimization, full checkpointing, selective checkpointing and torch.compile's ac
 
 Run it in chunks (each its own process and CPU-lock slot, records merged into memory.json by key):
 
-    python bench/memory.py --section smollm2 --repeat 0    # one interleaved comparison, all strategies
-    python bench/memory.py --section smollm2 --repeat 1
-    python bench/memory.py --section smollm2 --repeat 2
+    python bench/memory.py --section smollm2 --repeat 0 --part a   # one interleaved comparison of 7 strategies
+    python bench/memory.py --section smollm2 --repeat 0 --part b   # the other 7 (checkpoint runs in both)
+    ... the same for --repeat 1 and 2
     python bench/memory.py --section bf16                  # SmolLM2 in bfloat16
     python bench/memory.py --section loss --seed 0         # 200 steps, none vs adacc@50% (seeds 0, 1, 2)
     python bench/memory.py --section small                 # the quick run: a small LLaMA config
@@ -60,6 +60,10 @@ ALL = [("none", 1.0, False), ("checkpoint", 1.0, False), ("sac", 1.0, False),
 BF16 = [("none", 1.0, False), ("checkpoint", 1.0, False), ("compile", 0.5, False), ("compile", 0.25, False),
         ("adacc", 0.25, False), ("adacc", 0.5, False)]
 LOSS = [("none", 1.0, False), ("adacc", 0.5, False)]
+# SmolLM2 chunks of about 20 minutes: each target's comparison runs side by side within one part
+PARTS = {"a": {"none", "checkpoint", "sac", "compile@100%", "compile@75%", "adacc@75%", "adacc+compile@75%"},
+         "b": {"checkpoint", "compile@50%", "compile@25%", "adacc@25%", "adacc@50%", "adacc+compile@25%",
+               "adacc+compile@50%"}}
 QUICK = [("none", 1.0, False), ("checkpoint", 1.0, False), ("sac", 1.0, False), ("compile", 1.0, False),
          ("compile", 0.5, False), ("adacc", 0.25, False), ("adacc", 0.5, False), ("adacc", 0.75, False),
          ("adacc", 0.5, True)]
@@ -112,7 +116,7 @@ def rel_spread(values: list[float]) -> float:
 
 
 def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threads: int, vocab: int,
-              lr: float) -> list[dict[str, Any]]:
+              lr: float, part: str = "all") -> list[dict[str, Any]]:
     """One interleaved comparison of the section's strategies; returns one record per strategy."""
     spec = SECTIONS[section]
     torch.set_num_threads(threads)
@@ -121,7 +125,8 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
     windows = text_windows(tok, spec["seqlen"], vocab if spec["model"] == "small" else None)
     steps = spec["warmup"] + spec["timed"]
     data = batches(windows, spec["batch"], steps, seed=seed if section == "loss" else repeat)
-    plan = [p for p in spec["plan"] if only is None or label(*p) in only]
+    plan = [p for p in spec["plan"] if (only is None or label(*p) in only)
+            and (part == "all" or label(*p) in PARTS[part])]
     base = lm_unoptimized_peak(model, data[0])
     print(f"[{section}] unoptimized peak {base / MIB:.1f} MiB (block by block)", file=sys.stderr)
     load_before = os.getloadavg()
@@ -162,7 +167,8 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
         for runner in runners[k:] + runners[:k]:
             runner.step(x)
     load_after = os.getloadavg()
-    common = {"section": section, "repeat": repeat, "seed": seed, "model": spec["model"], "dtype": spec["dtype"],
+    common = {"section": section, "repeat": repeat, "part": part, "seed": seed, "model": spec["model"],
+              "dtype": spec["dtype"],
               "batch_size": spec["batch"], "seqlen": spec["seqlen"], "threads": threads, "lr": lr,
               "measured_layers": spec["layers"],
               "unoptimized_peak_bytes": base, "load_before": load_before, "load_after": load_after}
@@ -186,7 +192,7 @@ def merge(path: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> di
     payload = json.loads(path.read_text()) if path.exists() else {}
     if "chunks" not in payload:  # an earlier layout: start over
         payload = {"chunks": [], "records": []}
-    key = lambda r: (r["section"], r["repeat"], r["seed"], r["label"])  # noqa: E731
+    key = lambda r: (r["section"], r["repeat"], r.get("part", "all"), r["seed"], r["label"])  # noqa: E731
     new = {key(r) for r in records}
     payload["records"] = [r for r in payload["records"] if key(r) not in new] + records
     payload["chunks"].append(meta)
@@ -198,22 +204,26 @@ def merge(path: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> di
 # ---------------------------------------------------------------------------------------------- rendering
 
 
+def _run(r: dict[str, Any]) -> tuple:
+    """The chunk a record ran in: its strategies ran side by side."""
+    return (r["repeat"], r.get("part", "all"), r["seed"])
+
+
 def aggregate(records: list[dict[str, Any]], section: str) -> list[dict[str, Any]]:
     """Per strategy over repeats: median tokens/s and step time, min-max spread, the largest measured
     peak, steps over budget, and ratios measured side by side within each repeat (median, min, max)."""
     recs = [r for r in records if r["section"] == section and not r.get("error")]
     labels = list(dict.fromkeys(r["label"] for r in recs))
-    by_repeat: dict[int, dict[str, dict[str, Any]]] = {}
+    by_run: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in recs:
-        by_repeat.setdefault(r["repeat"], {})[r["label"]] = r
+        by_run.setdefault(_run(r), {})[r["label"]] = r
     out = []
     for lab in labels:
         rs = [r for r in recs if r["label"] == lab]
         tps = [r["tokens_s"] for r in rs]
 
         def ratio(other: str, rs: list[dict[str, Any]] = rs) -> list[float]:
-            return [r["tokens_s"] / by_repeat[r["repeat"]][other]["tokens_s"] for r in rs
-                    if other in by_repeat[r["repeat"]]]
+            return [r["tokens_s"] / by_run[_run(r)][other]["tokens_s"] for r in rs if other in by_run[_run(r)]]
 
         first = rs[0]
         agg = {
@@ -273,10 +283,10 @@ def best_adacc(aggs: list[dict[str, Any]], frac: float) -> dict[str, Any] | None
 
 
 def ratio_in_repeats(records: list[dict[str, Any]], section: str, a: str, b: str) -> list[float]:
-    """tokens/s of ``a`` over ``b``, per repeat in which both ran (measured side by side)."""
+    """tokens/s of ``a`` over ``b``, per chunk in which both ran (measured side by side)."""
     out = []
-    for rep in sorted({r["repeat"] for r in records if r["section"] == section}):
-        rs = {r["label"]: r for r in records if r["section"] == section and r["repeat"] == rep and not r.get("error")}
+    for run in sorted({_run(r) for r in records if r["section"] == section}):
+        rs = {r["label"]: r for r in records if r["section"] == section and _run(r) == run and not r.get("error")}
         if a in rs and b in rs:
             out.append(rs[a]["tokens_s"] / rs[b]["tokens_s"])
     return out
@@ -390,11 +400,14 @@ def section_header(records: list[dict[str, Any]], section: str, title: str) -> l
         return []
     r = recs[0]
     reps = sorted({x["repeat"] for x in recs})
+    parts = sorted({x.get("part", "all") for x in recs})
     steps = r["steps"] - r["warmup"]
     loads = [x["load_before"][0] for x in recs] + [x["load_after"][0] for x in recs]
     return [f"## {title}: {r['model']} ({r['dtype']}), batch {r['batch_size']} x seqlen {r['seqlen']}, "
-            f"{r['threads']} torch threads; {len(reps)} repeat(s), each {r['warmup']} warm-up + {steps} timed steps "
-            f"per strategy, interleaved step by step; unoptimized peak {r['unoptimized_peak_bytes'] / MIB:.1f} MiB; "
+            f"{r['threads']} torch threads; {len(reps)} repeat(s)"
+            + (f" in chunks {'/'.join(parts)} (checkpoint runs in each)" if parts != ["all"] else "")
+            + f", each {r['warmup']} warm-up + {steps} timed steps per strategy, interleaved step by step; "
+            f"unoptimized peak {r['unoptimized_peak_bytes'] / MIB:.1f} MiB; "
             f"1-minute load average during the runs {min(loads):.1f}-{max(loads):.1f}", ""]
 
 
@@ -444,6 +457,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--section", choices=list(SECTIONS), default=None, help="which chunk to run")
     ap.add_argument("--repeat", type=int, default=0, help="repeat index of this chunk (0, 1, 2)")
+    ap.add_argument("--part", choices=["all", *PARTS], default="all", help="smollm2: which half of the strategies")
     ap.add_argument("--seed", type=int, default=0, help="loss section: the seed")
     ap.add_argument("--only", default=None, help="comma-separated strategy labels to run (e.g. adacc@50%%,checkpoint)")
     ap.add_argument("--threads", type=int, default=2)
@@ -466,9 +480,9 @@ def main() -> int:
     lr = args.lr if args.lr is not None else (1e-3 if SECTIONS[args.section]["model"] == "small" else 1e-4)
     t0, c0 = time.perf_counter(), time.process_time()
     only = set(args.only.split(",")) if args.only else None
-    records = run_chunk(args.section, args.repeat, args.seed, only, args.threads, args.vocab, lr)
+    records = run_chunk(args.section, args.repeat, args.seed, only, args.threads, args.vocab, lr, args.part)
     meta = {"command": "python bench/memory.py " + " ".join(sys.argv[1:]), "section": args.section,
-            "repeat": args.repeat, "seed": args.seed, "seconds": time.perf_counter() - t0,
+            "repeat": args.repeat, "part": args.part, "seed": args.seed, "seconds": time.perf_counter() - t0,
             "cpu_seconds": time.process_time() - c0, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     payload = merge(path, records, meta)
     write_json(path, payload)
