@@ -205,12 +205,14 @@ class StrategyRunner:
                 loss = _lm_loss(self.forward, x)
                 loss.backward()
         else:
+            assert self.adacc is not None
             loss = _lm_loss(self.forward, x)
             loss.backward()
+            # closes Adacc's per-step meter (the same forward+backward window as the other strategies');
+            # may re-plan, timed with the step
+            self.adacc.step()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-        if self.adacc is not None:
-            self.adacc.step()  # closes Adacc's per-step meter; may re-plan (timed with the step)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - t0)
