@@ -53,6 +53,7 @@ def main() -> int:
                 comp = make_compressor(name, outlier_frac=0.01)
                 if not comp.applies(x):
                     continue
+                torch._dynamo.reset()  # a fresh cache per case: no case falls back to eager at the recompile limit
                 cpack = torch.compile(comp.pack_fn, dynamic=False)
                 cunpack = torch.compile(comp.unpack_fn, dynamic=False)
                 t0 = time.perf_counter()
