@@ -50,7 +50,7 @@ MIB = 2**20
 
 SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True, use_cache=False)
-COMPILE_BLOCK_BUDGETS = (1.0, 0.5, 0.0)
+COMPILE_BLOCK_BUDGETS = (1.0, 0.5, 0.25, 0.0)
 
 # (strategy, budget, compile_blocks)
 ALL = [("none", 1.0, False), ("checkpoint", 1.0, False), ("sac", 1.0, False),
@@ -304,11 +304,19 @@ def targets(records: list[dict[str, Any]], aggs: list[dict[str, Any]], section: 
         if best is None:
             lines.append(f"- {frac:.0%} budget: no Adacc run")
             continue
-        comp = next((c for c in compile_aggs if c["budget_fraction"] >= frac and c["peak_bytes"] >= best["peak_bytes"]),
-                    None)
+        same = next((c for c in compile_aggs if c["budget_fraction"] == frac), None)
+        comp = same
+        if frac == 0.25:  # the issue's comparator: compile@25%, or the lowest compile budget using at least
+            # Adacc's measured memory when compile@25% uses less
+            comp = next((c for c in compile_aggs if c["budget_fraction"] >= frac
+                         and c["peak_bytes"] >= best["peak_bytes"]), None)
+        if same is not None and same is not comp:
+            rs = ratio_in_repeats(records, section, best["label"], same["label"])
+            lines.append(f"- {frac:.0%} budget: {best['label']} ran {_med(rs)} the tokens/s of {same['label']}, which "
+                         f"used less memory ({same['peak_bytes'] / MIB:.0f} vs {best['peak_bytes'] / MIB:.0f} MiB).")
         if comp is None:
-            lines.append(f"- {frac:.0%} budget: no compile run with a peak no lower than {best['label']}'s "
-                         f"({best['peak_bytes'] / MIB:.0f} MiB); not comparable")
+            lines.append(f"- {frac:.0%} budget: no compile run at {frac:.0%} or with a peak no lower than "
+                         f"{best['label']}'s ({best['peak_bytes'] / MIB:.0f} MiB)")
         else:
             rs = ratio_in_repeats(records, section, best["label"], comp["label"])
             med = statistics.median(rs) if rs else float("nan")

@@ -279,6 +279,14 @@ class StrategyRunner:
             out["profile_peak_bytes"] = self.adacc.profile.profile_peak_bytes
             out["profile_s"] = self.adacc.profile.profile_s
             out["profile_reused"] = bool(self.adacc.history and self.adacc.history[0].get("profile_reused"))
+            prof = self.adacc.profile
+            out["layer0"] = {  # what the planner saw for one layer: eager bytes and time, compiled variants
+                "eager_bytes": sum(g.bytes for g in prof.layer_groups(0)),
+                "eager_fwd_s": prof.layer_fwd_s[0],
+                "eager_fwd_bwd_s": prof.layer_eager_s[0] if prof.layer_eager_s else None,
+                "compiled": [{"budget": c.budget, "bytes": c.bytes, "time_s": c.time_s, "compile_s": c.compile_s}
+                             for c in prof.compiled.get(0, [])],
+            }
             out["compile_error"] = self.adacc.profile.compile_error
         return out
 
