@@ -43,8 +43,10 @@ def test_train_cli_writes_report(tiny_dir: Path, tmp_path: Path, capsys: pytest.
     # the 49k-token output layer dominates this tiny model, so only a mild budget is feasible
     assert res["peak_bytes"] <= res["budget_bytes"] <= 0.97 * res["unoptimized_peak_bytes"] + 1
     assert report["machine"]["torch"] == torch.__version__
+    assert res["peak_measured_every_step"] and len(res["step_peaks"]) == 3
+    assert max(res["step_peaks"]) <= res["budget_bytes"] and res["steps_over_budget"] == 0
     rows = list(csv.reader(open(out / "losses.csv")))
-    assert rows[0] == ["step", "loss", "step_s"] and len(rows) == 4
+    assert rows[0] == ["step", "loss", "step_s", "peak_bytes"] and len(rows) == 4
     assert "report:" in capsys.readouterr().out
 
 

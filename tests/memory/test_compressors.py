@@ -109,3 +109,53 @@ def test_scaled_float_mask_bitpack_lossless() -> None:
     p = bitpack(mask, scale)
     assert torch.equal(bitunpack(p), mask) and p.nbytes == 64 * 100 // 8 + 4
     assert mask_scale(torch.randn(64, 100)) is None
+
+
+def _fp8_grid(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of an 8-bit float format, from its 256 bit patterns (independent of casting)."""
+    vals = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    return torch.unique(vals[torch.isfinite(vals)])
+
+
+@pytest.mark.parametrize("name,dtype", [("fp8-e4m3", torch.float8_e4m3fn), ("fp8-e5m2", torch.float8_e5m2)])
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
+def test_fp8_matches_nearest_grid_point(name: str, dtype: torch.dtype, src: torch.dtype) -> None:
+    """Reference: scale each row so its absmax is the format's largest value, take the nearest of the
+    256 representable values (brute force), scale back."""
+    torch.manual_seed(0)
+    x = (torch.randn(40, 130) * torch.logspace(-3, 2, 130)).to(src)
+    comp = make_compressor(name)
+    y = comp.unpack(comp.pack(x))
+    assert y.dtype == src and y.shape == x.shape
+    grid = _fp8_grid(dtype)
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / grid.max()).clamp_min(1e-30)
+    z = xf / scale
+    nearest = grid[(z.unsqueeze(-1) - grid).abs().argmin(-1)]
+    ref = (nearest * scale).to(src).float()
+    # ties between two grid points may round either way: allow one grid step at the few tie points
+    assert torch.mean((y.float() != ref).float()) < 0.01
+    step = (grid[1:] - grid[:-1]).max() * scale
+    assert torch.all((y.float() - ref).abs() <= step)
+    # payload: one byte per value plus one float scale per row
+    assert comp.pack(x).nbytes == x.numel() + 40 * 4
+
+
+def test_compressors_for_16_bit_activations() -> None:
+    """bf16/fp16 activations are compressed by fp8 and int8 (with outlier channels), not by bf16."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 128)
+    x[:, 7] *= 50.0
+    for dt in (torch.bfloat16, torch.float16):
+        xh = x.to(dt)
+        assert not make_compressor("bf16").applies(xh)
+        for name in ("fp8-e4m3", "int8-token", "int8-channel"):
+            comp = make_compressor(name, outlier_frac=0.01)
+            assert comp.applies(xh)
+            p = comp.pack(xh)
+            y = comp.unpack(p)
+            assert y.dtype == dt and p.nbytes < 0.6 * xh.numel() * 2
+            assert relative_error(xh, y) < 0.05
+        kept = make_compressor("int8-token", outlier_frac=0.01).unpack(make_compressor("int8-token", 0.01).pack(xh))
+        assert torch.equal(kept[:, 7], xh[:, 7])  # the outlier channel is kept exactly
+    assert make_compressor("bf16").applies(x)

@@ -6,10 +6,20 @@ import time
 
 import pytest
 
-from leanml.memory.planner import LayerSpec, Option, Problem, evaluate, greedy_plan, min_peak, solve_plan
+from leanml.memory.planner import (
+    LayerSpec,
+    Option,
+    Problem,
+    evaluate,
+    greedy_plan,
+    min_peak,
+    min_peak_plan,
+    solve_plan,
+)
 
 
-def _random_problem(rng: random.Random, n_layers: int, n_groups: int, n_opts: int, post: bool = True) -> Problem:
+def _random_problem(rng: random.Random, n_layers: int, n_groups: int, n_opts: int, post: bool = True,
+                    alternatives: int = 0) -> Problem:
     layers = []
     for _ in range(n_layers):
         groups = []
@@ -22,7 +32,10 @@ def _random_problem(rng: random.Random, n_layers: int, n_groups: int, n_opts: in
             groups.append(opts)
         total = sum(g[0].keep for g in groups)
         ck = Option("checkpoint", rng.uniform(5, 20), total * 1.1, rng.uniform(2.0, 12.0)) if rng.random() < 0.8 else None
-        layers.append(LayerSpec(groups, ck))
+        # whole-layer alternatives (compiled blocks): may be faster than eager (negative time)
+        alts = [Option(f"compiled{k}", total * rng.uniform(0.1, 0.9), total * rng.uniform(0.0, 0.5), rng.uniform(-1.0, 6.0))
+                for k in range(alternatives)]
+        layers.append(LayerSpec(groups, ck, alts))
     post_opts = [Option("retain", rng.uniform(20, 60)), Option("c", rng.uniform(5, 15), rng.uniform(0, 30), 1.0)] if post else []
     return Problem(layers, rng.uniform(0, 10), post_opts)
 
@@ -31,9 +44,8 @@ def _brute_force(problem: Problem, budget: float) -> tuple[float | None, float]:
     """Least time among all plans that fit, and the smallest peak of any plan."""
     per_layer = []
     for spec in problem.layers:
-        plans = [(False, list(ch)) for ch in itertools.product(*[range(len(g)) for g in spec.groups])]
-        if spec.checkpoint is not None:
-            plans.append((True, [0] * len(spec.groups)))
+        plans = [(-1, list(ch)) for ch in itertools.product(*[range(len(g)) for g in spec.groups])]
+        plans += [(w, [0] * len(spec.groups)) for w in range(len(spec.whole))]
         per_layer.append(plans)
     best, least_peak = None, float("inf")
     for combo in itertools.product(*per_layer):
@@ -45,10 +57,10 @@ def _brute_force(problem: Problem, budget: float) -> tuple[float | None, float]:
     return best, least_peak
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_milp_equals_brute_force(seed: int) -> None:
     rng = random.Random(seed)
-    problem = _random_problem(rng, n_layers=rng.choice([2, 3]), n_groups=2, n_opts=3)
+    problem = _random_problem(rng, n_layers=rng.choice([2, 3]), n_groups=2, n_opts=3, alternatives=seed % 3)
     full_peak = evaluate(problem, [False] * len(problem.layers), [[0, 0]] * len(problem.layers), 0)[0]
     budget = full_peak * rng.uniform(0.35, 0.9)
     best, least_peak = _brute_force(problem, budget)
@@ -61,22 +73,34 @@ def test_milp_equals_brute_force(seed: int) -> None:
     assert sol.peak <= budget * (1 + 1e-9)
     assert sol.time == pytest.approx(best, rel=1e-6, abs=1e-9)
     # the reported numbers are those of the plan under the model's definition
-    assert (sol.peak, sol.time) == pytest.approx(evaluate(problem, sol.checkpoint, sol.choices, sol.post))
+    assert (sol.peak, sol.time) == pytest.approx(evaluate(problem, sol.whole, sol.choices, sol.post))
+    assert sol.checkpoint == [w == 0 and s.checkpoint is not None for s, w in zip(problem.layers, sol.whole)]
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_greedy_is_feasible_and_not_better_than_optimal(seed: int) -> None:
     rng = random.Random(100 + seed)
-    problem = _random_problem(rng, 3, 2, 3)
+    problem = _random_problem(rng, 3, 2, 3, alternatives=seed % 2)
     budget = (min_peak(problem) + evaluate(problem, [False] * 3, [[0, 0]] * 3, 0)[0]) / 2
     g = greedy_plan(problem, budget)
     opt = solve_plan(problem, budget)
     assert g.peak <= budget and g.time >= opt.time - 1e-9
+    assert (g.peak, g.time) == pytest.approx(evaluate(problem, g.whole, g.choices, g.post))
 
 
-def test_identical_layers_reuse_is_exact_when_used() -> None:
+def test_min_peak_plan_reaches_the_floor() -> None:
+    rng = random.Random(11)
+    problem = _random_problem(rng, 3, 2, 3, alternatives=2)
+    floor = min_peak(problem)
+    sol = min_peak_plan(problem)
+    assert sol.peak == pytest.approx(floor, rel=1e-6)
+    assert _brute_force(problem, floor)[1] == pytest.approx(floor, rel=1e-6)
+
+
+@pytest.mark.parametrize("alternatives", [0, 2])
+def test_identical_layers_reuse_is_exact_when_used(alternatives: int) -> None:
     rng = random.Random(7)
-    one = _random_problem(rng, 1, 3, 4, post=False).layers[0]
+    one = _random_problem(rng, 1, 3, 4, post=False, alternatives=alternatives).layers[0]
     problem = Problem([one] * 6, 5.0, [])
     full = evaluate(problem, [False] * 6, [[0, 0, 0]] * 6, 0)[0]
     for frac in (0.3, 0.5, 0.8):

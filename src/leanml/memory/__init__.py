@@ -1,13 +1,27 @@
 """leanml.memory - Adacc: training-memory planning by per-group retain / recompute / compress.
 
-``Adacc(model, budget=0.5)`` profiles one step, solves a MILP for the cheapest plan whose peak saved
-activation memory fits the budget, applies it with saved-tensor hooks and non-reentrant checkpointing,
-and re-plans when compression error, outliers or step time drift.
+``Adacc(model, budget=0.5)`` profiles a batch block by block, solves a MILP for the cheapest plan whose
+peak saved activation memory fits the budget (optionally with layers run as compiled blocks at a
+recomputation budget of the compiler), applies it with saved-tensor hooks and non-reentrant
+checkpointing, measures every step's peak, plans each new input shape, and re-plans when compression
+error, outliers or step time drift. ``AdaccCallback`` does the same inside a ``transformers.Trainer``.
 """
 
-from leanml.memory.api import Adacc, build_problem, parse_budget
+from typing import Any
+
+from leanml.memory.api import Adacc, build_problem
+from leanml.memory.budget import Budget, parse_budget
 from leanml.memory.compressors import make_compressor
 from leanml.memory.meter import ActivationMeter
 from leanml.memory.planner import solve_plan
 
-__all__ = ["Adacc", "ActivationMeter", "build_problem", "make_compressor", "parse_budget", "solve_plan"]
+__all__ = ["Adacc", "AdaccCallback", "ActivationMeter", "Budget", "build_problem", "make_compressor", "parse_budget",
+           "solve_plan"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AdaccCallback":  # imports transformers' Trainer machinery only when asked for
+        from leanml.memory.hf import AdaccCallback
+
+        return AdaccCallback
+    raise AttributeError(f"module 'leanml.memory' has no attribute {name!r}")

@@ -3,68 +3,80 @@
 Example::
 
     adacc = Adacc(model, budget=0.5)            # half of the unoptimized activation peak
-    adacc.prepare(input_ids=x, labels=x)        # profile one step, solve the MILP, install the plan
+    adacc.prepare(input_ids=x, labels=x)        # optional: plan now (else on the first training forward)
     for x in batches:
         loss = model(input_ids=x, labels=x).loss
         loss.backward(); opt.step(); opt.zero_grad()
-        adacc.step()                            # drift tracking; may re-profile and re-plan
+        adacc.step()                            # per-step peak, drift tracking; may re-plan
+
+The budget is a promise: a budget below the smallest feasible plan, or one calibration cannot meet,
+raises :class:`~leanml.utils.LeanmlError` naming the smallest budget that holds; every training step's
+peak is measured (``adacc.step_peaks``), and a step over the budget tightens the plan (or raises when
+no tighter plan exists); a batch of a new shape is planned before it runs (plans are cached per shape)
+or, with ``on_new_shape="error"``, refused. Profiling runs block by block and never holds more than full
+checkpointing does. With ``compile_blocks``, layers may also run as compiled blocks at a recomputation
+budget of the compiler, chosen by the same MILP.
 
 Call :meth:`Adacc.prepare` before wrapping the model in ``DistributedDataParallel``; under
-``torch.distributed`` rank 0's plan is broadcast so every rank runs the same plan.
+``torch.distributed`` rank 0's plan is broadcast so every rank runs the same plan (ranks must change
+batch shapes together).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from leanml.memory.budget import Budget, BudgetLike
+from leanml.memory.compiled import compiled_option_name
 from leanml.memory.compressors import FLOAT_COMPRESSORS
 from leanml.memory.meter import ActivationMeter, param_tensors
-from leanml.memory.planner import LayerSpec, Option, Problem, Solution, min_peak, solve_plan
+from leanml.memory.planner import LayerSpec, Option, Problem, Solution, min_peak, min_peak_plan, solve_plan
 from leanml.memory.policy import DriftMonitor, DriftThresholds
 from leanml.memory.profiler import Profile, profile_step
 from leanml.memory.runtime import BITPACK, RECOMPUTE, RETAIN, SELECTIVE, AppliedPlan, disable_kv_cache
-from leanml.memory.structure import SELF, GroupKey, find_blocks
+from leanml.memory.structure import SELF, GroupKey, find_blocks, tensors_in
 from leanml.utils import LeanmlError
 
 log = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_budget(budget: float | int | str) -> tuple[str, float]:
-    """``("fraction", f)`` for a number in (0, 1] or ``("bytes", n)`` for bytes / a size like ``"2GB"``."""
-    if isinstance(budget, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise LeanmlError(f"cannot read memory budget {budget!r}; use a fraction like 0.5, bytes, or a size like 2GB")
-        value, unit = float(m.group(1)), m.group(2).lower()
-        if unit == "" and value <= 1.0:
-            return parse_budget(value)
-        return ("bytes", value * _UNITS[unit])
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
-        raise LeanmlError(f"memory budget must be positive, got {budget!r}")
-    if budget <= 1.0:
-        return ("fraction", float(budget))
-    return ("bytes", float(budget))
+MIB = 2**20
+DEFAULT_COMPILE_BUDGETS = (1.0, 0.5, 0.0)
 
 
 def _cap(caps: dict[str, float], name: str, default: float) -> float:
     return caps.get(name, default)
 
 
+def _compiled_alternatives(profile: Profile, layer: int, max_error: float, caps: dict[str, float]) -> list[Option]:
+    """Whole-layer options of a layer run by compiled kernels: per compile budget, retained or compressed."""
+    stats = profile.compiled.get(layer, [])
+    if not stats:
+        return []
+    full = max(c.bytes for c in stats)
+    opts = []
+    for c in stats:
+        # recomputation inside the compiled backward lives while this layer's backward runs
+        opts.append(Option(compiled_option_name(c.budget), c.bytes, max(0.0, full - c.bytes), c.time_s))
+        for name, st in c.compress.items():
+            if st.error > _cap(caps, name, max_error) or st.payload_bytes >= c.bytes:
+                continue
+            opts.append(Option(compiled_option_name(c.budget, name), st.payload_bytes, full,
+                               c.time_s + st.pack_s + st.unpack_s, st.error))
+    return opts
+
+
 def build_problem(profile: Profile, max_error: float = 0.05, caps: dict[str, float] | None = None,
                   compress_head: bool = False) -> tuple[Problem, list[list[tuple[GroupKey, list[str]]]], list[str]]:
     """Planner instance from a profile. Returns the problem, per layer the (group, option names) in the
-    problem's order, and the option names of the ``post`` group."""
+    problem's order, and the option names of the ``post`` group. Each layer's whole-layer options are
+    its checkpoint, then (when the profile has them) its compiled variants."""
     caps = caps or {}
     layers: list[LayerSpec] = []
     names: list[list[tuple[GroupKey, list[str]]]] = []
@@ -97,7 +109,7 @@ def build_problem(profile: Profile, max_error: float = 0.05, caps: dict[str, flo
             fwd = sum(g.fwd_s for g in profile.layer_groups(layer)) if profile.layer_fwd_s[layer] == 0 else \
                 profile.layer_fwd_s[layer]
             ck = Option("checkpoint", profile.layer_input_bytes[layer], total + biggest, fwd)
-        layers.append(LayerSpec(specs, ck))
+        layers.append(LayerSpec(specs, ck, _compiled_alternatives(profile, layer, max_error, caps) if specs else []))
         names.append(layer_names)
     pre = profile.groups.get(GroupKey(None, "pre"))
     post = profile.groups.get(GroupKey(None, "post"))
@@ -116,7 +128,7 @@ def build_problem(profile: Profile, max_error: float = 0.05, caps: dict[str, flo
 
 @dataclass
 class PlanRecord:
-    """A plan as applied: the solver's answer translated to groups."""
+    """A plan as applied: the solver's answer translated to groups and layers."""
 
     layer_checkpoint: list[bool]
     options: dict[GroupKey, str]
@@ -127,23 +139,33 @@ class PlanRecord:
     status: str
     solve_s: float
     measured_peak: int | None = None
+    layer_modes: list[str] = field(default_factory=list)  # "" (per group), "checkpoint" or "compiled@b[+X]"
+    unoptimized_peak: float = 0.0
+    shape: str = ""
 
     def summary(self) -> dict[str, int]:
-        """How many groups take each option (whole-layer checkpoints counted as ``checkpoint``)."""
+        """How many groups take each option (whole-layer options counted per layer)."""
         counts: dict[str, int] = {}
+        whole = {i for i, m in enumerate(self.layer_modes) if m} | {i for i, c in enumerate(self.layer_checkpoint) if c}
         for key, opt in self.options.items():
-            if key.layer is not None and self.layer_checkpoint[key.layer]:
+            if key.layer is not None and key.layer in whole:
                 continue
             counts[opt] = counts.get(opt, 0) + 1
         counts["checkpoint(layer)"] = sum(self.layer_checkpoint)
+        for m in self.layer_modes:
+            if m and m != "checkpoint":
+                counts[f"{m}(layer)"] = counts.get(f"{m}(layer)", 0) + 1
         return counts
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "shape": self.shape,
             "layer_checkpoint": self.layer_checkpoint,
+            "layer_modes": self.layer_modes,
             "options": {k.label(): v for k, v in self.options.items()},
             "budget_bytes": self.budget_bytes,
             "model_budget_bytes": self.model_budget_bytes,
+            "unoptimized_peak": self.unoptimized_peak,
             "predicted_peak": self.predicted_peak,
             "predicted_time_s": self.predicted_time_s,
             "measured_peak": self.measured_peak,
@@ -151,6 +173,18 @@ class PlanRecord:
             "solve_s": self.solve_s,
             "summary": self.summary(),
         }
+
+
+@dataclass
+class _ShapePlan:
+    """What is cached per input shape."""
+
+    profile: Profile
+    record: PlanRecord
+    problem: Problem
+    names: list
+    post_names: list[str]
+    floor: float
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -165,20 +199,42 @@ def default_loss(output: Any) -> torch.Tensor:
     return output.float().square().mean()
 
 
+def shape_signature(args: tuple, kwargs: dict) -> str:
+    """The shapes and dtypes of a forward call's tensor inputs, e.g. ``input_ids=2x256:int64 labels=...``."""
+    parts = []
+    for i, a in enumerate(args):
+        parts += [f"{i}={_shape(t)}" for t in tensors_in(a)]
+    for k in sorted(kwargs):
+        parts += [f"{k}={_shape(t)}" for t in tensors_in(kwargs[k])]
+    return " ".join(parts)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "x".join(str(d) for d in t.shape) + ":" + str(t.dtype).removeprefix("torch.")
+
+
 class Adacc:
     """Plans and applies retain / recompute / compress per activation group under ``budget``.
 
     ``budget``: bytes, a size string ("2GB", "512MiB") or a fraction in (0, 1] of the unoptimized
-    activation peak measured by the profile. ``max_error`` caps the relative error of any lossy
-    compressor (``error_caps`` overrides it per compressor). ``compress_head`` allows compressing the
-    activations after the last block (log-probabilities of the loss; off by default because small
-    relative errors there become large errors in probabilities).
+    activation peak of the batch being planned (parsed once, see :class:`~leanml.memory.budget.Budget`).
+    ``max_error`` caps the relative error of any lossy compressor (``error_caps`` overrides it per
+    compressor). ``compress_head`` allows compressing the activations after the last block
+    (log-probabilities of the loss; off by default because small relative errors there become large
+    errors in probabilities). ``compile_blocks``: ``True`` (budgets 1.0, 0.5, 0.0) or a sequence of the
+    compiler's recomputation budgets; each layer may then run as a compiled block at one of them, with
+    its saved tensors retained or compressed (needs a working ``torch.compile``). ``on_new_shape``:
+    ``"replan"`` (default: profile and plan a batch of a new shape before running it, plans cached per
+    shape) or ``"error"``. ``measure_steps``: measure every training step's peak (``step_peaks``).
+    ``profile``: a profile of the same architecture and input shape (``other.profile``, e.g. from an Adacc
+    on a model sharing these weights, with the same compressors and ``compile_blocks``) to plan the first
+    batch of that shape from instead of profiling again.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        budget: float | int | str = 0.5,
+        budget: BudgetLike = 0.5,
         blocks: list[nn.Module] | None = None,
         loss_fn: Callable[[Any], torch.Tensor] = default_loss,
         max_error: float = 0.05,
@@ -191,10 +247,20 @@ class Adacc:
         thresholds: DriftThresholds | None = None,
         calibrate: bool = True,
         compress_layers: list[int] | None = None,
+        compile_blocks: bool | Sequence[float] = False,
+        on_new_shape: str = "replan",
+        measure_steps: bool = True,
+        max_calibrations: int = 4,
+        progress: bool = False,
+        profile: Profile | None = None,
     ) -> None:
+        if on_new_shape not in ("replan", "error"):
+            raise LeanmlError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
         self.model = model
-        self.budget_spec = parse_budget(budget)
+        self.budget = Budget.parse(budget)
         self.blocks = blocks if blocks is not None else find_blocks(model)
+        if not self.blocks:
+            raise LeanmlError("Adacc needs at least one block; pass blocks=[...] with the model's repeated layers")
         self.loss_fn = loss_fn
         self.max_error = max_error
         self.error_caps = dict(error_caps or {})
@@ -204,115 +270,258 @@ class Adacc:
         self.time_limit = time_limit
         self.check_every = check_every
         self.calibrate = calibrate
+        self.max_calibrations = max(1, max_calibrations)
         self.compress_layers = compress_layers
+        self.compile_budgets: tuple[float, ...] = (
+            DEFAULT_COMPILE_BUDGETS if compile_blocks is True else tuple(compile_blocks or ()))
+        self.on_new_shape = on_new_shape
+        self.measure_steps = measure_steps
+        self.progress = progress
         self.monitor = DriftMonitor(thresholds or DriftThresholds())
         self.profile: Profile | None = None
         self.plan: PlanRecord | None = None
         self.history: list[dict[str, Any]] = []
+        self.step_peaks: list[int] = []
+        self.step_budgets: list[float] = []  # the budget in bytes each measured step ran under
+        self.step_cuda_peaks: list[int] = []
+        self.replan_s = 0.0  # all time spent profiling, solving and calibrating (initial plan included)
+        self.last_step_replan_s = 0.0  # of that, what the most recent training step spent
+        self._given_profile = profile
+        self._plans: dict[str, _ShapePlan] = {}
+        self._sig: str | None = None
         self._applied: AppliedPlan | None = None
         self._inputs: tuple[tuple, dict] | None = None
         self._steps = 0
         self._last_step_t: float | None = None
         self._sampling = False
+        self._busy = False
+        self._step_meter: ActivationMeter | None = None
+        self._last_loss: torch.Tensor | None = None
         disable_kv_cache(model)
-        self._capture = model.register_forward_pre_hook(self._capture_inputs, with_kwargs=True)
+        self._handles = [
+            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            model.register_forward_hook(self._post_forward, always_call=True),
+        ]
 
-    # ------------------------------------------------------------------ inputs
-    def _capture_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled():
-            self._inputs = (args, kwargs)
+    @property
+    def budget_spec(self) -> tuple[str, float]:
+        """``(kind, value)`` of the budget."""
+        return (self.budget.kind, self.budget.value)
+
+    # ------------------------------------------------------------------ model hooks
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled() or self._busy:
+            return
+        self._inputs = (args, kwargs)
+        sig = shape_signature(args, kwargs)
+        if sig != self._sig:
+            t0 = time.perf_counter()
+            if sig in self._plans:
+                self._switch(sig)
+            elif self.plan is None and not self._plans:
+                self._plan(sig, "first training step")
+            elif self.on_new_shape == "error":
+                raise LeanmlError(
+                    f"input shape changed from [{self._sig}] to [{sig}] and re-planning is off "
+                    "(on_new_shape='error'); keep batch shapes fixed (pad or drop the last batch), plan each shape "
+                    "with prepare(...), or use on_new_shape='replan'")
+            else:
+                self._plan(sig, "new input shape")
+            self.last_step_replan_s += time.perf_counter() - t0
+        if self.measure_steps and self._step_meter is None:
+            self._step_meter = ActivationMeter(param_tensors(self.model))
+            self._step_meter.__enter__()
+        if self._applied is not None:
+            self._applied.enter()
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self._applied is not None:
+            self._applied.exit()
+        loss = getattr(output, "loss", None)
+        if not self._busy and torch.is_grad_enabled() and isinstance(loss, torch.Tensor):
+            self._last_loss = loss.detach()
+
+    def _check_loss(self) -> None:
+        """A non-finite training loss under a plan that compresses lossily is reported as such."""
+        loss, self._last_loss = self._last_loss, None
+        if loss is None or self.plan is None or bool(torch.isfinite(loss).all()):
+            return
+        lossy = sorted({o for o in self.plan.options.values() if o not in (RETAIN, RECOMPUTE, SELECTIVE, BITPACK)}
+                       | {m.partition("+")[2] for m in self.plan.layer_modes if "+" in m})
+        if lossy:
+            raise LeanmlError(
+                f"the training loss became {loss.flatten()[0].item()} at step {self._steps} under a plan that compresses "
+                f"activations ({', '.join(lossy)}); lower max_error, drop those compressors (compressors=...), or check "
+                "that the unoptimized run stays finite")
 
     def _run(self, args: tuple, kwargs: dict) -> torch.Tensor:
         return self.loss_fn(self.model(*args, **kwargs))
 
     def _isolated(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` (which calls backward) without disturbing the parameters' gradients."""
+        """Run ``fn`` without disturbing the parameters' gradients, the RNG streams or the hooks."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad for p in params]
         for p in params:
             p.grad = None
+        busy = self._busy
+        self._busy = True
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         try:
-            return fn()
+            with torch.random.fork_rng(devices=devices):
+                return fn()
         finally:
+            self._busy = busy
             for p, g in zip(params, grads):
                 p.grad = g
 
     # ------------------------------------------------------------------ planning
     def budget_bytes(self) -> float:
-        kind, value = self.budget_spec
-        if kind == "bytes":
-            return value
-        assert self.profile is not None
-        return value * self.profile.peak_bytes
+        """The budget in bytes for the current shape (needs a plan for a fraction budget)."""
+        if self.budget.kind == "bytes":
+            return self.budget.value
+        if self.profile is None:
+            raise LeanmlError("a fractional budget needs a profile first; call prepare(...) with a training batch")
+        return self.budget.to_bytes(self.profile.peak_bytes)
 
     def prepare(self, *args: Any, **kwargs: Any) -> PlanRecord:
-        """Profile one training step on these inputs, solve the plan and install it."""
+        """Profile one batch (block by block), solve the plan, calibrate it and install it. Plans for
+        other shapes stay cached."""
+        t0 = time.perf_counter()
         self._inputs = (args, kwargs)
-        return self._replan("initial plan")
+        record = self._plan(shape_signature(args, kwargs), "initial plan")
+        self.last_step_replan_s = 0.0
+        log.debug("adacc: prepared in %.1fs", time.perf_counter() - t0)
+        return record
 
-    def _replan(self, reason: str) -> PlanRecord:
+    def _plan(self, sig: str, reason: str) -> PlanRecord:
         if self._inputs is None:
             raise LeanmlError("Adacc has no inputs to profile; call prepare(...) with a training batch first")
+        t0 = time.perf_counter()
         args, kwargs = self._inputs
         self.remove_plan()
-        self.profile = self._isolated(lambda: profile_step(
+        given, self._given_profile = self._given_profile, None
+        if given is not None and given.shape == sig and given.n_layers == len(self.blocks):
+            profile = given
+        else:
+            profile = self._profile(args, kwargs)
+        profile.shape = sig
+        self._plan_from(profile, sig, reason, t0)
+        self.history[-1]["profile_reused"] = profile is given
+        return self.plan  # type: ignore[return-value]
+
+    def _profile(self, args: tuple, kwargs: dict) -> Profile:
+        return self._isolated(lambda: profile_step(
             self.model, self.blocks, lambda: self._run(args, kwargs), self.compressors, self.outlier_frac,
-            self.compress_layers, measure_outside=self.compress_head))
-        budget = self.budget_bytes()
-        problem, names, post_names = build_problem(self.profile, self.max_error, self.error_caps, self.compress_head)
+            self.compress_layers, measure_outside=self.compress_head, compile_budgets=self.compile_budgets,
+            progress=self.progress))
+
+    def _plan_from(self, profile: Profile, sig: str, reason: str, t0: float) -> None:
+        budget = self.budget.to_bytes(profile.peak_bytes)
+        problem, names, post_names = build_problem(profile, self.max_error, self.error_caps, self.compress_head)
         floor = min_peak(problem)
+        entry = _ShapePlan(profile, None, problem, names, post_names, floor)  # type: ignore[arg-type]
         if budget < floor:
+            smallest = max(floor, self._measure_smallest(entry, budget)[0])
             raise LeanmlError(
-                f"memory budget {budget / 2**20:.1f} MiB is below the smallest feasible plan "
-                f"{floor / 2**20:.1f} MiB ({floor / self.profile.peak_bytes:.1%} of the unoptimized peak "
-                f"{self.profile.peak_bytes / 2**20:.1f} MiB); raise the budget to at least that"
-            )
-        model_budget = budget
+                f"memory budget {budget / MIB:.1f} MiB is below the smallest feasible plan "
+                f"{smallest / MIB:.1f} MiB ({smallest / profile.peak_bytes:.1%} of the unoptimized peak "
+                f"{profile.peak_bytes / MIB:.1f} MiB for inputs [{sig}]); raise the budget to at least that")
+        entry.record = self._calibrated(entry, budget, budget)
+        self._plans[sig] = entry
+        self._sig = sig
+        self.profile, self.plan = profile, entry.record
+        self._reset_monitor()
+        seconds = time.perf_counter() - t0
+        self.replan_s += seconds
+        self.history.append({"step": self._steps, "reason": reason, "shape": sig, "plan": entry.record.summary(),
+                             "measured_peak": entry.record.measured_peak, "budget_bytes": budget,
+                             "profile_peak_bytes": profile.profile_peak_bytes, "seconds": seconds})
+        log.info("adacc plan (%s, %.1fs): %s", reason, seconds, entry.record.summary())
+
+    def _calibrated(self, entry: _ShapePlan, budget: float, model_budget: float) -> PlanRecord:
+        """Solve, install and (with ``calibrate``) measure; tighten the planner's budget by any overshoot.
+        Raises when the measured peak stays over ``budget``, naming the smallest budget that holds."""
+        args, kwargs = self._inputs  # type: ignore[misc]
         record = None
-        for _ in range(4 if self.calibrate else 1):
+        attempts = self.max_calibrations if self.calibrate else 1
+        for attempt in range(attempts):
             try:
-                sol = solve_plan(problem, model_budget, self.time_limit)
+                sol = solve_plan(entry.problem, model_budget, self.time_limit)
             except ValueError as exc:
                 raise LeanmlError(f"no plan fits the budget after calibration: {exc}") from exc
             if sol.status == "greedy":
                 log.warning("planner: MILP time limit reached without a solution, using the greedy plan")
             sol = _broadcast(sol)
-            record = self._to_record(sol, names, post_names, budget, model_budget)
-            self._install(record)
+            record = self._to_record(sol, entry, budget, model_budget)
+            self._install(record, entry.profile)
             if not self.calibrate:
-                break
+                return record
             record.measured_peak = self.measure(*args, **kwargs)
             # every rank must take the same decision, or their broadcasts no longer pair up
             over = _max_over_ranks(record.measured_peak - budget)
             if over <= 0:
+                return record
+            log.info("plan measured %.1f MiB over budget; tightening the planner's budget", over / MIB)
+            if model_budget <= entry.floor or attempt == attempts - 1:
                 break
-            log.info("plan measured %d bytes over budget; tightening the planner's budget", over)
-            model_budget = max(floor, model_budget - over - 0.01 * budget)
-            self.remove_plan()
+            model_budget = max(entry.floor, model_budget - over - 0.01 * budget)
         assert record is not None
-        self.plan = record
-        self._reset_monitor()
-        self.history.append({"step": self._steps, "reason": reason, "plan": record.summary(),
-                             "measured_peak": record.measured_peak, "budget_bytes": budget})
-        log.info("adacc plan (%s): %s", reason, record.summary())
-        return record
-
-    def _to_record(self, sol: Solution, names: list, post_names: list[str], budget: float,
-                   model_budget: float) -> PlanRecord:
-        options: dict[GroupKey, str] = {}
-        for layer, layer_names in enumerate(names):
-            for (key, opts), idx in zip(layer_names, sol.choices[layer]):
-                options[key] = RETAIN if sol.checkpoint[layer] else opts[idx]
-        if post_names:
-            options[GroupKey(None, "post")] = post_names[sol.post]
-        return PlanRecord(list(sol.checkpoint), options, budget, model_budget, sol.peak, sol.time, sol.status,
-                          sol.solve_s)
-
-    def _install(self, record: PlanRecord) -> None:
+        measured = record.measured_peak or 0
+        smallest, fallback = self._measure_smallest(entry, budget, keep=True)
+        if smallest <= budget:  # the plan with the smallest modelled peak holds the budget: run that one
+            log.info("adacc: calibration fell back to the smallest plan (%.1f MiB)", smallest / MIB)
+            return fallback
         self.remove_plan()
-        masks = {k for k, g in self.profile.groups.items() if g.mask_bytes} if self.profile else set()
+        raise LeanmlError(
+            f"memory budget {budget / MIB:.1f} MiB cannot be held: after {attempts} calibrations the plan measured "
+            f"{measured / MIB:.1f} MiB; the smallest plan measures {smallest / MIB:.1f} MiB "
+            f"({smallest / entry.profile.peak_bytes:.1%} of the unoptimized peak "
+            f"{entry.profile.peak_bytes / MIB:.1f} MiB); raise the budget to at least that")
+
+    def _measure_smallest(self, entry: _ShapePlan, budget: float, keep: bool = False) -> tuple[float, PlanRecord]:
+        """Measured peak of the plan with the smallest modelled peak, and its record (left installed
+        when ``keep``)."""
+        args, kwargs = self._inputs  # type: ignore[misc]
+        sol = _broadcast(min_peak_plan(entry.problem, max(self.time_limit, 10.0)))
+        record = self._to_record(sol, entry, budget, sol.peak)
+        record.status = "smallest"
+        self._install(record, entry.profile)
+        try:
+            record.measured_peak = int(_max_over_ranks(self.measure(*args, **kwargs)))
+        finally:
+            if not keep:
+                self.remove_plan()
+        return float(record.measured_peak), record
+
+    def _to_record(self, sol: Solution, entry: _ShapePlan, budget: float, model_budget: float) -> PlanRecord:
+        options: dict[GroupKey, str] = {}
+        modes = []
+        for layer, layer_names in enumerate(entry.names):
+            spec = entry.problem.layers[layer]
+            w = sol.whole[layer]
+            modes.append(spec.whole[w].name if w >= 0 else "")
+            for (key, opts), idx in zip(layer_names, sol.choices[layer]):
+                options[key] = RETAIN if w >= 0 else opts[idx]
+        if entry.post_names:
+            options[GroupKey(None, "post")] = entry.post_names[sol.post]
+        return PlanRecord(list(sol.checkpoint), options, budget, model_budget, sol.peak, sol.time, sol.status,
+                          sol.solve_s, layer_modes=modes, unoptimized_peak=entry.profile.peak_bytes,
+                          shape=entry.profile.shape)
+
+    def _install(self, record: PlanRecord, profile: Profile) -> None:
+        self.remove_plan()
+        masks = {k for k, g in profile.groups.items() if g.mask_bytes}
+        modes = [m if m.startswith("compiled@") else "" for m in record.layer_modes]
         self._applied = AppliedPlan(self.model, self.blocks, record.layer_checkpoint, record.options,
-                                    self.outlier_frac, mask_groups=masks)
+                                    self.outlier_frac, mask_groups=masks, layer_modes=modes, model_hooks=False)
+
+    def _switch(self, sig: str) -> None:
+        """Install the cached plan of another input shape."""
+        entry = self._plans[sig]
+        self._install(entry.record, entry.profile)
+        self._sig = sig
+        self.profile, self.plan = entry.profile, entry.record
+        self._reset_monitor()
 
     def _reset_monitor(self) -> None:
         assert self.profile is not None and self.plan is not None
@@ -332,60 +541,134 @@ class Adacc:
         def run() -> int:
             meter = ActivationMeter(param_tensors(self.model))
             with meter:
-                loss = self._run(args, kwargs)
+                if self._applied is not None:
+                    self._applied.enter()
+                try:
+                    loss = self._run(args, kwargs)
+                finally:
+                    if self._applied is not None:
+                        self._applied.exit()
+                if not torch.isfinite(loss.detach()).all():
+                    raise LeanmlError(f"the loss is {loss.item()} under the memory plan; lower max_error (compression "
+                                      "too lossy) or check the model and data")
                 loss.backward()
             return meter.peak
         return self._isolated(run)
 
     # ------------------------------------------------------------------ training loop
     def step(self) -> list[str]:
-        """Call once per training step (after backward). Returns the drift reasons if it re-planned."""
-        now = time.perf_counter()
+        """Call once per training step (after backward). Records the step's measured peak, keeps the
+        budget, tracks drift. Returns the reasons if it re-planned."""
+        t_step = time.perf_counter()
         if self._last_step_t is not None:
-            self.monitor.add_step_time(now - self._last_step_t)
+            self.monitor.add_step_time(t_step - self._last_step_t)
         self._steps += 1
-        hooks = self._applied.hooks if self._applied is not None else None
         reasons: list[str] = []
+        peak = self._close_step_meter()
+        self._check_loss()
+        if peak is not None and self.plan is not None:
+            over = _max_over_ranks(peak - self.plan.budget_bytes)
+            if over > 0:
+                reasons.append(f"step peak {peak / MIB:.1f} MiB over the budget {self.plan.budget_bytes / MIB:.1f} MiB")
+                self._tighten(over)
+        hooks = self._applied.hooks if self._applied is not None else None
         sampled = hooks is not None and self._sampling
         checked = sampled or bool(self.check_every and self._steps % self.check_every == 0)
+        drift: list[str] = []
         if sampled:
             hooks.sample = False
             self._sampling = False
-            reasons = self.monitor.check(hooks.drift.error, hooks.drift.outlier)
+            drift = self.monitor.check(hooks.drift.error, hooks.drift.outlier)
             hooks.drift.error.clear()
             hooks.drift.outlier.clear()
         elif checked:
-            reasons = self.monitor.check({}, {})
+            drift = self.monitor.check({}, {})
         # checks fall on the same steps on every rank; re-planning (a collective) must too
-        if checked and _max_over_ranks(float(bool(reasons))) > 0 and not reasons:
-            reasons = ["drift on another rank"]
-        if checked and not sampled and hooks is not None and not reasons:
+        if checked and _max_over_ranks(float(bool(drift))) > 0 and not drift:
+            drift = ["drift on another rank"]
+        if checked and not sampled and hooks is not None and not drift:
             hooks.sample = True  # sample the next step's compressed tensors
             self._sampling = True
-        if reasons:
-            log.info("adacc: re-planning at step %d: %s", self._steps, "; ".join(reasons))
-            self._replan("; ".join(reasons))
+        if drift:
+            log.info("adacc: re-planning at step %d: %s", self._steps, "; ".join(drift))
+            assert self._sig is not None
+            self._plans.pop(self._sig, None)
+            self._plan(self._sig, "; ".join(drift))
             self.history[-1]["step"] = self._steps
+        reasons += drift
+        self.last_step_replan_s += time.perf_counter() - t_step if reasons else 0.0
         self._last_step_t = time.perf_counter()
         return reasons
 
+    def take_replan_seconds(self) -> float:
+        """Seconds spent re-planning since the last call (inside forwards and in :meth:`step`); callers that
+        time steps add them to the step they belong to."""
+        s, self.last_step_replan_s = self.last_step_replan_s, 0.0
+        return s
+
+    def _close_step_meter(self) -> int | None:
+        meter, self._step_meter = self._step_meter, None
+        if meter is None:
+            return None
+        meter.__exit__(None, None, None)
+        self.step_peaks.append(meter.peak)
+        self.step_budgets.append(self.plan.budget_bytes if self.plan is not None else float("inf"))
+        if meter.cuda_peak is not None:
+            self.step_cuda_peaks.append(meter.cuda_peak)
+        return meter.peak
+
+    def _tighten(self, over: float) -> None:
+        """A training step measured over the budget: re-solve with the planner's budget lowered by the
+        overshoot (no new profile). Raises when the plan is already the smallest."""
+        assert self.plan is not None and self._sig is not None
+        t0 = time.perf_counter()
+        entry = self._plans[self._sig]
+        budget = self.plan.budget_bytes
+        if self.plan.model_budget_bytes <= entry.floor * (1 + 1e-9):
+            self.remove_plan()
+            raise LeanmlError(
+                f"memory budget {budget / MIB:.1f} MiB cannot be held: a training step measured "
+                f"{(budget + over) / MIB:.1f} MiB under the smallest plan; raise the budget to at least that")
+        model_budget = max(entry.floor, self.plan.model_budget_bytes - over - 0.01 * budget)
+        sol = _broadcast(solve_plan(entry.problem, model_budget, self.time_limit))
+        record = self._to_record(sol, entry, budget, model_budget)
+        self._install(record, entry.profile)
+        entry.record = self.plan = record
+        self._reset_monitor()
+        seconds = time.perf_counter() - t0
+        self.replan_s += seconds
+        self.history.append({"step": self._steps, "reason": f"step peak {over / MIB:.1f} MiB over budget",
+                             "shape": self._sig, "plan": record.summary(), "measured_peak": None,
+                             "budget_bytes": self.plan.budget_bytes if self.plan else None, "seconds": seconds})
+
     def remove_plan(self) -> None:
-        """Uninstall the current plan (the model runs unoptimized)."""
+        """Uninstall the current plan (the model runs unoptimized until the next forward plans again)."""
         if self._applied is not None:
             self._applied.remove()
             self._applied = None
 
     def remove(self) -> None:
         """Uninstall everything Adacc added to the model."""
+        self._close_step_meter()
         self.remove_plan()
-        self._capture.remove()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
     def report(self) -> dict[str, Any]:
-        """Profile, plan and history as JSON-ready data."""
+        """Budget, profile, plan (per shape), measured step peaks and history as JSON-ready data."""
+        peaks = self.step_peaks
         return {
-            "budget": {"kind": self.budget_spec[0], "value": self.budget_spec[1]},
+            "budget": self.budget.to_json(),
+            "budget_bytes": self.plan.budget_bytes if self.plan else None,
             "unoptimized_peak_bytes": self.profile.peak_bytes if self.profile else None,
+            "profile_peak_bytes": self.profile.profile_peak_bytes if self.profile else None,
             "plan": self.plan.to_json() if self.plan else None,
+            "plans": {sig: e.record.to_json() for sig, e in self._plans.items()},
+            "steps": {"measured": len(peaks), "max_peak_bytes": max(peaks) if peaks else None,
+                      "over_budget": sum(p > b for p, b in zip(peaks, self.step_budgets)),
+                      "max_cuda_peak_bytes": max(self.step_cuda_peaks) if self.step_cuda_peaks else None},
+            "replan_s": self.replan_s,
             "history": self.history,
             "profile": self.profile.to_json() if self.profile else None,
         }

@@ -11,6 +11,8 @@ from leanml.utils import LeanmlError, atomic_dir, machine_info, write_json
 
 EPILOG = """examples:
   leanml train --model smollm2-135m --data shakespeare --memory adacc --memory-budget 0.5
+  leanml train --model smollm2-135m --memory adacc --memory-budget 0.25 --compile-blocks
+  leanml train --model smollm2-135m --dtype bfloat16 --memory adacc --memory-budget 0.5
   leanml train --model smollm2-135m --batch-size 2 --seqlen 128 --steps 20 --memory checkpoint
   leanml train --model ./my-llama --memory adacc --memory-budget 2GB --out out/ft --save
 
@@ -18,10 +20,13 @@ memory strategies:
   none        keep every activation autograd saves
   checkpoint  recompute every decoder layer in backward (non-reentrant checkpointing)
   sac         torch selective checkpointing: save matmul and attention outputs, recompute pointwise ops
+  compile     torch.compile with activation_memory_budget = --memory-budget (a fraction)
   adacc       per-group retain / recompute / compress, planned by a MILP to fit --memory-budget
+              (--compile-blocks: layers may also run as compiled blocks, chosen by the same MILP)
 
 --memory-budget is a fraction of the unoptimized activation peak (0.5), bytes, or a size (2GB, 512MiB).
-Writes DIR/report.json (config, machine, plan, per-step loss and time) and DIR/losses.csv.
+Every step's peak is measured; the run fails with the smallest feasible budget if the budget cannot hold.
+Writes DIR/report.json (config, machine, plan, per-step loss, time and peak) and DIR/losses.csv.
 """
 
 
@@ -40,7 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--memory", choices=["none", "checkpoint", "sac", "adacc"], default="adacc")
+    p.add_argument("--memory", choices=["none", "checkpoint", "sac", "compile", "adacc"], default="adacc")
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="adacc: also offer each layer as a compiled block (torch.compile; minutes of compile time)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="weights and activations dtype")
     p.add_argument("--memory-budget", default="0.5", help="fraction of the unoptimized peak, bytes, or a size like 2GB")
     p.add_argument("--max-error", type=float, default=0.05, help="cap on the relative error of lossy compressors")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -62,13 +71,14 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     cfg = TrainConfig(strategy=args.memory, budget=args.memory_budget, batch_size=args.batch_size,
-                      steps=args.steps, lr=args.lr, seed=args.seed, max_error=args.max_error)
+                      steps=args.steps, lr=args.lr, seed=args.seed, max_error=args.max_error,
+                      compile_blocks=args.compile_blocks)
     cfg.check()
     if args.seqlen < 2:
         raise LeanmlError(f"--seqlen must be at least 2, got {args.seqlen}")
     out = args.out or f"out/train-{args.memory}"
     check_output_dir(out, args.overwrite)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     model.to(default_device())
     windows = token_windows(tokenizer, load_text(args.data, "train"), args.seqlen)
     torch.manual_seed(args.seed)
@@ -78,9 +88,9 @@ def run(args: argparse.Namespace) -> int:
         write_json(tmp / "report.json", report)
         with open(tmp / "losses.csv", "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["step", "loss", "step_s"])
-            for i, (loss, t) in enumerate(zip(result["losses"], result["step_times"])):
-                w.writerow([i, f"{loss:.6f}", f"{t:.4f}"])
+            w.writerow(["step", "loss", "step_s", "peak_bytes"])
+            for i, (loss, t, pk) in enumerate(zip(result["losses"], result["step_times"], result["step_peaks"])):
+                w.writerow([i, f"{loss:.6f}", f"{t:.4f}", pk])
         if args.save:
             save_model(model, tokenizer, tmp / "model")
     mib = 2**20
@@ -88,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"memory={args.memory} peak={result['peak_bytes'] / mib:.1f} MiB "
           f"(unoptimized {result['unoptimized_peak_bytes'] / mib:.1f} MiB"
           + (f", budget {budget / mib:.1f} MiB" if budget else "") + ")")
-    print(f"step {result['step_s']:.3f} s (median), {result['tokens_s']:.0f} tokens/s, "
+    over = result["steps_over_budget"]
+    print(f"peak measured on all {result['steps']} steps" + (f", {over} over budget" if over is not None else ""))
+    print(f"step {result['step_s']:.3f} s (median), {result['tokens_s']:.0f} tokens/s (re-planning included), "
           f"loss {result['losses'][0]:.4f} -> {result['final_loss']:.4f} (mean of last 10)")
     print(f"report: {out}/report.json")
     return 0

@@ -3,10 +3,13 @@
 Every compressor maps a tensor to a :class:`Packed` payload (a few tensors plus metadata) and back.
 Lossy float compressors:
 
-* ``bf16`` - round to bfloat16 (2x).
+* ``bf16`` - round float32 to bfloat16 (2x; not offered for 16-bit activations).
+* ``fp8-e4m3`` / ``fp8-e5m2`` - scale each token (row) so its largest magnitude fits the format, then
+  round to 8-bit floating point (4x from float32, 2x from bf16/fp16). e4m3 keeps 3 mantissa bits
+  (relative rounding error up to 1/16), e5m2 keeps 2 bits and a wider exponent range.
 * ``int8-channel`` / ``int8-token`` - symmetric 8-bit quantization with one scale per channel (last
-  dimension) or per token (row), about 4x.
-* ``int4-channel`` / ``int4-token`` - the same with 15 levels, two values per byte, about 8x.
+  dimension) or per token (row), about 4x from float32, 2x from 16-bit.
+* ``int4-channel`` / ``int4-token`` - the same with 15 levels, two values per byte, about 8x (4x).
 
 The integer compressors keep the ``outlier_frac`` channels with the largest magnitude in full precision.
 LLM activations carry a few channels that are orders of magnitude larger than the rest; a per-token
@@ -137,6 +140,24 @@ def _bf16_unpack(p: Packed) -> torch.Tensor:
     return p.tensors["x"].to(p.dtype)
 
 
+_FP8 = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
+
+
+def _fp8_pack(x: torch.Tensor, name: str) -> Packed:
+    """Per-row scale so the row's absmax maps to the format's largest finite value, then an fp8 cast."""
+    fmt = _FP8[name]
+    shape = tuple(x.shape)
+    x2 = x.detach().reshape(-1, shape[-1])
+    fmax = torch.finfo(fmt).max
+    scale = (x2.abs().amax(dim=1, keepdim=True).float() / fmax).clamp_min(1e-30)
+    q = (x2.float() / scale).to(fmt)
+    return Packed(name, {"q": q, "scale": scale}, shape, x.dtype)
+
+
+def _fp8_unpack(p: Packed) -> torch.Tensor:
+    return (p.tensors["q"].float() * p.tensors["scale"]).to(p.dtype).reshape(p.shape)
+
+
 def _split_outliers(x2: torch.Tensor, outlier_frac: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Indices of the outlier channels (largest absmax) of a [rows, C] matrix, or None."""
     channels = x2.shape[1]
@@ -193,6 +214,11 @@ class Compressor:
     pack_fn: Callable[[torch.Tensor], Packed]
     unpack_fn: Callable[[Packed], torch.Tensor]
     lossless: bool = False
+    min_element_size: int = 2  # compress only tensors whose elements are at least this many bytes
+
+    def applies(self, t: torch.Tensor) -> bool:
+        """Whether this compressor makes ``t`` smaller (see :func:`compressible`)."""
+        return compressible(t) and t.element_size() >= self.min_element_size
 
     def pack(self, x: torch.Tensor) -> Packed:
         """Compress ``x`` (no autograd history is kept)."""
@@ -206,10 +232,12 @@ class Compressor:
 
 
 def make_compressor(name: str, outlier_frac: float = 0.01) -> Compressor:
-    """Build a compressor by name: ``bf16``, ``int8-channel``, ``int8-token``, ``int4-channel``,
-    ``int4-token`` or ``bitpack``. ``outlier_frac`` is the fraction of channels kept in full precision."""
+    """Build a compressor by name: ``bf16``, ``fp8-e4m3``, ``fp8-e5m2``, ``int8-channel``, ``int8-token``,
+    ``int4-channel``, ``int4-token`` or ``bitpack``. ``outlier_frac`` is the fraction of channels kept in full precision."""
     if name == "bf16":
-        return Compressor(name, _bf16_pack, _bf16_unpack)
+        return Compressor(name, _bf16_pack, _bf16_unpack, min_element_size=4)
+    if name in _FP8:
+        return Compressor(name, lambda x: _fp8_pack(x, name), _fp8_unpack)
     if name == "bitpack":
         return Compressor(name, bitpack, bitunpack, lossless=True)
     parts = name.split("-")
@@ -224,12 +252,15 @@ def make_compressor(name: str, outlier_frac: float = 0.01) -> Compressor:
     )
 
 
-FLOAT_COMPRESSORS: tuple[str, ...] = ("bf16", "int8-channel", "int8-token", "int4-channel", "int4-token")
+FLOAT_COMPRESSORS: tuple[str, ...] = ("bf16", "fp8-e4m3", "fp8-e5m2", "int8-channel", "int8-token", "int4-channel",
+                                      "int4-token")
 
 
 def compressible(t: torch.Tensor) -> bool:
-    """Whether a float compressor applies to ``t`` (a float tensor with at least 2 dims and enough elements)."""
-    return t.is_floating_point() and t.dim() >= 2 and t.numel() >= MIN_COMPRESS_NUMEL and t.dtype != torch.bfloat16
+    """Whether a float compressor may apply to ``t``: a float tensor of at least 16 bits with at least 2
+    dims and enough elements (each compressor also checks its own element size, :meth:`Compressor.applies`)."""
+    return (t.is_floating_point() and t.dim() >= 2 and t.numel() >= MIN_COMPRESS_NUMEL and t.element_size() >= 2
+            and t.dtype not in _FP8.values())
 
 
 def outlier_ratio(t: torch.Tensor) -> float:

@@ -15,7 +15,7 @@ def run_demo() -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from leanml.data.text import load_text, token_windows
-    from leanml.memory.train import StrategyRunner, TrainConfig, batches, measure_peak, remap_vocab
+    from leanml.memory.train import StrategyRunner, TrainConfig, batches, lm_unoptimized_peak, remap_vocab
     from leanml.models import bundled_dir
 
     t0 = time.perf_counter()
@@ -32,7 +32,7 @@ def run_demo() -> None:
             return LlamaForCausalLM(cfg)
 
         data = batches(windows, 4, 8, seed=0)
-        base = measure_peak(model().train(), data[0])
+        base = lm_unoptimized_peak(model().train(), data[0])
         runners = []
         for strategy, budget in [("none", 1.0), ("checkpoint", 1.0), ("sac", 1.0), ("adacc", 0.5)]:
             r = StrategyRunner(model(), TrainConfig(strategy=strategy, budget=budget, steps=len(data), lr=1e-3,
@@ -47,7 +47,7 @@ def run_demo() -> None:
         for r in runners:
             r.close()
             res = r.result()
-            name = res["strategy"] + (f"@{res['budget_fraction']:.0%}" if res["budget_fraction"] else "")
+            name = res["label"]
             print(f"{name:<14}{res['peak_bytes'] / MIB:>10.1f}{res['peak_bytes'] / base:>9.0%}"
                   f"{res['step_s']:>9.3f}{res['tokens_s']:>10.0f}{res['final_loss']:>8.3f}")
         print(f"({time.perf_counter() - t0:.0f} s)")

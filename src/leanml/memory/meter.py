@@ -45,20 +45,21 @@ class ActivationMeter:
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.current = 0
+        self.current = 0  # bytes of tracked storages, dead ones included until the next sweep
         self.peak = 0
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._cuda_start = 0
 
     # ------------------------------------------------------------------ bookkeeping
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        expired = torch.UntypedStorage._expired  # the C check, without StorageWeakRef's Python wrapper
+        dead = [k for k, (ref, _) in self._live.items() if expired(ref.cdata)]
         for k in dead:
             self.current -= self._live.pop(k)[1]
 
     def track(self, obj: object) -> None:
         """Count every tensor in ``obj`` whose storage is not yet counted (and not a parameter)."""
-        self._sweep()
+        added = False
         for t in tree_leaves(obj):
             if not isinstance(t, torch.Tensor) or t.is_meta:
                 continue
@@ -70,16 +71,23 @@ class ActivationMeter:
             if key in self._exclude or st.nbytes() == 0:
                 continue
             entry = self._live.get(key)
-            if entry is not None and not entry[0].expired():
-                continue
+            if entry is not None:
+                if not entry[0].expired():
+                    continue
+                self.current -= self._live.pop(key)[1]  # a freed address reused by a new storage
             self._live[key] = (StorageWeakRef(st), st.nbytes())
             self.current += st.nbytes()
-        self.peak = max(self.peak, self.current)
+            added = True
+        # ``current`` only over-counts (storages freed since the last sweep), so the peak can only move
+        # when it exceeds the peak: sweep then, and the peak stays exact at event granularity
+        if added and self.current > self.peak:
+            self._sweep()
+            self.peak = max(self.peak, self.current)
 
     # ------------------------------------------------------------------ context
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.track(t)
-        return t
+        return t.detach()  # the tensor itself would make a cycle with the node saving its own output
 
     def __enter__(self) -> ActivationMeter:
         _ACTIVE.append(self)

@@ -2,18 +2,21 @@
 
 Pure numeric core: a :class:`Problem` holds, for every layer, the options of each of its groups (bytes
 kept until the layer's backward, transient bytes while the group's backward runs, seconds added per
-step, relative error) and an optional whole-layer checkpoint; plus bytes retained before the layers
-(``pre_bytes``) and the options of the group after them (``post``: head and loss).
+step, relative error) and its whole-layer options (a checkpoint of the layer; the layer run by compiled
+kernels with the compiler's own budgeted recomputation, possibly with its saved tensors compressed),
+each replacing all of the layer's group choices; plus bytes retained before the layers (``pre_bytes``)
+and the options of the group after them (``post``: head and loss). Times may be negative (a compiled
+layer can be faster than the eager one it replaces).
 
 Memory model of one training step (layers run 0..L-1 forward, then L-1..0 backward):
 
 * the head's backward runs first: ``pre + sum_l R_l + R_post + T_post <= budget``;
 * while layer ``l`` runs backward, layers ``< l`` still hold what they kept and layer ``l`` adds a
   transient (recomputed or decompressed tensors): ``pre + sum_{l' <= l} R_l' + T_l <= budget`` with
-  ``T_l = max`` over the layer's groups of the chosen option's transient.
+  ``T_l = max`` over the layer's groups of the chosen option's transient (or the whole-layer option's).
 
 :func:`solve_plan` writes this as a MILP for ``scipy.optimize.milp`` (HiGHS): one binary per
-(group, option), one per whole-layer checkpoint, one continuous ``T_l`` per layer; minimise added time.
+(group, option), one per whole-layer option, one continuous ``T_l`` per layer; minimise added time.
 On a time limit without a solution it falls back to :func:`greedy_plan`. :func:`evaluate` is the
 plain definition of the model above, used for checking and brute force.
 """
@@ -72,15 +75,21 @@ class Option:
 
 @dataclass
 class LayerSpec:
-    """The groups of one layer (each a list of options) and its whole-layer checkpoint option."""
+    """The groups of one layer (each a list of options) and its whole-layer options: ``checkpoint``
+    (recompute the layer) and ``alternatives`` (e.g. compiled kernels at a recomputation budget)."""
 
     groups: list[list[Option]]
     checkpoint: Option | None = None
+    alternatives: list[Option] = field(default_factory=list)
+
+    @property
+    def whole(self) -> list[Option]:
+        """The whole-layer options: the checkpoint (if any) first, then the alternatives."""
+        return ([self.checkpoint] if self.checkpoint is not None else []) + list(self.alternatives)
 
     def signature(self) -> tuple:
         opts = tuple(tuple((o.name, o.keep, o.transient, o.time) for o in g) for g in self.groups)
-        ck = None if self.checkpoint is None else (self.checkpoint.keep, self.checkpoint.transient, self.checkpoint.time)
-        return (opts, ck)
+        return (opts, tuple((o.name, o.keep, o.transient, o.time) for o in self.whole))
 
 
 @dataclass
@@ -94,33 +103,53 @@ class Problem:
 
 @dataclass
 class Solution:
-    """A plan: per layer either checkpointed or one option index per group; and the post option."""
+    """A plan: per layer a whole-layer option or one option index per group; and the post option."""
 
-    checkpoint: list[bool]
-    choices: list[list[int]]  # option index per group (ignored where checkpoint[l])
+    checkpoint: list[bool]  # the layer is recomputed as a whole (whole[l] is its checkpoint option)
+    choices: list[list[int]]  # option index per group (ignored where whole[l] >= 0)
     post: int
     peak: float
     time: float
     status: str  # "optimal", "uniform" (one layer plan reused, proven optimal), "greedy"
     solve_s: float = 0.0
+    whole: list[int] = field(default_factory=list)  # index into LayerSpec.whole, -1 = per-group choices
+
+    def __post_init__(self) -> None:
+        if not self.whole:
+            self.whole = [0 if ck else -1 for ck in self.checkpoint]
 
 
-def evaluate(problem: Problem, checkpoint: list[bool], choices: list[list[int]], post: int) -> tuple[float, float]:
-    """Peak bytes and added seconds of a plan under the memory model (the definition, no solver)."""
+def _whole_index(spec: LayerSpec, w: bool | int) -> int:
+    """``True``/``False`` (checkpoint or not) or an index into ``spec.whole`` (-1: per-group)."""
+    if isinstance(w, bool):
+        if w and spec.checkpoint is None:
+            raise ValueError("layer has no checkpoint option")
+        return 0 if w else -1
+    return int(w)
+
+
+def layer_cost(spec: LayerSpec, w: bool | int, ch: list[int]) -> tuple[float, float, float]:
+    """(keep, transient, time) of one layer under a choice (``w`` as in :func:`evaluate`)."""
+    idx = _whole_index(spec, w)
+    if idx >= 0:
+        o = spec.whole[idx]
+        return o.keep, o.transient, o.time
+    chosen = [g[i] for g, i in zip(spec.groups, ch)]
+    return (sum(o.keep for o in chosen), max((o.transient for o in chosen), default=0.0),
+            sum(o.time for o in chosen))
+
+
+def evaluate(problem: Problem, whole: list[bool] | list[int], choices: list[list[int]], post: int) -> tuple[float, float]:
+    """Peak bytes and added seconds of a plan under the memory model (the definition, no solver).
+
+    ``whole[l]``: ``True``/``False`` (layer checkpointed or not) or an index into the layer's
+    :attr:`LayerSpec.whole` options (-1: the per-group ``choices[l]``)."""
     pre = problem.pre_bytes
     prefix = pre
     peak = pre
     total_time = 0.0
-    for spec, ck, ch in zip(problem.layers, checkpoint, choices):
-        if ck:
-            opt = spec.checkpoint
-            assert opt is not None
-            keep, trans, tm = opt.keep, opt.transient, opt.time
-        else:
-            chosen = [g[i] for g, i in zip(spec.groups, ch)]
-            keep = sum(o.keep for o in chosen)
-            trans = max((o.transient for o in chosen), default=0.0)
-            tm = sum(o.time for o in chosen)
+    for spec, w, ch in zip(problem.layers, whole, choices):
+        keep, trans, tm = layer_cost(spec, w, ch)
         prefix += keep
         peak = max(peak, prefix + trans)
         total_time += tm
@@ -138,11 +167,11 @@ class _Builder:
         self.problem = problem
         self.n = 0
         self.x: list[list[list[int]]] = []
-        self.z: list[int | None] = []
+        self.z: list[list[int]] = []  # one binary per whole-layer option
         self.t: list[int] = []
         for spec in problem.layers:
             self.x.append([[self._new() for _ in g] for g in spec.groups])
-            self.z.append(self._new() if spec.checkpoint is not None else None)
+            self.z.append([self._new() for _ in spec.whole])
             self.t.append(self._new())
         self.post = [self._new() for _ in problem.post]
         self.rows: list[dict[int, float]] = []
@@ -164,26 +193,31 @@ class _Builder:
         for g, xs in zip(spec.groups, self.x[layer]):
             for o, v in zip(g, xs):
                 terms[v] = o.keep
-        if self.z[layer] is not None:
-            terms[self.z[layer]] = spec.checkpoint.keep
+        for o, z in zip(spec.whole, self.z[layer]):
+            terms[z] = o.keep
         return terms
 
     def build(self, budget: float | None, peak_var: int | None = None) -> None:
         """Assignment, transient and memory rows; ``budget=None`` with ``peak_var`` minimises the peak."""
         pr = self.problem
         for layer, spec in enumerate(pr.layers):
-            z = self.z[layer]
+            zs = self.z[layer]
             for g, xs in zip(spec.groups, self.x[layer]):
                 row = {v: 1.0 for v in xs}
-                if z is not None:
+                for z in zs:
                     row[z] = 1.0
                 self.add(row, 1.0, 1.0)
                 # T_l >= transient of the chosen option of this group
                 row = {v: o.transient for o, v in zip(g, xs) if o.transient}
                 row[self.t[layer]] = -1.0
                 self.add(row, -np.inf, 0.0)
-            if z is not None:
-                self.add({z: spec.checkpoint.transient, self.t[layer]: -1.0}, -np.inf, 0.0)
+            if zs and not spec.groups:  # nothing but whole-layer options: exactly one of them
+                self.add({z: 1.0 for z in zs}, 1.0, 1.0)
+            elif len(zs) > 1:
+                self.add({z: 1.0 for z in zs}, 0.0, 1.0)
+            for o, z in zip(spec.whole, zs):
+                if o.transient:
+                    self.add({z: o.transient, self.t[layer]: -1.0}, -np.inf, 0.0)
         if self.post:
             self.add({v: 1.0 for v in self.post}, 1.0, 1.0)
         prefix: dict[int, float] = {}
@@ -235,15 +269,15 @@ class _Builder:
             hi[self.n:] = np.inf
         return Bounds(np.zeros(n), hi)
 
-    def decode(self, xv: np.ndarray) -> tuple[list[bool], list[list[int]], int]:
-        checkpoint, choices = [], []
+    def decode(self, xv: np.ndarray) -> tuple[list[int], list[list[int]], int]:
+        whole, choices = [], []
         for layer in range(len(self.problem.layers)):
-            z = self.z[layer]
-            ck = z is not None and xv[z] > 0.5
-            checkpoint.append(bool(ck))
+            zs = self.z[layer]
+            picked = [i for i, z in enumerate(zs) if xv[z] > 0.5]
+            whole.append(picked[0] if picked else -1)
             choices.append([int(np.argmax([xv[v] for v in xs])) if xs else 0 for xs in self.x[layer]])
         post = int(np.argmax([xv[v] for v in self.post])) if self.post else 0
-        return checkpoint, choices, post
+        return whole, choices, post
 
 
 def _costs(b: _Builder, n: int) -> np.ndarray:
@@ -252,8 +286,8 @@ def _costs(b: _Builder, n: int) -> np.ndarray:
         for g, xs in zip(spec.groups, b.x[layer]):
             for o, v in zip(g, xs):
                 c[v] = o.time
-        if b.z[layer] is not None:
-            c[b.z[layer]] = spec.checkpoint.time
+        for o, z in zip(spec.whole, b.z[layer]):
+            c[z] = o.time
     for o, v in zip(b.problem.post, b.post):
         c[v] = o.time
     return c
@@ -271,22 +305,27 @@ def min_peak(problem: Problem, time_limit: float = 10.0) -> float:
                options={"time_limit": time_limit})
     if res.x is None:
         return greedy_min_peak(problem)
-    ck, ch, post = b.decode(res.x)
-    return evaluate(problem, ck, ch, post)[0]
+    wh, ch, post = b.decode(res.x)
+    return evaluate(problem, wh, ch, post)[0]
+
+
+def min_peak_plan(problem: Problem, time_limit: float = 10.0) -> Solution:
+    """A plan reaching the smallest peak (ties broken towards less added time)."""
+    floor = min_peak(problem, time_limit)
+    return solve_plan(problem, floor * (1 + 1e-9) + 1e-6, time_limit, reuse=False)
 
 
 def greedy_min_peak(problem: Problem) -> float:
     """Peak of the plan that takes the smallest-keep option everywhere (an upper bound on the minimum)."""
-    ck, ch = [], []
+    wh, ch = [], []
     for spec in problem.layers:
         per_group = [min(range(len(g)), key=lambda i, g=g: (g[i].keep, g[i].transient)) for g in spec.groups]
-        ck.append(False)
+        options = [(layer_cost(spec, -1, per_group)[:2], -1)]
+        options += [((o.keep, o.transient), i) for i, o in enumerate(spec.whole)]
+        wh.append(min(options)[1] if spec.groups else min(options[1:])[1])
         ch.append(per_group)
     post = min(range(len(problem.post)), key=lambda i: problem.post[i].keep) if problem.post else 0
-    best = evaluate(problem, ck, ch, post)[0]
-    if all(s.checkpoint is not None for s in problem.layers):
-        best = min(best, evaluate(problem, [True] * len(problem.layers), ch, post)[0])
-    return best
+    return evaluate(problem, wh, ch, post)[0]
 
 
 def _solve_milp(problem: Problem, budget: float, time_limit: float, relax: bool = False):  # noqa: ANN202
@@ -305,18 +344,27 @@ def _uniform(problem: Problem, budget: float, time_limit: float) -> Solution | N
     spec = problem.layers[0]
     scaled_groups = [[Option(o.name, o.keep * n_layers, o.transient, o.time * n_layers, o.error) for o in g]
                      for g in spec.groups]
-    ck = spec.checkpoint
-    scaled_ck = None if ck is None else Option(ck.name, ck.keep * n_layers, ck.transient, ck.time * n_layers)
-    single = Problem([LayerSpec(scaled_groups, scaled_ck)], problem.pre_bytes, problem.post)
+    def scaled(o: Option) -> Option:
+        return Option(o.name, o.keep * n_layers, o.transient, o.time * n_layers, o.error)
+
+    ck = None if spec.checkpoint is None else scaled(spec.checkpoint)
+    single = Problem([LayerSpec(scaled_groups, ck, [scaled(o) for o in spec.alternatives])], problem.pre_bytes,
+                     problem.post)
     b, res = _solve_milp(single, budget, time_limit)
     if res.x is None or res.status != 0:
         return None
-    c, ch, post = b.decode(res.x)
-    sol_ck, sol_ch = c * n_layers, [list(ch[0]) for _ in range(n_layers)]
-    peak, tm = evaluate(problem, sol_ck, sol_ch, post)
+    wh, ch, post = b.decode(res.x)
+    sol_wh, sol_ch = wh * n_layers, [list(ch[0]) for _ in range(n_layers)]
+    peak, tm = evaluate(problem, sol_wh, sol_ch, post)
     if peak > budget * (1 + 1e-9):
         return None
-    return Solution(sol_ck, sol_ch, post, peak, tm, "uniform")
+    return _solution(problem, sol_wh, sol_ch, post, peak, tm, "uniform")
+
+
+def _solution(problem: Problem, whole: list[int], choices: list[list[int]], post: int, peak: float, tm: float,
+              status: str, solve_s: float = 0.0) -> Solution:
+    ck = [w == 0 and spec.checkpoint is not None for spec, w in zip(problem.layers, whole)]
+    return Solution(ck, choices, post, peak, tm, status, solve_s, list(whole))
 
 
 def prune_dominated(problem: Problem) -> tuple[Problem, list[list[list[int]]]]:
@@ -342,7 +390,7 @@ def prune_dominated(problem: Problem) -> tuple[Problem, list[list[list[int]]]]:
                     keep_idx.append(i)
             groups.append([g[i] for i in keep_idx])
             gmaps.append(keep_idx)
-        layers.append(LayerSpec(groups, spec.checkpoint))
+        layers.append(LayerSpec(groups, spec.checkpoint, list(spec.alternatives)))
         maps.append(gmaps)
     return Problem(layers, problem.pre_bytes, problem.post), maps
 
@@ -374,10 +422,10 @@ def _solve_pruned(problem: Problem, budget: float, time_limit: float, reuse: boo
                 return uni
     b, res = _solve_milp(problem, budget, time_limit)
     if res.x is not None and res.status in (0, 1):
-        ck, ch, post = b.decode(res.x)
-        peak, tm = evaluate(problem, ck, ch, post)
+        wh, ch, post = b.decode(res.x)
+        peak, tm = evaluate(problem, wh, ch, post)
         status = "optimal" if res.status == 0 else "time-limit"
-        return Solution(ck, ch, post, peak, tm, status, time.perf_counter() - t0)
+        return _solution(problem, wh, ch, post, peak, tm, status, time.perf_counter() - t0)
     if res.status == 2:  # infeasible
         raise ValueError(f"no plan fits {budget:.0f} bytes; the smallest feasible peak is {min_peak(problem):.0f}")
     log.warning("MILP ended without a solution (%s); using the greedy plan", res.message)
@@ -386,29 +434,21 @@ def _solve_pruned(problem: Problem, budget: float, time_limit: float, reuse: boo
     return sol
 
 
-def _layer_cost(spec: LayerSpec, ck: bool, ch: list[int]) -> tuple[float, float, float]:
-    """(keep, transient, time) of one layer under a choice."""
-    if ck:
-        o = spec.checkpoint
-        assert o is not None
-        return o.keep, o.transient, o.time
-    chosen = [g[i] for g, i in zip(spec.groups, ch)]
-    return (sum(o.keep for o in chosen), max((o.transient for o in chosen), default=0.0),
-            sum(o.time for o in chosen))
-
-
 def greedy_plan(problem: Problem, budget: float) -> Solution:
     """Fallback: start from the fastest option everywhere, then repeatedly apply the single change with
     the best peak reduction per added second until the modelled peak fits. Raises ``ValueError`` if it
     cannot. Each round scores every change in O(1) from prefix/suffix maxima of the peak terms."""
     layers = problem.layers
     n = len(layers)
-    ck = [False] * n
     ch = [[min(range(len(g)), key=lambda i, g=g: (g[i].time, g[i].keep)) for g in s.groups] for s in layers]
+    wh = []
+    for s, h in zip(layers, ch):  # the fastest way to run each layer
+        cands = ([(layer_cost(s, -1, h)[2], -1)] if s.groups else []) + [(o.time, i) for i, o in enumerate(s.whole)]
+        wh.append(min(cands)[1])
     posts = problem.post
     post = min(range(len(posts)), key=lambda i: (posts[i].time, posts[i].keep)) if posts else 0
     while True:
-        cost = [_layer_cost(s, c, h) for s, c, h in zip(layers, ck, ch)]
+        cost = [layer_cost(s, w, h) for s, w, h in zip(layers, wh, ch)]
         keep = np.array([c[0] for c in cost])
         trans = np.array([c[1] for c in cost])
         prefix = problem.pre_bytes + np.cumsum(keep)
@@ -422,17 +462,15 @@ def greedy_plan(problem: Problem, budget: float) -> Solution:
         right = np.concatenate([right[1:], [-np.inf]])  # max over l' > l
         best = None
         for layer, spec in enumerate(layers):
-            cands = []
-            if spec.checkpoint is not None and not ck[layer]:
-                cands.append((True, ch[layer]))
+            cands = [(i, ch[layer]) for i in range(len(spec.whole)) if i != wh[layer]]
             for gi, g in enumerate(spec.groups):
                 for oi in range(len(g)):
-                    if ck[layer] or oi != ch[layer][gi]:
+                    if wh[layer] >= 0 or oi != ch[layer][gi]:
                         h = list(ch[layer])
                         h[gi] = oi
-                        cands.append((False, h))
+                        cands.append((-1, h))
             for c2, h2 in cands:
-                k2, t2, tm2 = _layer_cost(spec, c2, h2)
+                k2, t2, tm2 = layer_cost(spec, c2, h2)
                 delta = k2 - keep[layer]
                 p2 = max(left[layer], prefix[layer] + delta + t2, right[layer] + delta, post_term + delta)
                 gain = peak - p2
@@ -454,6 +492,6 @@ def greedy_plan(problem: Problem, budget: float) -> Solution:
         if pi is not None:
             post = pi
         else:
-            ck[layer], ch[layer] = c2, h2
-    peak, tm = evaluate(problem, ck, ch, post)
-    return Solution(ck, ch, post, peak, tm, "greedy")
+            wh[layer], ch[layer] = c2, h2
+    peak, tm = evaluate(problem, wh, ch, post)
+    return _solution(problem, wh, ch, post, peak, tm, "greedy")

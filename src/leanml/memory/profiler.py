@@ -1,15 +1,21 @@
-"""One instrumented training step: what each activation group costs to keep, recompute or compress.
+"""What each activation group costs to keep, recompute or compress, measured block by block.
 
-:func:`profile_step` runs forward and backward once with every activation retained and records, per
-group (decoder layer x child module, plus ``_self``, ``pre``, ``post``): the bytes autograd saves
-(distinct storages, parameters skipped, each storage attributed to the first group that saved it),
-the bytes a checkpoint of the group would have to hold (its inputs not saved elsewhere), the forward
-time (= the time to recompute it), and for every compressor the payload bytes, pack and unpack time,
-relative error and outlier ratio of its saved tensors.
+:func:`profile_step` records, per group (decoder layer x child module, plus ``_self``, ``pre``,
+``post``): the bytes autograd saves (distinct storages, parameters skipped, each storage attributed to
+the first group that saves it in model order), the bytes a checkpoint of the group would have to hold
+(its inputs not saved elsewhere), the forward time (= the time to recompute it), what a selective
+checkpoint keeps and recomputes, and for every compressor the payload bytes, pack and unpack time,
+relative error and outlier ratio of its saved tensors; optionally, per layer, the same for the block
+compiled at several recomputation budgets of the compiler.
+
+It never runs an unoptimized step: the model runs forward with every block checkpointed, then each
+block runs alone on its recorded inputs, so profiling needs no more memory than full checkpointing
+(plus one block's saved tensors), and the unoptimized peak is the sum of what the groups save.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -17,8 +23,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from tqdm.auto import tqdm
 
+from leanml.memory.compiled import compile_module_forward
 from leanml.memory.compressors import (
     FLOAT_COMPRESSORS,
     bitpack,
@@ -29,8 +39,11 @@ from leanml.memory.compressors import (
     relative_error,
 )
 from leanml.memory.meter import ActivationMeter, note, param_tensors
-from leanml.memory.runtime import SAC_SAVE_OPS, dense_order
+from leanml.memory.runtime import SAC_SAVE_OPS, dense_order, wrap_checkpoint
 from leanml.memory.structure import SELF, GroupKey, ScopeTracker, kind_of, param_storage_ptrs, tensors_in
+from leanml.utils import LeanmlError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,6 +85,18 @@ class GroupStats:
 
 
 @dataclass
+class CompiledStat:
+    """One layer run by compiled kernels at one recomputation budget of the compiler."""
+
+    budget: float
+    bytes: int  # what the compiled graph saves (storages no other layer owns)
+    max_tensor_bytes: int
+    time_s: float  # compiled forward+backward minus the eager one (negative when compiled is faster)
+    compile_s: float  # the first call: compilation, or loading it from the compile cache
+    compress: dict[str, CompressStat] = field(default_factory=dict)
+
+
+@dataclass
 class Profile:
     """Result of :func:`profile_step`."""
 
@@ -79,9 +104,14 @@ class Profile:
     n_layers: int
     layer_input_bytes: list[int]
     layer_fwd_s: list[float]
-    peak_bytes: int  # measured peak saved-activation bytes with everything retained
-    step_s: float
+    peak_bytes: int  # unoptimized peak: every storage one step saves (pre + all groups + post)
     compressors: tuple[str, ...]
+    profile_peak_bytes: int = 0  # measured peak of live activations while profiling
+    profile_s: float = 0.0
+    compiled: dict[int, list[CompiledStat]] = field(default_factory=dict)
+    layer_eager_s: list[float] = field(default_factory=list)  # eager forward+backward per layer (0: not timed)
+    compile_error: str | None = None
+    shape: str = ""
 
     def layer_groups(self, layer: int) -> list[GroupStats]:
         return [g for k, g in self.groups.items() if k.layer == layer]
@@ -90,9 +120,14 @@ class Profile:
         return {
             "n_layers": self.n_layers,
             "peak_bytes": self.peak_bytes,
-            "step_s": self.step_s,
+            "profile_peak_bytes": self.profile_peak_bytes,
+            "profile_s": self.profile_s,
+            "shape": self.shape,
             "layer_input_bytes": self.layer_input_bytes,
             "layer_fwd_s": self.layer_fwd_s,
+            "layer_eager_s": self.layer_eager_s,
+            "compile_error": self.compile_error,
+            "compiled": {str(k): [asdict(c) for c in v] for k, v in self.compiled.items()},
             "groups": [asdict(g) | {"label": g.label} for g in self.groups.values()],
         }
 
@@ -107,6 +142,90 @@ def _time(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
+def _fresh_inputs(captured: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    """A block's captured inputs as new autograd leaves (same storages, same ``requires_grad``)."""
+    def leaf(t: object) -> object:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return t.detach().requires_grad_(True)
+        return t
+
+    args, kwargs = captured
+    return tree_map(leaf, args), tree_map(leaf, kwargs)
+
+
+def _forward_backward(fn: Callable, block: nn.Module, args: tuple, kwargs: dict) -> None:
+    """One forward and backward of a block on its own (gradients returned, not accumulated)."""
+    out = fn(*args, **kwargs)
+    outs = [t for t in tensors_in(out) if t.requires_grad]
+    if not outs:
+        return
+    ins = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    ins += [p for p in block.parameters() if p.requires_grad]
+    torch.autograd.grad(outs, ins, grad_outputs=[torch.ones_like(o) for o in outs], allow_unused=True)
+
+
+def _timed(fn: Callable[[], object], reps: int) -> float:
+    """Smallest wall time of ``reps`` runs."""
+    return min(_time(fn)[0] for _ in range(reps))
+
+
+class _Owners:
+    """Which group owns each saved storage: the group that saves it first in model order (pre, layer 0,
+    ..., layer L-1, post), as in an unoptimized step."""
+
+    def __init__(self, n_layers: int, groups: dict[GroupKey, GroupStats], params: set[int]) -> None:
+        self.n_layers = n_layers
+        self.groups = groups
+        self.params = params
+        self._owner: dict[int, tuple[StorageWeakRef, GroupKey]] = {}
+        self.saved: dict[GroupKey, dict[tuple, torch.Tensor]] = {}
+
+    def owner_of(self, t: torch.Tensor) -> GroupKey | None:
+        """The group owning ``t``'s storage while that storage is alive (a freed address may be reused)."""
+        entry = self._owner.get(t.untyped_storage().data_ptr())
+        return None if entry is None or entry[0].expired() else entry[1]
+
+    def rank(self, key: GroupKey) -> int:
+        if key.layer is not None:
+            return key.layer
+        return -1 if key.child == "pre" else self.n_layers
+
+    def group(self, key: GroupKey) -> GroupStats:
+        if key not in self.groups:
+            kind = kind_of(key.child) if key.layer is not None else key.child
+            self.groups[key] = GroupStats(key.layer, key.child, kind)
+        self.saved.setdefault(key, {})
+        return self.groups[key]
+
+    def add(self, key: GroupKey, t: torch.Tensor) -> None:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.params:
+            return
+        g = self.group(key)
+        prev = self.owner_of(t)
+        if prev is not None and self.rank(prev) <= self.rank(key):
+            return
+        nb = t.untyped_storage().nbytes()
+        if prev is not None:  # seen first outside the blocks (profiled earlier), but a block saves it first
+            old = self.groups[prev]
+            old.bytes -= nb
+            old.n_tensors -= 1
+            if prev in self.saved:
+                self.saved[prev] = {k: v for k, v in self.saved[prev].items() if k[0] != ptr}
+        self._owner[ptr] = (StorageWeakRef(t.untyped_storage()), key)
+        # detached: a tensor with its graph, held where the pack hook can reach, would be a reference cycle
+        self.saved[key].setdefault(_tensor_key(t), t.detach())
+        g.bytes += nb
+        g.n_tensors += 1
+        g.max_tensor_bytes = max(g.max_tensor_bytes, nb)
+        if t.dtype == torch.bool or mask_scale(t) is not None:
+            g.mask_bytes += nb
+
+    def release(self, keys: list[GroupKey]) -> dict[GroupKey, list[torch.Tensor]]:
+        """Hand over (and forget) the saved tensors of ``keys``."""
+        return {k: list(self.saved.pop(k, {}).values()) for k in keys}
+
+
 def profile_step(
     model: nn.Module,
     blocks: list[nn.Module],
@@ -115,112 +234,266 @@ def profile_step(
     outlier_frac: float = 0.01,
     compress_layers: list[int] | None = None,
     measure_outside: bool = True,
+    compile_budgets: tuple[float, ...] = (),
+    progress: bool = False,
+    selective: bool = True,
 ) -> Profile:
-    """Profile one step. ``run_step()`` runs the forward and returns the loss; this calls backward.
+    """Profile one step block by block, never holding more than full checkpointing does.
 
-    ``compress_layers``: layers whose compressors are timed and measured (default all); other layers
-    copy the stats of the nearest measured layer, scaled by bytes. ``measure_outside=False`` skips the
-    compressors on the ``pre``/``post`` groups (when they will not be compressed anyway).
+    ``run_step()`` runs the model's forward and returns the loss (no backward is run). First the model
+    runs forward with every block checkpointed, which records the block inputs and what the code
+    outside the blocks saves (``pre``/``post``); then each block runs alone on its recorded inputs with
+    everything retained, to size, time and compress its groups, and once more for what a selective
+    checkpoint would keep. Live activations never exceed the block inputs plus one block's saved
+    tensors (measured: ``profile_peak_bytes``).
+
+    ``compress_layers``: layers whose compressors (and compiled variants) are measured (default all);
+    other layers copy the stats of the nearest measured layer, scaled by bytes. ``measure_outside=False``
+    skips the compressors on ``pre``/``post``. ``compile_budgets``: also run each measured layer as a
+    compiled block at these recomputation budgets of the compiler (:mod:`leanml.memory.compiled`).
+    ``selective=False`` skips the selective-checkpoint pass.
     """
+    t_start = time.perf_counter()
     params = param_storage_ptrs(model)
+    n_layers = len(blocks)
     groups: dict[GroupKey, GroupStats] = {}
-    saved: dict[GroupKey, dict[tuple, torch.Tensor]] = {}
-    owner: dict[int, GroupKey] = {}  # storage ptr -> first group saving it
+    owners = _Owners(n_layers, groups, params)
+    measured = set(range(n_layers)) if compress_layers is None else set(compress_layers) & set(range(n_layers))
+    meter = ActivationMeter(param_tensors(model))
+    with meter:
+        captured = _outside_pass(model, blocks, run_step, owners)
+        outside = owners.release([GroupKey(None, "pre"), GroupKey(None, "post")])
+        for key in list(outside):
+            tensors = outside.pop(key)
+            if measure_outside and key in groups:
+                _measure_compression(groups[key], tensors, compressors, outlier_frac)
+            del tensors
+        layer_input_bytes: list[int] = []
+        layer_eager_s: list[float] = [0.0] * n_layers
+        compiled: dict[int, list[CompiledStat]] = {}
+        compile_error = None
+        for i, block in enumerate(tqdm(blocks, desc="adacc: profile", disable=not progress, leave=False)):
+            if captured[i] is None:
+                raise LeanmlError(f"block {i} of {n_layers} did not run in the forward pass; pass the blocks that run "
+                                  "(blocks=[...]) to Adacc")
+            args, kwargs = _fresh_inputs(captured[i])
+            layer_input_bytes.append(_layer_input_bytes(args, kwargs, params))
+            _block_pass(block, i, args, kwargs, owners, compressors, outlier_frac, i in measured, selective)
+            if compile_budgets and i in measured and compile_error is None:
+                try:
+                    layer_eager_s[i], compiled[i] = _compiled_pass(block, i, args, kwargs, owners, compile_budgets,
+                                                                   compressors, outlier_frac)
+                except Exception as exc:  # noqa: BLE001 - a model the compiler cannot take keeps its eager options
+                    compile_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                    log.warning("adacc: compiling block %d failed (%s); planning without compiled options", i,
+                                compile_error)
+                    compiled.clear()
+            del args, kwargs
+            captured[i] = None  # the block input is no longer needed: free it as full checkpointing would
+    _copy_unmeasured(groups, measured, n_layers, compressors, outlier_frac, owners)
+    if compiled:
+        _copy_unmeasured_compiled(compiled, layer_eager_s, measured, n_layers, groups)
+    layer_fwd = _split_self_time(groups, n_layers)
+    peak = sum(g.bytes for g in groups.values())
+    return Profile(groups, n_layers, layer_input_bytes, layer_fwd, peak, tuple(compressors), meter.peak,
+                   time.perf_counter() - t_start, compiled, layer_eager_s, compile_error)
+
+
+def unoptimized_peak(model: nn.Module, blocks: list[nn.Module], run_step: Callable[[], torch.Tensor]) -> int:
+    """Peak saved-activation bytes of an unoptimized training step, computed block by block (the sum
+    :func:`profile_step` reports as ``peak_bytes``) without ever running that step."""
+    return profile_step(model, blocks, run_step, compressors=(), measure_outside=False, selective=False).peak_bytes
+
+
+def _outside_pass(model: nn.Module, blocks: list[nn.Module], run_step: Callable[[], torch.Tensor],
+                  owners: _Owners) -> list[tuple[tuple, dict] | None]:
+    """Forward with every block checkpointed: record block inputs and the ``pre``/``post`` saves."""
+    captured: list[tuple[tuple, dict] | None] = [None] * len(blocks)
+
+    def capture(i: int) -> Callable:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            if torch.is_grad_enabled() and captured[i] is None:
+                captured[i] = (args, kwargs)
+        return hook
+
+    handles = [b.register_forward_pre_hook(capture(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    undo = [wrap_checkpoint(b) for b in blocks]
+    tracker = ScopeTracker(model, blocks, skip_children=frozenset(range(len(blocks))))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        note(t)
+        key = tracker.current()
+        if key.layer is None:
+            owners.add(key, t)
+        return t.detach()  # no backward runs: a saved output must not hold its own graph node
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = run_step()
+        del loss
+    finally:
+        tracker.remove()
+        for u in undo:
+            u()
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def _layer_input_bytes(args: tuple, kwargs: dict, params: set[int]) -> int:
+    uniq = {}
+    for t in tensors_in((args, kwargs)):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            uniq[st.data_ptr()] = st.nbytes()
+    return sum(uniq.values())
+
+
+def _block_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, owners: _Owners,
+                compressors: tuple[str, ...], outlier_frac: float, measure: bool, selective: bool) -> None:
+    """Run one block with everything retained: bytes, inputs and forward time per group; compression
+    stats (when ``measure``); then the selective-checkpoint costs."""
     inputs: dict[GroupKey, list[torch.Tensor]] = {}
     starts: dict[GroupKey, float] = {}
-    n_layers = len(blocks)
-    layer_inputs: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
 
-    def group(key: GroupKey) -> GroupStats:
-        if key not in groups:
-            groups[key] = GroupStats(key.layer, key.child, kind_of(key.child) if key.layer is not None else key.child)
-            saved[key] = {}
-        return groups[key]
-
-    def on_enter(key: GroupKey, mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        group(key)
-        ins = [t for t in tensors_in((args, kwargs)) if t.untyped_storage().data_ptr() not in params]
-        if key.child == SELF:
-            layer_inputs[key.layer] = ins
-        else:
-            inputs[key] = ins
+    def on_enter(key: GroupKey, mod: nn.Module, a: tuple, kw: dict) -> None:
+        owners.group(key)
+        if key.child != SELF:
+            inputs[key] = [t.detach() for t in tensors_in((a, kw)) if t.untyped_storage().data_ptr() not in owners.params]
         starts[key] = time.perf_counter()
 
     def on_exit(key: GroupKey, mod: nn.Module, output: object) -> None:
-        dt = time.perf_counter() - starts.pop(key, time.perf_counter())
-        group(key).fwd_s += dt
+        owners.groups[key].fwd_s += time.perf_counter() - starts.pop(key, time.perf_counter())
 
-    tracker = ScopeTracker(model, blocks, on_enter, on_exit)
+    tracker = ScopeTracker(None, [block], on_enter, on_exit, layers=[layer])
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in owners.params:
+            note(t)
+            owners.add(tracker.current(), t)
+        return t.detach()
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = block(*args, **kwargs)
+        del out
+    finally:
+        tracker.remove()
+    keys = [k for k in owners.groups if k.layer == layer]
+    for key, ins in inputs.items():  # bytes a checkpoint of the group holds: inputs no other group saved
+        seen: set[int] = set()
+        for t in ins:
+            ptr = t.untyped_storage().data_ptr()
+            owner = owners.owner_of(t)
+            if ptr in seen or (owner is not None and owner != key):
+                continue
+            seen.add(ptr)
+            owners.groups[key].input_bytes += t.untyped_storage().nbytes()
+    released = owners.release(keys)
+    for key in keys:
+        tensors = released.pop(key, [])
+        if measure:
+            _measure_compression(owners.groups[key], tensors, compressors, outlier_frac)
+        del tensors  # each group's tensors die once measured
+    if selective:
+        _selective_costs(block, layer, args, kwargs, owners.groups)
+
+
+def _compiled_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, owners: _Owners,
+                   budgets: tuple[float, ...], compressors: tuple[str, ...], outlier_frac: float,
+                   reps: int = 3) -> tuple[float, list[CompiledStat]]:
+    """Eager forward+backward time of the block, then per compile budget: what the compiled block saves,
+    its forward+backward time, and its compressors."""
+    eager_s = _timed(lambda: _forward_backward(block, block, args, kwargs), reps)
+    stats = []
+    for budget in budgets:
+        undo = compile_module_forward(block, budget)
+        try:
+            saved, pack = _save_collector(owners, layer)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                compile_s, _ = _time(lambda: _forward_backward(block, block, args, kwargs))
+            nbytes = sum(t.untyped_storage().nbytes() for t in saved.values())
+            biggest = max((t.untyped_storage().nbytes() for t in saved.values()), default=0)
+            stat = CompiledStat(budget, nbytes, biggest, _timed(lambda: _forward_backward(block, block, args, kwargs),
+                                                               reps) - eager_s, compile_s)
+            g = GroupStats(layer, f"compiled@{budget:g}", "compiled")
+            _measure_compression(g, list(saved.values()), compressors, outlier_frac)
+            stat.compress = {k: v for k, v in g.compress.items() if k != "bitpack"}
+            saved.clear()
+            stats.append(stat)
+        finally:
+            undo()
+    return eager_s, stats
+
+
+def _save_collector(owners: _Owners, layer: int) -> tuple[dict[int, torch.Tensor], Callable]:
+    """A pack hook keeping one tensor per saved storage that no other layer owns (params skipped)."""
+    saved: dict[int, torch.Tensor] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr in params:
+        if ptr in owners.params:
             return t
         note(t)
-        key = tracker.current()
-        g = group(key)
-        if ptr not in owner:
-            saved[key].setdefault(_tensor_key(t), t)
-            owner[ptr] = key
-            nb = t.untyped_storage().nbytes()
-            g.bytes += nb
-            g.n_tensors += 1
-            g.max_tensor_bytes = max(g.max_tensor_bytes, nb)
-            if t.dtype == torch.bool or mask_scale(t) is not None:
-                g.mask_bytes += nb
-        return t
+        owner = owners.owner_of(t)
+        if owner is None or owner.layer == layer:
+            saved.setdefault(ptr, t.detach())
+        return t.detach()
 
-    meter = ActivationMeter(param_tensors(model))
-    try:
-        t0 = time.perf_counter()
-        with meter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = run_step()
-        loss.backward()
-        step_s = time.perf_counter() - t0
-    finally:
-        tracker.remove()
+    return saved, pack
 
-    # the block's own time excludes its children
+
+def _split_self_time(groups: dict[GroupKey, GroupStats], n_layers: int) -> list[float]:
+    """Per layer forward time; each block's own (``_self``) time then excludes its children."""
     layer_fwd = [groups[GroupKey(i, SELF)].fwd_s if GroupKey(i, SELF) in groups else 0.0 for i in range(n_layers)]
     for key, g in groups.items():
         if key.child == SELF and key.layer is not None:
             g.fwd_s = max(0.0, g.fwd_s - sum(c.fwd_s for k, c in groups.items() if k.layer == key.layer and k.child != SELF))
+    return layer_fwd
 
-    # bytes a checkpoint of a group holds: its inputs not saved by any other group
-    for key, ins in inputs.items():
-        seen: set[int] = set()
-        for t in ins:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in seen or (ptr in owner and owner[ptr] != key):
-                continue
-            seen.add(ptr)
-            groups[key].input_bytes += t.untyped_storage().nbytes()
-    layer_input_bytes = []
-    for ins in layer_inputs:
-        uniq = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ins}
-        layer_input_bytes.append(sum(uniq.values()))
 
-    measured = set(range(n_layers)) if compress_layers is None else set(compress_layers)
+def _nearest(measured: set[int], layer: int) -> int | None:
+    return min(measured, key=lambda m: (abs(m - layer), m)) if measured else None
+
+
+def _copy_unmeasured(groups: dict[GroupKey, GroupStats], measured: set[int], n_layers: int,
+                     compressors: tuple[str, ...], outlier_frac: float, owners: _Owners) -> None:
+    """Layers whose compressors were not measured copy the nearest measured layer's stats, scaled by bytes."""
     for key, g in groups.items():
-        if (key.layer is None and measure_outside) or key.layer in measured:
-            _measure_compression(g, list(saved[key].values()), compressors, outlier_frac)
-    for key, g in groups.items():
-        if key.layer is not None and key.layer not in measured:
-            ref = min(measured, key=lambda m: abs(m - key.layer)) if measured else None
-            src = groups.get(GroupKey(ref, key.child)) if ref is not None else None
-            if src is not None and src.bytes > 0:
-                scale = g.bytes / src.bytes
-                g.outlier_ratio = src.outlier_ratio
-                g.compress = {
-                    n: CompressStat(int(s.payload_bytes * scale), s.pack_s * scale, s.unpack_s * scale, s.error,
-                                    s.max_out_bytes)
-                    for n, s in src.compress.items()
-                }
-            else:
-                _measure_compression(g, list(saved[key].values()), compressors, outlier_frac)
-    saved.clear()
-    _selective_costs(model, blocks, run_step, groups)
-    return Profile(groups, n_layers, layer_input_bytes, layer_fwd, meter.peak, step_s, tuple(compressors))
+        if key.layer is None or key.layer in measured:
+            continue
+        ref = _nearest(measured, key.layer)
+        src = groups.get(GroupKey(ref, key.child)) if ref is not None else None
+        if src is not None and src.bytes > 0:
+            scale = g.bytes / src.bytes
+            g.outlier_ratio = src.outlier_ratio
+            g.compress = {
+                n: CompressStat(int(s.payload_bytes * scale), s.pack_s * scale, s.unpack_s * scale, s.error,
+                                s.max_out_bytes)
+                for n, s in src.compress.items()
+            }
+
+
+def _copy_unmeasured_compiled(compiled: dict[int, list[CompiledStat]], eager_s: list[float], measured: set[int],
+                              n_layers: int, groups: dict[GroupKey, GroupStats]) -> None:
+    """Compiled variants of unmeasured layers: the nearest measured layer's, scaled by the layers' bytes."""
+    done = set(compiled)
+    for layer in range(n_layers):
+        if layer in done:
+            continue
+        ref = _nearest(done, layer)
+        if ref is None:
+            continue
+        mine = sum(g.bytes for k, g in groups.items() if k.layer == layer)
+        theirs = sum(g.bytes for k, g in groups.items() if k.layer == ref) or 1
+        scale = mine / theirs
+        eager_s[layer] = eager_s[ref] * scale
+        compiled[layer] = [
+            CompiledStat(c.budget, int(c.bytes * scale), c.max_tensor_bytes, c.time_s * scale, 0.0,
+                         {n: CompressStat(int(s.payload_bytes * scale), s.pack_s * scale, s.unpack_s * scale,
+                                          s.error, s.max_out_bytes) for n, s in c.compress.items()})
+            for c in compiled[ref]
+        ]
 
 
 class _OpTimer(TorchDispatchMode):
@@ -247,20 +520,26 @@ class _OpTimer(TorchDispatchMode):
         return out
 
 
-def _selective_costs(model: nn.Module, blocks: list[nn.Module], run_step: Callable[[], torch.Tensor],
+def _selective_costs(block: nn.Module, layer: int, args: tuple, kwargs: dict,
                      groups: dict[GroupKey, GroupStats]) -> None:
-    """One extra forward that fills ``sel_saved_bytes`` / ``sel_recompute_s`` of every group."""
-    tracker = ScopeTracker(model, blocks)
+    """One extra forward of the block that fills ``sel_saved_bytes`` / ``sel_recompute_s`` of its groups."""
+    tracker = ScopeTracker(None, [block], layers=[layer])
     timer = _OpTimer(tracker)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        note(t)
+        return t.detach()
+
     try:
-        with timer:
-            loss = run_step()
-        del loss
+        with timer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = block(*args, **kwargs)
+        del out
     finally:
         tracker.remove()
     for key, g in groups.items():
-        g.sel_saved_bytes = sum(timer.saved.get(key, {}).values())
-        g.sel_recompute_s = timer.other_s.get(key, 0.0)
+        if key.layer == layer:
+            g.sel_saved_bytes = sum(timer.saved.get(key, {}).values())
+            g.sel_recompute_s = timer.other_s.get(key, 0.0)
 
 
 def _measure_compression(g: GroupStats, tensors: list[torch.Tensor], compressors: tuple[str, ...],
@@ -290,11 +569,13 @@ def _measure_compression(g: GroupStats, tensors: list[torch.Tensor], compressors
                 payload += p.nbytes
                 pack_s += dt
                 max_out = max(max_out, nb)
-            elif comp is not None and compressible(t):
+            elif comp is not None and comp.applies(t):
                 perm = dense_order(t)  # as the runtime: whole storage in memory order when possible
                 src = t.permute(perm) if perm is not None else t
                 dt, p = _time(lambda src=src, comp=comp: comp.pack(src))
+                note(p.tensors)
                 du, y = _time(lambda p=p, comp=comp: comp.unpack(p))
+                note(y)
                 payload += p.nbytes
                 pack_s += dt
                 unpack_s += du

@@ -5,6 +5,9 @@
 * **Compress** a group: one ``saved_tensors_hooks`` pair, pushed for the model's forward, packs every
   tensor autograd saves while that group runs with the group's compressor and unpacks it in backward.
   Repeated saves of one tensor share one payload; one payload is decompressed once per backward use.
+* **Compiled** layers (``compiled@b``): the block's ``forward`` is compiled with the compiler's own
+  recomputation at budget ``b`` (:mod:`leanml.memory.compiled`); ``compiled@b+X`` also compresses what
+  the compiled graph saves with compressor ``X``.
 * **Retain** otherwise.
 
 Baseline strategies for comparison share the same machinery: ``checkpoint`` (every layer),
@@ -24,19 +27,19 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from leanml.memory.compiled import compile_module_forward, parse_compiled_option
 from leanml.memory.compressors import (
     Compressor,
     Packed,
     bitpack,
     bitunpack,
-    compressible,
     make_compressor,
     mask_scale,
     outlier_ratio,
     relative_error,
 )
 from leanml.memory.meter import note, track_outputs
-from leanml.memory.structure import GroupKey, ScopeTracker, param_storage_ptrs
+from leanml.memory.structure import SELF, GroupKey, ScopeTracker, param_storage_ptrs
 
 RETAIN = "retain"
 RECOMPUTE = "recompute"
@@ -90,6 +93,9 @@ def wrap_checkpoint(module: nn.Module, selective: bool = False) -> Callable[[], 
     def forward(*args, **kwargs):  # noqa: ANN202
         if not torch.is_grad_enabled():
             return orig(*args, **kwargs)
+        # checkpoint keeps keyword inputs (Hugging Face passes hidden states, masks and position
+        # embeddings to attention by keyword) in a closure, not as saved tensors: count them here
+        note(kwargs)
         return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     module.forward = forward
@@ -141,7 +147,7 @@ class CompressionHooks:
         comp = self.compressors.get(key)
         if comp is None:
             note(t)
-            return t
+            return t.detach()  # not ``t``: a saved output would hold its own graph node (a reference cycle)
         scale = mask_scale(t) if key in self.mask_groups and t.dtype != torch.bool else None
         if t.dtype == torch.bool or scale is not None:
             ck = ("b", ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version)
@@ -151,9 +157,9 @@ class CompressionHooks:
                 self._store(ck, p, t)
                 note(p.tensors)
             return p
-        if comp.name == BITPACK or not compressible(t):
+        if comp.name == BITPACK or not comp.applies(t):
             note(t)
-            return t
+            return t.detach()
         perm = dense_order(t)
         if perm is not None:  # one payload per storage, in memory order; each view rebuilt with as_strided
             ck = (comp.name, ptr, t.dtype, t._version)
@@ -220,24 +226,42 @@ class CompressionHooks:
 
 
 class AppliedPlan:
-    """Hooks and wrappers installed on a model; :meth:`remove` restores it."""
+    """Hooks and wrappers installed on a model; :meth:`remove` restores it.
+
+    ``layer_checkpoint[l]``: recompute layer ``l`` as a whole; ``layer_modes[l]`` (optional) may instead
+    name a compiled mode (``compiled@0.5`` or ``compiled@0.5+int8-token``) for the layer. ``options``
+    maps groups to ``retain`` / ``recompute`` / ``selective`` / a compressor name. With
+    ``model_hooks=False`` the caller drives the compression scope with :meth:`enter` / :meth:`exit`
+    around each forward of the model (Adacc does, from its own model hooks).
+    """
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], layer_checkpoint: list[bool],
                  options: dict[GroupKey, str], outlier_frac: float = 0.01, selective: bool = False,
-                 mask_groups: set[GroupKey] | None = None) -> None:
+                 mask_groups: set[GroupKey] | None = None, layer_modes: list[str] | None = None,
+                 model_hooks: bool = True) -> None:
         self.model = model
         self.blocks = blocks
         disable_kv_cache(model)
         self.layer_checkpoint = list(layer_checkpoint)
         self.options = dict(options)
+        self.layer_modes = list(layer_modes) if layer_modes is not None else [""] * len(blocks)
         self._undo: list[Callable[[], None]] = []
         children = [dict(b.named_children()) for b in blocks]
-        for i, ck in enumerate(layer_checkpoint):
-            if ck:
-                self._undo.append(wrap_checkpoint(blocks[i], selective=selective))
         comps: dict[GroupKey, Compressor | None] = {}
+        compiled: set[int] = set()
+        for i, ck in enumerate(layer_checkpoint):
+            mode = parse_compiled_option(self.layer_modes[i]) if self.layer_modes[i] else None
+            if mode is not None:
+                budget, comp = mode
+                self._undo.append(compile_module_forward(blocks[i], budget))
+                compiled.add(i)
+                if comp is not None:
+                    comps[GroupKey(i, SELF)] = make_compressor(comp, outlier_frac)
+            elif ck:
+                self._undo.append(wrap_checkpoint(blocks[i], selective=selective))
+        whole = {i for i, ck in enumerate(layer_checkpoint) if ck} | compiled
         for key, opt in options.items():
-            if key.layer is not None and layer_checkpoint[key.layer]:
+            if key.layer is not None and key.layer in whole:
                 continue
             if opt in (RECOMPUTE, SELECTIVE):
                 if key.layer is None or key.child not in children[key.layer]:
@@ -251,27 +275,34 @@ class AppliedPlan:
         self.hooks: CompressionHooks | None = None
         self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         if comps:
-            self.tracker = ScopeTracker(model, blocks)
+            self.tracker = ScopeTracker(model if model_hooks else None, blocks, skip_children=compiled)
             self.hooks = CompressionHooks(self.tracker, comps, param_storage_ptrs(model), mask_groups or set())
             self._undo.append(self.tracker.remove)
-            h1 = model.register_forward_pre_hook(self._enter)
-            h2 = model.register_forward_hook(self._exit, always_call=True)
-            self._undo += [h1.remove, h2.remove]
+            if model_hooks:
+                h1 = model.register_forward_pre_hook(lambda module, args: self.enter())
+                h2 = model.register_forward_hook(lambda module, args, output: self.exit(), always_call=True)
+                self._undo += [h1.remove, h2.remove]
 
-    def _enter(self, module: nn.Module, args: tuple) -> None:
-        assert self.hooks is not None
+    def enter(self) -> None:
+        """Open the compression scope for one forward of the model (no-op without compressed groups)."""
+        if self.hooks is None:
+            return
         if self._ctx is not None:  # a previous forward raised before its exit hook
-            self._ctx.__exit__(None, None, None)
+            self.exit()
+        assert self.tracker is not None
+        self.tracker.reset()
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
         self._ctx.__enter__()
 
-    def _exit(self, module: nn.Module, args: tuple, output: object) -> None:
+    def exit(self) -> None:
+        """Close the compression scope opened by :meth:`enter`."""
         if self._ctx is not None:
             self._ctx.__exit__(None, None, None)
             self._ctx = None
 
     def remove(self) -> None:
         """Undo every wrapper and hook."""
+        self.exit()
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()

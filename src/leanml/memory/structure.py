@@ -92,23 +92,34 @@ class ScopeTracker:
     """Forward hooks on blocks and their children that maintain the current :class:`GroupKey`.
 
     ``on_enter``/``on_exit`` callbacks get ``(key, module, args, kwargs)`` / ``(key, module, output)``.
+    ``root`` (optional) is the model, whose forward starts a fresh scope; ``layers`` gives the layer index
+    of each block (default ``0..len(blocks)-1``); blocks in ``skip_children`` are tracked as a whole
+    (their children get no hooks: a compiled block must not have hooks traced into its graph).
     """
 
-    def __init__(self, root: nn.Module, blocks: list[nn.Module], on_enter=None, on_exit=None) -> None:  # noqa: ANN001
+    def __init__(self, root: nn.Module | None, blocks: list[nn.Module], on_enter=None, on_exit=None,  # noqa: ANN001
+                 layers: list[int] | None = None, skip_children: frozenset[int] | set[int] = frozenset()) -> None:
         self.stack: list[GroupKey] = []
         self.seen_block = False
         self.on_enter = on_enter
         self.on_exit = on_exit
         self._handles: list = []
-        self._handles.append(root.register_forward_pre_hook(self._root_pre))
-        for i, block in enumerate(blocks):
+        if root is not None:
+            self._handles.append(root.register_forward_pre_hook(self._root_pre))
+        for i, block in zip(layers if layers is not None else range(len(blocks)), blocks):
             self._add(block, GroupKey(i, SELF))
+            if i in skip_children:
+                continue
             for name, child in block.named_children():
                 self._add(child, GroupKey(i, name))
 
-    def _root_pre(self, module: nn.Module, args: tuple) -> None:
+    def reset(self) -> None:
+        """Start a fresh scope (a new forward of the model)."""
         self.stack.clear()
         self.seen_block = False
+
+    def _root_pre(self, module: nn.Module, args: tuple) -> None:
+        self.reset()
 
     def _add(self, module: nn.Module, key: GroupKey) -> None:
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:

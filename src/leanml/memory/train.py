@@ -1,10 +1,12 @@
 """A plain causal-LM training loop with a memory strategy, shared by ``leanml train``, the benchmark and
 the demo. Strategies: ``none``, ``checkpoint`` (every layer), ``sac`` (torch selective checkpointing,
-save matmuls), ``compile`` (``torch.compile`` with ``activation_memory_budget``) and ``adacc``.
+save matmuls), ``compile`` (``torch.compile`` with ``activation_memory_budget`` = the budget fraction)
+and ``adacc`` (optionally with compiled blocks among its options: ``compile_blocks``).
 
-Measurements (see :mod:`leanml.memory.meter`): the peak saved-activation bytes of one step under the
-strategy, and of the unoptimized model on the same batch; step time is the median over the timed steps
-after ``warmup``.
+Measurements (see :mod:`leanml.memory.meter`): the peak saved-activation bytes of EVERY step (the
+meter; on CUDA also ``torch.cuda.max_memory_allocated``), against one unoptimized peak computed block
+by block (:func:`leanml.memory.profiler.unoptimized_peak`, the same number Adacc's profile gives).
+Step times include any re-planning done during the step; ``tokens_s`` also counts it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanml.memory.api import Adacc, parse_budget
+from leanml.memory.api import Adacc
+from leanml.memory.budget import Budget, BudgetLike
+from leanml.memory.compiled import budget_backend
 from leanml.memory.meter import ActivationMeter, param_tensors
+from leanml.memory.profiler import unoptimized_peak
 from leanml.memory.runtime import apply_strategy, disable_kv_cache
 from leanml.memory.structure import find_blocks
 from leanml.utils import LeanmlError
@@ -32,10 +37,12 @@ STRATEGIES = ("none", "checkpoint", "sac", "compile", "adacc")
 
 @dataclass
 class TrainConfig:
-    """One training run."""
+    """One training run. ``budget`` is parsed once by :meth:`check` into a
+    :class:`~leanml.memory.budget.Budget`; for ``compile`` it must be a fraction (the compiler's
+    ``activation_memory_budget``)."""
 
     strategy: str = "adacc"
-    budget: float | str = 0.5
+    budget: BudgetLike = 0.5
     batch_size: int = 4
     steps: int = 20
     lr: float = 1e-4
@@ -43,6 +50,8 @@ class TrainConfig:
     seed: int = 0
     max_error: float = 0.05
     progress: bool = True
+    compile_blocks: bool | tuple[float, ...] = False
+    compress_layers: list[int] | None = None
 
     def check(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -51,7 +60,16 @@ class TrainConfig:
             raise LeanmlError(f"batch size and steps must be at least 1 (got {self.batch_size}, {self.steps})")
         if self.warmup >= self.steps:
             self.warmup = 0
-        parse_budget(self.budget)
+        self.budget = Budget.parse(self.budget)
+        if self.strategy == "compile" and self.budget.kind != "fraction":
+            raise LeanmlError(f"the compile strategy takes a fraction (its activation_memory_budget), got {self.budget.label()}")
+
+    @property
+    def label(self) -> str:
+        """``adacc@50%``, ``compile@25%``, ``checkpoint``..."""
+        assert isinstance(self.budget, Budget)
+        name = self.strategy + ("+compile" if self.strategy == "adacc" and self.compile_blocks else "")
+        return name + (f"@{self.budget.label()}" if self.strategy in ("adacc", "compile") else "")
 
 
 def remap_vocab(windows: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -79,8 +97,15 @@ def _lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
 
 
+def lm_unoptimized_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """The one unoptimized activation peak of a causal LM on batch ``x`` (block by block; no unoptimized
+    step is run). Budget fractions of every strategy are converted against it."""
+    disable_kv_cache(model)
+    return unoptimized_peak(model, find_blocks(model), lambda: _lm_loss(model, x))
+
+
 def measure_peak(model: nn.Module, x: torch.Tensor, forward: nn.Module | None = None) -> int:
-    """Peak saved-activation bytes of one forward+backward (gradients are discarded)."""
+    """Measured peak saved-activation bytes of one forward+backward (gradients are discarded)."""
     fwd = forward if forward is not None else model
     meter = ActivationMeter(param_tensors(model))
     with meter:
@@ -89,110 +114,160 @@ def measure_peak(model: nn.Module, x: torch.Tensor, forward: nn.Module | None = 
     return meter.peak
 
 
+def shared_weights_copy(model: nn.Module) -> nn.Module:
+    """A second module tree of the same Hugging Face model class sharing every parameter and buffer with
+    ``model`` (so several strategies, each with its own hooks or compiled code, train one set of weights)."""
+    with torch.device("meta"):
+        twin = type(model)(model.config)
+    twin.load_state_dict(model.state_dict(keep_vars=True), assign=True, strict=True)
+    mods = dict(model.named_modules())
+    for name, mod in twin.named_modules():  # non-persistent buffers and tensor attributes (rotary tables)
+        src = mods[name]
+        for bname, buf in list(mod._buffers.items()):
+            if buf is not None and buf.is_meta:
+                mod._buffers[bname] = src._buffers[bname]
+        for attr, val in list(vars(mod).items()):
+            if isinstance(val, torch.Tensor) and val.is_meta:
+                setattr(mod, attr, getattr(src, attr))
+    left = [n for n, t in [*twin.named_parameters(), *twin.named_buffers()] if t.is_meta]
+    if left:
+        raise LeanmlError(f"could not share {left[0]} of {type(model).__name__} between copies")
+    twin.train(model.training)
+    return twin
+
+
 class StrategyRunner:
     """One model trained under one memory strategy, one step at a time (so several runners can be
-    interleaved step by step and share the machine's load fairly)."""
+    interleaved step by step and share the machine's load fairly). ``optimizer``: share one optimizer
+    between runners whose models share weights (default: a new AdamW)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, unoptimized_peak: int | None = None) -> None:
+    def __init__(self, model: nn.Module, cfg: TrainConfig, unoptimized_peak: int | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, profile: Any = None) -> None:
         cfg.check()
         self.model = model
         self.cfg = cfg
+        self.budget: Budget = cfg.budget  # type: ignore[assignment]
         self.unoptimized_peak = unoptimized_peak
         self.adacc: Adacc | None = None
         self.applied = None
         self.forward: nn.Module = model
-        self._prev_budget: float | None = None
         self.losses: list[float] = []
         self.times: list[float] = []
-        self.peak: int | None = None
+        self.replan_times: list[float] = []
+        self.peaks: list[int] = []
+        self.cuda_peaks: list[int] = []
+        self.cpu_times: list[float] = []
+        self.setup_peak: int | None = None
         self.budget_bytes: float | None = None
-        self.optim: torch.optim.Optimizer | None = None
+        self.optim = optimizer
+        self.profile = profile  # an Adacc profile of the same model and batch shape to plan from
         self.tokens = 0
         self.setup_s = 0.0
 
     def setup(self, x: torch.Tensor) -> None:
-        """Install the strategy, measuring the unoptimized and the optimized peak on batch ``x``."""
+        """Install the strategy on batch ``x`` (Adacc plans here; compile compiles here)."""
         cfg, model = self.cfg, self.model
         t_setup = time.perf_counter()
         model.train()
         disable_kv_cache(model)
         self.tokens = x.numel()
-        if self.unoptimized_peak is None:
-            self.unoptimized_peak = measure_peak(model, x)
-        kind, value = parse_budget(cfg.budget)
-        self.budget_bytes = value * self.unoptimized_peak if kind == "fraction" else value
-        self.budget_fraction = value if kind == "fraction" else self.budget_bytes / self.unoptimized_peak
         if cfg.strategy == "adacc":
-            self.adacc = Adacc(model, budget=cfg.budget, max_error=cfg.max_error)
+            self.adacc = Adacc(model, budget=self.budget, max_error=cfg.max_error, compile_blocks=cfg.compile_blocks,
+                               compress_layers=cfg.compress_layers, profile=self.profile)
             record = self.adacc.prepare(input_ids=x, labels=x)
+            assert self.adacc.profile is not None
+            if self.unoptimized_peak is not None and self.unoptimized_peak != self.adacc.profile.peak_bytes:
+                log.warning("unoptimized peak differs: given %d, Adacc's profile %d", self.unoptimized_peak,
+                            self.adacc.profile.peak_bytes)
+            self.unoptimized_peak = self.adacc.profile.peak_bytes
             self.budget_bytes = record.budget_bytes
-            self.peak = record.measured_peak
-        elif cfg.strategy == "compile":
-            import torch._functorch.config as fcfg
-
-            torch._dynamo.reset()
-            self._prev_budget = fcfg.activation_memory_budget
-            fcfg.activation_memory_budget = self.budget_fraction
-            self.forward = torch.compile(model)
-            _lm_loss(self.forward, x).backward()  # compile outside the measured step
-            model.zero_grad(set_to_none=True)
-            self.peak = measure_peak(model, x, self.forward)
+            self.setup_peak = record.measured_peak
         else:
-            self.applied = apply_strategy(model, find_blocks(model), cfg.strategy)
-            self.peak = measure_peak(model, x)
-        self.optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+            if self.unoptimized_peak is None:
+                self.unoptimized_peak = lm_unoptimized_peak(model, x)
+            if cfg.strategy == "compile":
+                self.budget_bytes = self.budget.to_bytes(self.unoptimized_peak)
+                self.forward = torch.compile(model, backend=budget_backend(self.budget.value))
+                self.setup_peak = measure_peak(model, x, self.forward)  # compiles outside the timed steps
+            else:
+                self.applied = apply_strategy(model, find_blocks(model), cfg.strategy)
+        if self.optim is None:
+            self.optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         self.setup_s = time.perf_counter() - t_setup
 
     def step(self, x: torch.Tensor) -> float:
-        """One optimizer step on batch ``x``; returns the loss."""
+        """One optimizer step on batch ``x`` with its peak measured; returns the loss."""
         assert self.optim is not None
-        if self._prev_budget is not None:
-            import torch._functorch.config as fcfg
-
-            fcfg.activation_memory_budget = self.budget_fraction
-        t0 = time.perf_counter()
-        loss = _lm_loss(self.forward, x)
-        loss.backward()
+        meter = None if self.adacc is not None else ActivationMeter(param_tensors(self.model))
+        t0, c0 = time.perf_counter(), time.process_time()
+        if meter is not None:
+            with meter:
+                loss = _lm_loss(self.forward, x)
+                loss.backward()
+        else:
+            assert self.adacc is not None
+            loss = _lm_loss(self.forward, x)
+            loss.backward()
+            # closes Adacc's per-step meter (the same forward+backward window as the other strategies');
+            # may re-plan, timed with the step
+            self.adacc.step()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - t0)
+        self.cpu_times.append(time.process_time() - c0)
         if self.adacc is not None:
-            self.adacc.step()
+            self.replan_times.append(self.adacc.take_replan_seconds())
+            self.peaks.append(self.adacc.step_peaks[-1])
+            if self.adacc.step_cuda_peaks:
+                self.cuda_peaks.append(self.adacc.step_cuda_peaks[-1])
+        else:
+            self.replan_times.append(0.0)
+            self.peaks.append(meter.peak)  # type: ignore[union-attr]
+            if meter.cuda_peak is not None:  # type: ignore[union-attr]
+                self.cuda_peaks.append(meter.cuda_peak)  # type: ignore[union-attr]
         self.losses.append(loss.item())
         return self.losses[-1]
 
     def close(self) -> None:
-        """Remove hooks and wrappers; restore global settings."""
+        """Remove hooks and wrappers."""
         if self.applied is not None:
             self.applied.remove()
             self.applied = None
         if self.adacc is not None:
             self.adacc.remove()
-        if self._prev_budget is not None:
-            import torch._functorch.config as fcfg
-
-            fcfg.activation_memory_budget = self._prev_budget
-            self._prev_budget = None
 
     def result(self) -> dict[str, Any]:
         """JSON-ready record of the run so far."""
         cfg = self.cfg
-        timed = self.times[cfg.warmup :] or self.times
+        w = cfg.warmup if len(self.times) > cfg.warmup else 0
+        timed, timed_peaks = self.times[w:], self.peaks[w:]
         step_s = statistics.median(timed)
+        replan_s = sum(self.replan_times[w:])
         tail = self.losses[-min(10, len(self.losses)) :]
         budgeted = cfg.strategy in ("adacc", "compile")
         out: dict[str, Any] = {
             "strategy": cfg.strategy,
-            "budget_fraction": self.budget_fraction if budgeted else None,
-            "peak_bytes": self.peak,
+            "label": cfg.label,
+            "compile_blocks": bool(cfg.compile_blocks),
+            "budget_fraction": self.budget.fraction_of(self.unoptimized_peak or 1) if budgeted else None,
+            "peak_bytes": max(timed_peaks),
+            "peak_measured_every_step": len(self.peaks) == len(self.times),
+            "step_peaks": self.peaks,
+            "cuda_step_peaks": self.cuda_peaks or None,
+            "steps_over_budget": sum(p > self.budget_bytes for p in timed_peaks) if budgeted else None,
+            "setup_peak_bytes": self.setup_peak,
             "budget_bytes": self.budget_bytes if budgeted else None,
             "unoptimized_peak_bytes": self.unoptimized_peak,
             "step_s": step_s,
-            "tokens_s": self.tokens / step_s,
+            "step_cpu_s": statistics.median(self.cpu_times[w:]),
+            "replan_s": replan_s,
+            # median step, plus every second re-planning took, spread over the timed steps
+            "tokens_s": self.tokens * len(timed) / (step_s * len(timed) + replan_s),
             "final_loss": sum(tail) / len(tail),
             "steps": len(self.losses),
+            "warmup": w,
             "setup_s": self.setup_s,
             "losses": self.losses,
             "step_times": self.times,
@@ -200,6 +275,19 @@ class StrategyRunner:
         if self.adacc is not None and self.adacc.plan is not None:
             out["plan"] = self.adacc.plan.to_json()
             out["history"] = self.adacc.history
+            assert self.adacc.profile is not None
+            out["profile_peak_bytes"] = self.adacc.profile.profile_peak_bytes
+            out["profile_s"] = self.adacc.profile.profile_s
+            out["profile_reused"] = bool(self.adacc.history and self.adacc.history[0].get("profile_reused"))
+            prof = self.adacc.profile
+            out["layer0"] = {  # what the planner saw for one layer: eager bytes and time, compiled variants
+                "eager_bytes": sum(g.bytes for g in prof.layer_groups(0)),
+                "eager_fwd_s": prof.layer_fwd_s[0],
+                "eager_fwd_bwd_s": prof.layer_eager_s[0] if prof.layer_eager_s else None,
+                "compiled": [{"budget": c.budget, "bytes": c.bytes, "time_s": c.time_s, "compile_s": c.compile_s}
+                             for c in prof.compiled.get(0, [])],
+            }
+            out["compile_error"] = self.adacc.profile.compile_error
         return out
 
 
@@ -212,7 +300,7 @@ def run_training(model: nn.Module, windows: torch.Tensor, cfg: TrainConfig,
     runner = StrategyRunner(model, cfg, unoptimized_peak)
     try:
         runner.setup(data[0])
-        bar = tqdm(data, desc=f"train[{cfg.strategy}]", disable=not cfg.progress, leave=False)
+        bar = tqdm(data, desc=f"train[{cfg.label}]", disable=not cfg.progress, leave=False)
         for x in bar:
             bar.set_postfix(loss=f"{runner.step(x):.3f}")
     finally:

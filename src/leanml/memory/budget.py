@@ -1,0 +1,75 @@
+"""The memory budget: parsed once, turned into bytes against one unoptimized peak.
+
+A budget is either a fraction of the unoptimized activation peak (``0.5``, ``"0.5"``) or an absolute
+size (``3_000_000``, ``"2GB"``, ``"512MiB"``). :meth:`Budget.parse` reads it once, where it enters the
+library (``Adacc(budget=...)``, ``TrainConfig``, ``leanml train --memory-budget``); everything downstream
+passes the :class:`Budget` on and converts it with :meth:`Budget.to_bytes` against the one unoptimized
+peak that the block-by-block profile computes for the input shape being planned.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from leanml.utils import LeanmlError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``kind`` is ``"fraction"`` (``value`` in (0, 1]) or ``"bytes"`` (``value`` > 1)."""
+
+    kind: str
+    value: float
+
+    @classmethod
+    def parse(cls, spec: BudgetLike) -> Budget:
+        """Read a budget: a :class:`Budget`, a number (a fraction when <= 1, else bytes) or a string
+        (``"0.5"``, ``"2GB"``, ``"512MiB"``, ``"3000000"``). Raises :class:`LeanmlError` on anything else."""
+        if isinstance(spec, Budget):
+            return spec
+        if isinstance(spec, str):
+            m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", spec)
+            if not m or m.group(2).lower() not in _UNITS:
+                raise LeanmlError(f"cannot read memory budget {spec!r}; use a fraction like 0.5, bytes, or a size like 2GB")
+            value, unit = float(m.group(1)), m.group(2).lower()
+            if unit == "":
+                return cls.parse(value)
+            return cls.parse(value * _UNITS[unit]) if value * _UNITS[unit] > 1 else cls._bad(spec)
+        if isinstance(spec, bool) or not isinstance(spec, (int, float)) or not spec > 0 or spec != spec:
+            return cls._bad(spec)
+        if spec <= 1.0:
+            return cls("fraction", float(spec))
+        return cls("bytes", float(spec))
+
+    @staticmethod
+    def _bad(spec: object) -> Budget:
+        raise LeanmlError(f"memory budget must be positive, got {spec!r}; use a fraction like 0.5 or a size like 2GB")
+
+    def to_bytes(self, unoptimized_peak: float) -> float:
+        """The budget in bytes for a step whose unoptimized activation peak is ``unoptimized_peak``."""
+        return self.value * unoptimized_peak if self.kind == "fraction" else self.value
+
+    def fraction_of(self, unoptimized_peak: float) -> float:
+        """The budget as a fraction of ``unoptimized_peak``."""
+        return self.value if self.kind == "fraction" else self.value / max(unoptimized_peak, 1.0)
+
+    def label(self) -> str:
+        """``"50%"`` or ``"2.00 GB"``."""
+        return f"{self.value:.0%}" if self.kind == "fraction" else f"{self.value / 1e9:.2f} GB"
+
+    def to_json(self) -> dict[str, float | str]:
+        return {"kind": self.kind, "value": self.value}
+
+
+BudgetLike = Budget | float | int | str
+
+
+def parse_budget(budget: BudgetLike) -> tuple[str, float]:
+    """``("fraction", f)`` or ``("bytes", n)``: :meth:`Budget.parse` as a tuple (kept for callers of the
+    earlier API)."""
+    b = Budget.parse(budget)
+    return (b.kind, b.value)
