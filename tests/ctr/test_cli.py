@@ -54,14 +54,14 @@ def test_fit_and_assign_from_an_image_folder(tmp_path, capsys) -> None:
 def test_train_with_visual_id_table_reports_missing_ads_and_evals(tmp_path, capsys) -> None:
     data = fashion_ads()
     rng = np.random.default_rng(0)
-    vis = np.stack([rng.integers(0, 8, data.n_items) + m * 8 for m in range(2)], 1)
+    vis = rng.integers(0, 8, (data.n_items, 2))
     table = tmp_path / "ids.parquet"
-    write_visual_ids(table, data.item_ids[3:], vis[3:], 2, 8)  # three ads of the log have no image
+    write_visual_ids(table, data.item_ids[3:], vis[3:], 8)  # three ads of the log have no image
     run = tmp_path / "run"
     args = ["ctr", "train", "--data", "fashion", "--model", "dcnv2", "--features", "id,visual",
             "--visual-ids", str(table), "--epochs", "1", "--out", str(run)]
     assert main(args) == 2
-    assert "have no visual IDs" in capsys.readouterr().err
+    assert "have no content IDs" in capsys.readouterr().err
     assert main([*args, "--on-missing", "skip"]) == 0
     report = json.loads((run / "report.json").read_text())
     info = report["visual_table"]
