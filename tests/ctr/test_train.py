@@ -17,6 +17,7 @@ from leanml.ctr.train import (
     build_model,
     bytes_per_ad,
     content_fields,
+    predict,
     prefix_ids,
     run_ctr,
     seen_remap,
@@ -136,3 +137,23 @@ def test_run_ctr_reports_bytes_and_new_old_metrics() -> None:
                                                visual_fields="codes+prefix", codeword_vector=True), progress=False)
     assert rep["bytes_per_ad"] == 1.5 and "codeword" in b.dense_dims
     assert {"auc_new", "auc_old", "gauc_new", "logloss_old"} <= set(rep["metrics"])
+
+
+def test_residual_id_mode_leaves_new_ads_exactly_to_the_content_model() -> None:
+    data = fashion_ads(n_ads=200, n_users=20, per_day=500, seed=4)
+    rng = np.random.default_rng(1)
+    items = ItemFeatures(rng.integers(0, 8, (200, 2)), None, 2, 8)
+    runs = {}
+    for features, mode in (("visual", "dropout"), ("id+visual", "residual"), ("id+visual", "dropout")):
+        cfg = CTRConfig(model="deepfm", features=features, id_mode=mode, epochs=2, seed=3)
+        model, b, rep = run_ctr(data, items, cfg, progress=False)
+        sparse, dense, _ = b.tensors(data.test)
+        runs[(features, mode)] = (predict(model, sparse, dense), rep["metrics"])
+    new = data.test_is_new
+    base, resid, drop = runs[("visual", "dropout")], runs[("id+visual", "residual")], runs[("id+visual", "dropout")]
+    assert np.array_equal(base[0][new], resid[0][new])  # new ads: the content model's prediction, bit for bit
+    assert resid[1]["auc_new"] == base[1]["auc_new"]
+    assert not np.array_equal(base[0][~new], resid[0][~new])  # old ads get their correction
+    assert not np.array_equal(base[0][new], drop[0][new])
+    with pytest.raises(LeanmlError, match="id_mode"):
+        CTRConfig(id_mode="gate")

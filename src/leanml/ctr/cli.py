@@ -43,6 +43,8 @@ def _add_content_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codebook", choices=["pq", "rq"], default="pq",
                    help="product quantization (independent sub-spaces) or residual (coarse-to-fine levels)")
     p.add_argument("--no-reseed", action="store_true", help="keep dead codewords (default: re-seed them each epoch)")
+    p.add_argument("--posthoc", action="store_true",
+                   help="train the encoder alone, then fit the codebooks by k-means (default: jointly)")
     p.add_argument("--dim", type=int, default=32, help="quantized vector length D (divisible by M for pq), default 32")
     p.add_argument("--loss", choices=["infonce", "tokens"], default="infonce", help="text supervision")
     p.add_argument("--content-epochs", type=int, default=None, help="quantized training epochs")
@@ -51,7 +53,8 @@ def _add_content_args(p: argparse.ArgumentParser) -> None:
 
 def _content_overrides(args: argparse.Namespace) -> dict[str, Any]:
     ov: dict[str, Any] = {"m": args.m, "k": args.k, "dim": args.dim, "loss": args.loss, "codebook": args.codebook,
-                          "reseed_dead": not args.no_reseed, "straight_through": args.straight_through}
+                          "reseed_dead": not args.no_reseed, "straight_through": args.straight_through,
+                          "joint": not args.posthoc}
     seed_content = getattr(args, "seed_content", None)
     ov["seed"] = args.seed if seed_content is None else seed_content
     if args.content_epochs is not None:
@@ -151,9 +154,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--id-dropout", type=float, default=0.1,
                        help="share of training rows whose ad ID is replaced by the unseen-ad row, so the new-ad "
                             "path is trained (DropoutNet-style; default 0.1)")
-    train.add_argument("--visual-fields", choices=["codes", "prefix", "codes+prefix", "bag"], default="codes",
+    train.add_argument("--id-mode", choices=["dropout", "residual"], default="dropout",
+                       help="the ad ID as one field trained with --id-dropout, or as a correction learned on a "
+                            "frozen model without it (a new ad's prediction is then exactly that model's)")
+    train.add_argument("--visual-fields", choices=["codes", "prefix", "codes+prefix", "bag", "none"], default="codes",
                        help="each code its own field (codes), prefix n-grams (prefix, for --codebook rq), both, "
                             "or one pooled bag")
+    train.add_argument("--codeword-vector", action="store_true",
+                       help="also feed the codes' codeword vector (a codebook lookup) through an MLP; needs the "
+                            "content-ID model, not only a --visual-ids table")
     train.add_argument("--seed-content", type=int, default=None,
                        help="seed of the content-ID fit (default: --seed)")
     train.add_argument("--embed-dim", type=int, default=16)
@@ -290,7 +299,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 extra["content_ids"] = {"fitted": True, "usage": cid_report["usage"]}
             items = content_items(data, model)
         cfg = CTRConfig(model=args.model, features=features, embed_dim=args.embed_dim, epochs=args.epochs,
-                        lr=args.lr, id_dropout=args.id_dropout, visual_fields=args.visual_fields, seed=args.seed)
+                        lr=args.lr, id_dropout=args.id_dropout, visual_fields=args.visual_fields,
+                        codeword_vector=args.codeword_vector, id_mode=args.id_mode, seed=args.seed)
         model_ctr, builder, report = run_ctr(data, items, cfg)
     report.update(extra, seconds=t.seconds, data_args={"name": args.data, "seed": args.seed,
                                                        "on_missing": args.on_missing})

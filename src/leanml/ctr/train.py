@@ -5,7 +5,10 @@ Feature sets (``--features``, any of ``id``, ``raw``, ``visual`` joined by ``,``
 - ``id``: the ad-ID embedding. Ads without training rows map to the unseen-ad row 0 (zero-initialised).
   ``id_dropout`` (DropoutNet-style) replaces that share of training rows' ad IDs by row 0, so row 0
   learns "an ad without history" and the rest of the model learns to work without the ID: the new-ad
-  path is trained on purpose instead of being a side effect.
+  path is trained on purpose instead of being a side effect. ``id_mode="residual"`` instead trains the
+  model without the ad ID first, freezes it, then learns the ad ID as a correction
+  ``b_ad + <e_ad, e_user>`` on its logit (:class:`ResidualID`); the correction of an ad without training
+  rows is exactly zero, so adding the ID cannot change a new ad's prediction.
 - ``raw``: the continuous content vector (the content-ID extractor's output before quantization)
   through a small MLP, as one field.
 - ``visual``: the ``M`` content IDs, embedded per ``visual_fields``:
@@ -164,6 +167,7 @@ class CTRConfig:
     visual_fields: str = "codes"  # how the M content IDs become fields (module docstring)
     prefix_buckets: int = 1 << 16  # rows of a prefix field once K^l exceeds it (hashed beyond)
     codeword_vector: bool = False  # also feed the codes' codeword vector (codebook lookup) as a dense field
+    id_mode: str = "dropout"  # "dropout": the ad ID is one field; "residual": a correction on a content model
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -173,6 +177,8 @@ class CTRConfig:
             raise LeanmlError(f"visual_fields {self.visual_fields!r}: use one of {', '.join(VISUAL_FIELDS)}")
         if self.visual_fields == "none" and not self.codeword_vector:
             raise LeanmlError("visual_fields 'none' leaves the IDs unused; add codeword_vector")
+        if self.id_mode not in ("dropout", "residual"):
+            raise LeanmlError(f"id_mode {self.id_mode!r}: use 'dropout' or 'residual'")
         if not 0.0 <= self.id_dropout < 1.0:
             raise LeanmlError(f"id_dropout={self.id_dropout} must be in [0, 1)")
 
@@ -367,19 +373,79 @@ def predict(model: CTRModel, sparse: dict[str, torch.Tensor], dense: dict[str, t
     return torch.cat(out).numpy()
 
 
+class ResidualID(torch.nn.Module):
+    """``base(sparse, dense) + b[ad] + <e[ad], u[user]>``: the ad ID as a correction on a model without it.
+
+    Row 0 of ``b`` and ``e`` (ads without training rows) is zero and receives no gradient (no training row
+    maps to it: the residual stage uses no ID dropout), so for a new ad the prediction is the base model's.
+    """
+
+    def __init__(self, base: CTRModel, n_ads: int, n_users: int, dim: int) -> None:
+        super().__init__()
+        self.base = base
+        self.ad_bias = torch.nn.Embedding(n_ads, 1)
+        self.ad = torch.nn.Embedding(n_ads, dim)
+        self.user = torch.nn.Embedding(n_users, dim)
+        torch.nn.init.zeros_(self.ad_bias.weight)
+        torch.nn.init.normal_(self.ad.weight, std=0.05)
+        torch.nn.init.normal_(self.user.weight, std=0.05)
+        with torch.no_grad():
+            self.ad.weight[0].zero_()
+
+    def correction(self, sparse: dict[str, torch.Tensor]) -> torch.Tensor:
+        ad = sparse["ad"]
+        return self.ad_bias(ad).squeeze(-1) + (self.ad(ad) * self.user(sparse["user"])).sum(-1)
+
+    def forward(self, sparse: dict[str, torch.Tensor], dense: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.base(sparse, dense) + self.correction(sparse)
+
+    @torch.no_grad()
+    def predict_proba(self, sparse: dict[str, torch.Tensor], dense: dict[str, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
+        return torch.sigmoid(self(sparse, dense))
+
+
+def build_ctr_model(config: CTRConfig, builder: FieldBuilder) -> CTRModel | ResidualID:
+    """The model a config asks for over ``builder``'s fields (with the unseen rows zeroed)."""
+    residual = config.id_mode == "residual" and "ad" in builder.item_sparse
+    specs = [f for f in builder.specs if not (residual and f.name == "ad")]
+    model = build_model(config.model, specs, builder.dense_dims, embed_dim=config.embed_dim)
+    zero_unseen_rows(model, builder.unseen_rows)
+    if not residual:
+        return model
+    vocab = {f.name: f.vocab for f in builder.specs}
+    return ResidualID(model, vocab["ad"], vocab["user"], config.embed_dim)
+
+
+def fit_ctr_model(model: CTRModel | ResidualID, sparse: dict[str, torch.Tensor], dense: dict[str, torch.Tensor],
+                  labels: torch.Tensor, config: CTRConfig, device: torch.device | None = None,
+                  progress: bool = True) -> list[float]:
+    """Train ``model``; a :class:`ResidualID` trains its base first (no ad ID), then only the correction."""
+    if not isinstance(model, ResidualID):
+        return train_ctr_model(model, sparse, dense, labels, config, device, progress)
+    base_sparse = {k: v for k, v in sparse.items() if k != "ad"}  # the base never sees the ad ID
+    history = train_ctr_model(model.base, base_sparse, dense, labels, config, device, progress)
+    for p in model.base.parameters():
+        p.requires_grad_(False)
+    stage2 = CTRConfig(**{**asdict(config), "id_dropout": 0.0})
+    history += train_ctr_model(model, sparse, dense, labels, stage2, device, progress)
+    for p in model.base.parameters():
+        p.requires_grad_(True)
+    return history
+
+
 def run_ctr(
     data: CTRData, items: ItemFeatures | None, config: CTRConfig, progress: bool = True,
     device: torch.device | None = None,
-) -> tuple[CTRModel, FieldBuilder, dict[str, Any]]:
+) -> tuple[CTRModel | ResidualID, FieldBuilder, dict[str, Any]]:
     """Train one CTR model on ``data.train`` and evaluate on ``data.test`` (new / old ads)."""
     data.check_split()
     torch.manual_seed(config.seed)
     builder = FieldBuilder(data, items, config)
     config.features = builder.features
-    model = build_model(config.model, builder.specs, builder.dense_dims, embed_dim=config.embed_dim)
-    zero_unseen_rows(model, builder.unseen_rows)
+    model = build_ctr_model(config, builder)
     sparse, dense, labels = builder.tensors(data.train)
-    history = train_ctr_model(model, sparse, dense, labels, config, device, progress)
+    history = fit_ctr_model(model, sparse, dense, labels, config, device, progress)
     t_sparse, t_dense, t_labels = builder.tensors(data.test)
     probs = predict(model, t_sparse, t_dense)
     metrics = ctr_metrics(t_labels.numpy(), probs, data.test["user"].to_numpy(), data.test_is_new)
@@ -434,7 +500,7 @@ def load_ctr_run(path: str | Path, data: CTRData) -> tuple[CTRModel, FieldBuilde
     items = ItemFeatures(np.zeros((data.n_items, 0), np.int64), dense.get("raw"), 0, 0, decoded=dense.get("codeword"))
     state = {"user_index": npz["user_index"], "item_sparse": item_sparse, "specs": report["fields"]}
     builder = FieldBuilder(None, items, cfg, state=state)
-    model = build_model(cfg.model, builder.specs, builder.dense_dims, embed_dim=cfg.embed_dim)
+    model = build_ctr_model(cfg, builder)
     model.load_state_dict(load_file(str(path / "model.safetensors")))
     return model.eval(), builder, report
 
