@@ -45,6 +45,15 @@ def test_fit_and_assign_from_an_image_folder(tmp_path, capsys) -> None:
     assert main(["ctr", "content-ids", "assign", "--model", str(cid), "--images", str(folder),
                  "--out", str(tmp_path / "x.parquet"), "--on-bad", "error"]) == 2
     assert "cannot read image" in capsys.readouterr().err
+    # the image model's codes, and their codeword vector, as CTR features on the Fashion ads; eval reloads the run
+    run = tmp_path / "run"
+    assert main(["ctr", "train", "--data", "fashion", "--content-ids", str(cid), "--features", "id,visual",
+                 "--visual-fields", "none", "--codeword-vector", "--epochs", "1", "--out", str(run)]) == 0
+    saved = json.loads((run / "report.json").read_text())
+    assert saved["bytes_per_ad"] == 2 * 2 / 8 and [f[0] for f in saved["fields"]] == ["user", "context", "ad"]
+    assert main(["ctr", "eval", "--run", str(run)]) == 0
+    assert json.loads((run / "eval.json").read_text())["metrics"]["auc_new"] == pytest.approx(
+        saved["metrics"]["auc_new"], abs=1e-6)
     # K < 2 is refused
     assert main(["ctr", "content-ids", "fit", "--images", str(folder), "--captions", str(tmp_path / "captions.csv"),
                  "--K", "1", "--out", str(tmp_path / "k1")]) == 2
@@ -54,14 +63,14 @@ def test_fit_and_assign_from_an_image_folder(tmp_path, capsys) -> None:
 def test_train_with_visual_id_table_reports_missing_ads_and_evals(tmp_path, capsys) -> None:
     data = fashion_ads()
     rng = np.random.default_rng(0)
-    vis = np.stack([rng.integers(0, 8, data.n_items) + m * 8 for m in range(2)], 1)
+    vis = rng.integers(0, 8, (data.n_items, 2))
     table = tmp_path / "ids.parquet"
-    write_visual_ids(table, data.item_ids[3:], vis[3:], 2, 8)  # three ads of the log have no image
+    write_visual_ids(table, data.item_ids[3:], vis[3:], 8)  # three ads of the log have no image
     run = tmp_path / "run"
     args = ["ctr", "train", "--data", "fashion", "--model", "dcnv2", "--features", "id,visual",
             "--visual-ids", str(table), "--epochs", "1", "--out", str(run)]
     assert main(args) == 2
-    assert "have no visual IDs" in capsys.readouterr().err
+    assert "have no content IDs" in capsys.readouterr().err
     assert main([*args, "--on-missing", "skip"]) == 0
     report = json.loads((run / "report.json").read_text())
     info = report["visual_table"]

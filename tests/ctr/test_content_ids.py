@@ -8,12 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from leanml.ctr.content_ids.assign import (
-    assign_visual_ids,
-    lookup_visual_ids,
-    read_visual_ids,
-    write_visual_ids,
-)
+from leanml.ctr.content_ids.assign import assign_visual_ids, read_visual_ids, write_visual_ids
 from leanml.ctr.content_ids.encoders import embed_texts
 from leanml.ctr.content_ids.trainer import (
     ContentIDConfig,
@@ -59,9 +54,8 @@ def test_ids_are_stable_for_the_same_image(fitted, tmp_path) -> None:
     assert np.array_equal(ids, assign_visual_ids(model, data.content.clone()))
     # batch composition does not matter (eval mode, no batch statistics)
     assert np.array_equal(ids[5:9], assign_visual_ids(model, data.content[5:9]))
-    # global id m*K + k: sub-space m owns [m*K, (m+1)*K)
-    for m in range(4):
-        assert ((ids[:, m] >= m * 8) & (ids[:, m] < (m + 1) * 8)).all()
+    # local codes: every position lies in [0, K)
+    assert ids.min() >= 0 and ids.max() < 8
     save_content_model(model, tmp_path / "cid", {"note": "test"})
     reloaded = load_content_model(tmp_path / "cid")
     assert np.array_equal(ids, assign_visual_ids(reloaded, data.content))
@@ -70,22 +64,43 @@ def test_ids_are_stable_for_the_same_image(fitted, tmp_path) -> None:
 def test_parquet_table_schema_and_round_trip(fitted, tmp_path) -> None:
     data, model, _ = fitted
     ids = assign_visual_ids(model, data.content)
-    path = write_visual_ids(tmp_path / "ids.parquet", data.item_ids, ids, 4, 8)
+    path = write_visual_ids(tmp_path / "ids.parquet", data.item_ids, ids, 8)
     table = pq.read_table(path)
     assert table.schema.field("ad_id").type == pa.int64()
     assert table.schema.field("visual_ids").type == pa.list_(pa.int64())
-    assert table.schema.metadata[b"M"] == b"4" and table.schema.metadata[b"K"] == b"8"
+    meta = table.schema.metadata
+    assert meta[b"M"] == b"4" and meta[b"K"] == b"8" and meta[b"codebook"] == b"pq"
+    assert meta[b"schema"] == b"leanml.content_ids/2"
     assert all(len(v) == 4 for v in table.column("visual_ids").to_pylist())
-    ad_ids, vis, m, k = read_visual_ids(path)
-    assert (m, k) == (4, 8) and np.array_equal(ad_ids, data.item_ids) and np.array_equal(vis, ids)
+    t = read_visual_ids(path)
+    assert (t.m, t.k) == (4, 8) and np.array_equal(t.ad_ids, data.item_ids) and np.array_equal(t.codes, ids)
     assert not list(tmp_path.glob(".*tmp*"))  # atomic write leaves no temp file
-    got, missing = lookup_visual_ids(ad_ids, vis, np.array([ad_ids[3], -5, ad_ids[0]]))
+    got, missing = t.lookup(np.array([t.ad_ids[3], -5, t.ad_ids[0]]))
     assert missing.tolist() == [False, True, False]
-    assert np.array_equal(got[0], ids[3]) and (got[1] == -1).all()
-    with pytest.raises(LeanmlError, match=r"\[0, M\*K\)"):
-        write_visual_ids(tmp_path / "bad.parquet", np.array([1]), np.array([[40, 0, 0, 0]]), 4, 8)
+    assert np.array_equal(got[0], ids[3]) and (got[1] == 8).all()
+    with pytest.raises(LeanmlError, match=r"outside \[0, K=8\)"):
+        write_visual_ids(tmp_path / "bad.parquet", np.array([1]), np.array([[40, 0, 0, 0]]), 8)
     with pytest.raises(LeanmlError, match="does not exist"):
         read_visual_ids(tmp_path / "missing.parquet")
+
+
+def test_residual_codes_fit_and_refine(fitted) -> None:
+    """RQ content IDs: levels refine the vector (reconstruction error falls level by level)."""
+    data, _, _ = fitted
+    cfg = ContentIDConfig(kind="cnn", dim=16, m=3, k=8, width=4, epochs=2, warmup_epochs=1, batch_size=64,
+                          codebook="rq")
+    model, report = fit_content_ids(data.content, data.captions, cfg, text_emb=embed_texts(data.captions),
+                                    progress=False)
+    assert any(h.get("reseeded") is not None for h in report["history"])
+    with torch.no_grad():
+        z = model.embed(data.content)
+        codes = model.quantizer.codes(z)
+        cb = model.quantizer.codebooks
+        partial = [cb[torch.arange(j + 1), codes[:, : j + 1]].sum(1) for j in range(3)]
+        errs = [((z - p) ** 2).sum(1).mean().item() for p in partial]
+        assert torch.allclose(partial[-1], model.quantizer.decode(codes))
+    assert errs[0] > errs[1] > errs[2]
+    assert assign_visual_ids(model, data.content).shape == (data.n_items, 3)
 
 
 def test_token_supervision_fits_and_targets_are_multi_hot() -> None:

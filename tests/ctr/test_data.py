@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from PIL import Image
@@ -14,6 +15,7 @@ from leanml.ctr.data import (
     image_attributes,
     load_ad_folder,
     movielens,
+    validation_split,
 )
 from leanml.utils import LeanmlError
 
@@ -62,16 +64,25 @@ def test_captions_describe_class_and_measured_attributes(fashion) -> None:
             assert lo <= attrs[i, j] <= hi
 
 
-def test_movielens_holds_out_movies() -> None:
-    data = movielens(seed=0)
-    assert data.n_items == 1682 and data.n_users == 943
+def test_movielens_cold_start_split_is_by_time() -> None:
+    data = movielens()
+    assert data.n_items == 1682 and data.n_users == 943 and data.content.shape == (1682, 384)
     data.check_split()
-    held = data.info["held_out_movies"]
-    assert held == round(0.2 * 1682)
-    assert set(data.test["label"].unique()) == {0, 1}
-    assert data.content.shape == (1682, 384)
-    # every rating is either a training row or a test row
+    cutoff = data.info["cutoff"]
+    assert (data.train["timestamp"] < cutoff).all() and (data.test["timestamp"] >= cutoff).all()
+    # new movies: first rating at or after the cutoff (brute force over the whole log)
+    log = pd.concat([data.train, data.test])
+    first = log.groupby("item")["timestamp"].min()
+    rated = np.zeros(data.n_items, dtype=bool)
+    rated[first.index] = True
+    assert np.array_equal(data.is_new_item[rated], (first >= cutoff).to_numpy())
+    assert data.info["new_movies"] == int((first >= cutoff).sum()) > 100
+    # old-ad test rows come after the cutoff too, and every rating is a train or test row
+    assert data.test_is_new.sum() > 1000 and (~data.test_is_new).sum() > 1000
     assert len(data.train) + len(data.test) == 100_000
+    val = validation_split(data)
+    val.check_split()
+    assert val.test["timestamp"].max() < cutoff and val.test_is_new.sum() > 100
 
 
 def test_ad_folder_reports_unreadable_images_and_missing_captions(tmp_path) -> None:

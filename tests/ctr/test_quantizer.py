@@ -10,14 +10,17 @@ from sklearn.cluster import KMeans
 from leanml.ctr.content_ids.encoders import ContentEncoder, SmallCNN
 from leanml.ctr.content_ids.quantizer import (
     SoftProductQuantizer,
+    SoftResidualQuantizer,
     anneal_tau,
-    global_ids,
     hard_assign,
     kmeans,
     reconstruct,
+    reseed_dead_codes,
+    residual_quantize,
     soft_assign,
     usage_stats,
 )
+from leanml.ctr.content_ids.schema import global_ids
 from leanml.ctr.content_ids.trainer import ContentIDConfig, ContentIDModel, info_nce
 from leanml.utils import LeanmlError
 
@@ -104,6 +107,9 @@ def test_usage_stats_bruteforce() -> None:
 
 def test_global_ids_and_validation() -> None:
     assert global_ids(np.array([[1, 0, 3]]), 4).tolist() == [[1, 4, 11]]
+    with pytest.raises(LeanmlError, match="codebook"):
+        ContentIDConfig(codebook="vq").validate()
+    ContentIDConfig(codebook="rq", dim=10, m=3).validate()  # rq levels need not divide D
     with pytest.raises(LeanmlError, match="K=1"):
         SoftProductQuantizer(8, 2, 1)
     with pytest.raises(LeanmlError, match="divide"):
@@ -121,3 +127,54 @@ def test_content_encoder_takes_any_backbone() -> None:
     with pytest.raises(LeanmlError, match="backbone_dim"):
         ContentEncoder(torch.nn.Identity(), dim=4)
     assert ContentEncoder(SmallCNN(width=4), 8)(torch.rand(2, 1, 28, 28)).shape == (2, 8)
+
+
+def test_residual_quantizer_matches_greedy_brute_force() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(50, 6, dtype=torch.float64)
+    cb = torch.randn(3, 5, 6, dtype=torch.float64)
+    # brute force: level by level, the nearest codeword to what is left
+    left, brute = x.clone(), []
+    for lvl in range(3):
+        c = ((left[:, None, :] - cb[lvl][None]) ** 2).sum(-1).argmin(1)
+        brute.append(c)
+        left = left - cb[lvl][c]
+    brute = torch.stack(brute, 1)
+    q, probs, inputs = residual_quantize(x, cb)
+    assert torch.equal(probs.argmax(-1), brute)
+    assert torch.allclose(q, x - left) and torch.allclose(inputs[:, 0], x)
+    # soft assignment at a tiny temperature gives the same codes and reconstruction
+    q_soft, p_soft, _ = residual_quantize(x, cb, tau=1e-6)
+    assert torch.equal(p_soft.argmax(-1), brute) and torch.allclose(q_soft, q, atol=1e-6)
+    rq = SoftResidualQuantizer(6, 3, 5)
+    rq.codebooks.data = cb.float()
+    assert torch.equal(rq.codes(x.float()), brute)
+    assert torch.allclose(rq.decode(brute), q.float(), atol=1e-5)
+
+
+def test_residual_kmeans_init_lowers_error_each_level_and_gets_gradients() -> None:
+    torch.manual_seed(0)
+    x = torch.nn.functional.normalize(torch.randn(300, 8), dim=-1)
+    rq = SoftResidualQuantizer(8, 3, 8)
+    rq.init_kmeans(x)
+    assert rq.scale[0] == pytest.approx(1.0, rel=1e-4) and rq.scale[0] > rq.scale[1] > rq.scale[2]
+    codes = rq.codes(x)
+    errs = [((x - rq.codebooks[torch.arange(j + 1), codes[:, : j + 1]].sum(1)) ** 2).sum(1).mean() for j in range(3)]
+    assert errs[0] > errs[1] > errs[2]
+    rq.train()
+    z = x.clone().requires_grad_(True)
+    q, p = rq(z, tau=0.5)
+    assert p.shape == (300, 3, 8)
+    q.sum().backward()
+    assert z.grad is not None and rq.codebooks.grad is not None and rq.codebooks.grad.abs().sum() > 0
+
+
+def test_reseed_moves_only_dead_codewords_onto_data() -> None:
+    g = torch.Generator().manual_seed(0)
+    cb = torch.zeros(2, 4, 3)
+    counts = torch.tensor([[5, 0, 1, 0], [1, 1, 1, 1]])
+    inputs = torch.randn(20, 2, 3) + 10.0
+    assert reseed_dead_codes(cb, counts, inputs, g, noise=0.0) == 2
+    assert (cb[0, [0, 2]] == 0).all() and (cb[1] == 0).all()
+    for j in (1, 3):  # each re-seeded codeword is one of the inputs of its sub-space
+        assert ((inputs[:, 0] - cb[0, j]).abs().sum(1) < 1e-6).any()

@@ -38,17 +38,25 @@ def _set_threads(args: argparse.Namespace) -> None:
 
 
 def _add_content_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--M", dest="m", type=int, default=4, help="sub-spaces (IDs per ad), default 4")
-    p.add_argument("--K", dest="k", type=int, default=16, help="codewords per sub-space (>= 2), default 16")
-    p.add_argument("--dim", type=int, default=32, help="quantized vector length D (divisible by M), default 32")
+    p.add_argument("--M", dest="m", type=int, default=4, help="IDs per ad: sub-spaces (pq) or levels (rq), default 4")
+    p.add_argument("--K", dest="k", type=int, default=16, help="codewords per sub-space / level (>= 2), default 16")
+    p.add_argument("--codebook", choices=["pq", "rq"], default="pq",
+                   help="product quantization (independent sub-spaces) or residual (coarse-to-fine levels)")
+    p.add_argument("--no-reseed", action="store_true", help="keep dead codewords (default: re-seed them each epoch)")
+    p.add_argument("--posthoc", action="store_true",
+                   help="train the encoder alone, then fit the codebooks by k-means (default: jointly)")
+    p.add_argument("--dim", type=int, default=32, help="quantized vector length D (divisible by M for pq), default 32")
     p.add_argument("--loss", choices=["infonce", "tokens"], default="infonce", help="text supervision")
     p.add_argument("--content-epochs", type=int, default=None, help="quantized training epochs")
     p.add_argument("--straight-through", action="store_true", help="hard forward, soft backward")
 
 
 def _content_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    ov: dict[str, Any] = {"m": args.m, "k": args.k, "dim": args.dim, "loss": args.loss,
-                          "straight_through": args.straight_through, "seed": args.seed}
+    ov: dict[str, Any] = {"m": args.m, "k": args.k, "dim": args.dim, "loss": args.loss, "codebook": args.codebook,
+                          "reseed_dead": not args.no_reseed, "straight_through": args.straight_through,
+                          "joint": not args.posthoc}
+    seed_content = getattr(args, "seed_content", None)
+    ov["seed"] = args.seed if seed_content is None else seed_content
     if args.content_epochs is not None:
         ov["epochs"] = args.content_epochs
     return ov
@@ -103,9 +111,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     fit.set_defaults(func=cmd_fit)
 
     assign = cid_sub.add_parser(
-        "assign", help="export ad -> visual IDs as a Parquet table",
-        description="Columns ad_id (int64) and visual_ids (list<int64>, length M, id = m*K + k); "
-                    "metadata M and K. A JSON report is written next to it (<out>.report.json).",
+        "assign", help="export ad -> content IDs as the Parquet serving table",
+        description="The serving table (schema leanml.content_ids/2, module leanml.ctr.content_ids.schema): "
+                    "columns ad_id (int64) and visual_ids (list<int64>, length M, codes in [0, K)); metadata "
+                    "M, K, codebook, schema. FeatureBox's content_ids op reads it as is. A JSON report is "
+                    "written next to it (<out>.report.json).",
         epilog="examples:\n  leanml ctr content-ids assign --model out/cid --data fashion --out out/ids.parquet\n"
                "  leanml ctr content-ids assign --model out/cid --images ads/ --out ids.parquet --on-bad error",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -123,10 +133,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     train = ctr_sub.add_parser(
         "train", help="train a CTR model and evaluate it on new and old ads",
         description="Fields: user, context, and per --features: id (ad ID), raw (continuous content "
-                    "vector through an MLP), visual (M visual IDs, pooled). Content IDs are fitted on the "
-                    "old ads unless --content-ids or --visual-ids is given.",
+                    "vector through an MLP), visual (the M content IDs; --visual-fields says how). Content "
+                    "IDs are fitted on the old ads unless --content-ids or --visual-ids is given.",
         epilog="examples:\n  leanml ctr train --data fashion --model deepfm --features id,visual --out out/run\n"
                "  leanml ctr train --data movielens --model dcnv2 --features id --out out/ml-id\n"
+               "  leanml ctr train --data fashion --codebook rq --K 64 --visual-fields prefix --out out/rq\n"
                "  leanml ctr train --data fashion --features visual --visual-ids out/ids.parquet --out out/v",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -141,7 +152,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--epochs", type=int, default=3)
     train.add_argument("--lr", type=float, default=None, help="default 5e-3 (1e-2 for dcnv2)")
     train.add_argument("--id-dropout", type=float, default=0.1,
-                       help="share of training rows whose ad ID is replaced by the unseen-ad row (default 0.1)")
+                       help="share of training rows whose ad ID is replaced by the unseen-ad row, so the new-ad "
+                            "path is trained (DropoutNet-style; default 0.1)")
+    train.add_argument("--id-mode", choices=["dropout", "residual"], default="dropout",
+                       help="the ad ID as one field trained with --id-dropout, or as a correction learned on a "
+                            "frozen model without it (a new ad's prediction is then exactly that model's)")
+    train.add_argument("--visual-fields", choices=["codes", "prefix", "codes+prefix", "bag", "none"], default="codes",
+                       help="each code its own field (codes), prefix n-grams (prefix, for --codebook rq), both, "
+                            "or one pooled bag")
+    train.add_argument("--codeword-vector", action="store_true",
+                       help="also feed the codes' codeword vector (a codebook lookup) through an MLP; needs the "
+                            "content-ID model, not only a --visual-ids table")
+    train.add_argument("--seed-content", type=int, default=None,
+                       help="seed of the content-ID fit (default: --seed)")
     train.add_argument("--embed-dim", type=int, default=16)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", type=Path, required=True)
@@ -207,10 +230,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 def cmd_assign(args: argparse.Namespace) -> int:
     _set_threads(args)
-    import numpy as np
-
     from leanml.ctr.content_ids.assign import assign_visual_ids, write_visual_ids
     from leanml.ctr.content_ids.quantizer import usage_stats
+    from leanml.ctr.content_ids.schema import SCHEMA_VERSION
     from leanml.ctr.content_ids.trainer import load_content_model
     from leanml.ctr.data import load_ad_folder
 
@@ -227,14 +249,15 @@ def cmd_assign(args: argparse.Namespace) -> int:
             raise LeanmlError(f"model {args.model} is not an image model; --images needs one fitted on images")
         ad_ids, inputs, _, skipped = load_ad_folder(args.images, None, args.on_bad)
     with Timer() as t:
-        ids = assign_visual_ids(model, inputs)
+        codes = assign_visual_ids(model, inputs)
     cfg = model.config
-    write_visual_ids(args.out, ad_ids, ids, cfg.m, cfg.k)
-    usage = usage_stats(ids - np.arange(cfg.m) * cfg.k, cfg.k).as_dict()
+    write_visual_ids(args.out, ad_ids, codes, cfg.k, cfg.codebook)
+    usage = usage_stats(codes, cfg.k).as_dict()
     report = {"model": str(args.model), "out": str(args.out), "n_ads": len(ad_ids), "M": cfg.m, "K": cfg.k,
-              "skipped": skipped, "n_skipped": len(skipped), "usage": usage, "seconds": t.seconds}
+              "codebook": cfg.codebook, "schema": SCHEMA_VERSION, "skipped": skipped, "n_skipped": len(skipped),
+              "usage": usage, "seconds": t.seconds}
     write_json(Path(str(args.out) + ".report.json"), report)
-    print(f"assigned {len(ad_ids)} ads (M={cfg.m}, K={cfg.k}); skipped {len(skipped)}"
+    print(f"assigned {len(ad_ids)} ads (M={cfg.m}, K={cfg.k}, {cfg.codebook}); skipped {len(skipped)}"
           + (f" (see {args.out}.report.json)" if skipped else ""))
     print(f"wrote {args.out}")
     return 0
@@ -276,7 +299,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 extra["content_ids"] = {"fitted": True, "usage": cid_report["usage"]}
             items = content_items(data, model)
         cfg = CTRConfig(model=args.model, features=features, embed_dim=args.embed_dim, epochs=args.epochs,
-                        lr=args.lr, id_dropout=args.id_dropout, seed=args.seed)
+                        lr=args.lr, id_dropout=args.id_dropout, visual_fields=args.visual_fields,
+                        codeword_vector=args.codeword_vector, id_mode=args.id_mode, seed=args.seed)
         model_ctr, builder, report = run_ctr(data, items, cfg)
     report.update(extra, seconds=t.seconds, data_args={"name": args.data, "seed": args.seed,
                                                        "on_missing": args.on_missing})

@@ -24,9 +24,16 @@ Generator (seeded by ``seed``, all parameters in ``CTRData.info``):
 6. ``train`` = impressions before ``launch_day`` (old ads only); ``test`` = impressions from ``launch_day``.
 
 **MovieLens-100k** (:func:`movielens`): real clicks (rating >= 4). Content is the MiniLM embedding of
-``"<title>. Genres: <genres>."``; ``new_frac`` of the movies (seeded) are held out entirely (their
-ratings are the new-ad test rows); ratings of the other movies before the ``time_quantile`` of their
-timestamps are ``train``, later ones are old-ad test rows. Context is the weekday of the rating.
+``"<title>. Genres: <genres>."``. A time cutoff (the ``time_quantile`` of all rating timestamps) splits
+the log: ratings before it are ``train``, ratings from it on are ``test``. Movies whose *first* rating
+falls at or after the cutoff are the new ads (a real cold start: they did not exist in the training
+period); test rows on the other movies are the old-ad rows, from the same later period. Context is the
+weekday of the rating.
+
+**Validation** (:func:`validation_split`): hyper-parameters are chosen on a split of the *training*
+rows, never on ``test``: the last ``val_frac`` of the training period (by timestamp or by day) is the
+validation log; a seeded ``new_frac`` of the items lose their earlier rows, and they, with the items first
+seen inside the window, are the validation new ads.
 """
 
 from __future__ import annotations
@@ -206,11 +213,16 @@ def fashion_ads(
     )
 
 
-def movielens(new_frac: float = 0.2, time_quantile: float = 0.8, seed: int = 0) -> CTRData:
-    """MovieLens-100k clicks (rating >= 4) with ``new_frac`` of the movies held out as new items."""
+def movielens(time_quantile: float = 0.4, seed: int = 0) -> CTRData:
+    """MovieLens-100k clicks (rating >= 4) with a time cutoff; movies first rated after it are new.
+
+    ``seed`` does not change the split (it is set by time); it is kept for a uniform loader signature.
+    """
     from leanml.ctr.content_ids.encoders import embed_texts
     from leanml.data.offline import widedeep_data_dir
 
+    if not 0 < time_quantile < 1:
+        raise LeanmlError(f"time_quantile={time_quantile} must be in (0, 1)")
     root = widedeep_data_dir()
     ratings = pd.read_parquet(root / "MovieLens100k_data.parquet.brotli")
     items = pd.read_parquet(root / "MovieLens100k_items.parquet.brotli").sort_values("movie_id").reset_index(drop=True)
@@ -221,10 +233,7 @@ def movielens(new_frac: float = 0.2, time_quantile: float = 0.8, seed: int = 0) 
         title = str(row["movie_title"]).strip() or f"movie {row['movie_id']}"
         captions.append(f"{title}. Genres: {', '.join(genres)}.")
     content = torch.from_numpy(embed_texts(captions))
-    rng = np.random.default_rng(seed)
     n_items = len(items)
-    is_new = np.zeros(n_items, dtype=bool)
-    is_new[rng.choice(n_items, int(round(new_frac * n_items)), replace=False)] = True
     item_index = pd.Series(np.arange(n_items), index=items["movie_id"].to_numpy())
     missing = ~ratings["movie_id"].isin(item_index.index)
     if missing.any():
@@ -236,31 +245,78 @@ def movielens(new_frac: float = 0.2, time_quantile: float = 0.8, seed: int = 0) 
         "context": pd.to_datetime(ratings["timestamp"], unit="s").dt.day_of_week.to_numpy().astype(np.int64),
         "label": (ratings["rating"] >= 4).astype(np.int64).to_numpy(),
         "timestamp": ratings["timestamp"].to_numpy(),
-    })
-    new_row = is_new[log["item"].to_numpy()]
-    cutoff = np.quantile(log.loc[~new_row, "timestamp"], time_quantile)
-    train_mask = (~new_row) & (log["timestamp"].to_numpy() < cutoff)
-    train = log[train_mask].sort_values("timestamp").reset_index(drop=True)
-    test = log[~train_mask].reset_index(drop=True)
-    # an old movie whose ratings all fall after the cutoff has no training row: it is new in effect
-    seen = np.zeros(n_items, dtype=bool)
-    seen[train["item"].to_numpy()] = True
-    effectively_new = is_new | ~seen
-    info = dict(generator="movielens", new_frac=new_frac, time_quantile=time_quantile, seed=seed,
-                held_out_movies=int(is_new.sum()), unseen_old_movies=int((~is_new & ~seen).sum()))
+    }).sort_values("timestamp", kind="stable").reset_index(drop=True)
+    cutoff = float(np.quantile(log["timestamp"], time_quantile))
+    train, test, is_new = _time_split(log, cutoff, n_items)
+    info = dict(generator="movielens", split="time", time_quantile=time_quantile, cutoff=cutoff,
+                cutoff_date=str(pd.to_datetime(cutoff, unit="s").date()), new_movies=int(is_new.sum()),
+                unrated_movies=int((~np.isin(np.arange(n_items), log["item"].to_numpy())).sum()))
     return CTRData(
         name="movielens",
         item_ids=items["movie_id"].to_numpy().astype(np.int64),
         content=content,
         content_kind="mlp",
         captions=captions,
-        is_new_item=effectively_new,
+        is_new_item=is_new,
         train=train,
         test=test,
         n_users=int(user_codes.max()) + 1,
         n_contexts=7,
         info=info,
     )
+
+
+def _time_split(log: pd.DataFrame, cutoff: float, n_items: int) -> tuple[pd.DataFrame, pd.DataFrame, np.ndarray]:
+    """Rows before ``cutoff`` train, the rest test; items whose first row is at or after it are new."""
+    before = log["timestamp"].to_numpy() < cutoff
+    train = log[before].reset_index(drop=True)
+    test = log[~before].reset_index(drop=True)
+    seen = np.zeros(n_items, dtype=bool)
+    seen[train["item"].to_numpy()] = True
+    return train, test, ~seen
+
+
+def validation_split(data: CTRData, val_frac: float = 0.25, new_frac: float = 0.2, seed: int = 0) -> CTRData:
+    """A train / validation split of ``data.train`` made like the train / test split (module docstring).
+
+    The last ``val_frac`` of the training period (by ``timestamp``, or by ``day``) is the validation log;
+    the earlier rows train, except the rows of a seeded ``new_frac`` of the items seen before the window
+    (held out, so the validation log has enough new-ad rows). Validation new ads are the items without a
+    training row: held-out ones and, with timestamps, items first seen inside the window. The result's
+    ``test`` is the validation log; ``data.test`` is not used.
+    """
+    if not 0 < val_frac < 1:
+        raise LeanmlError(f"val_frac={val_frac} must be in (0, 1)")
+    if not 0 <= new_frac < 1:
+        raise LeanmlError(f"new_frac={new_frac} must be in [0, 1)")
+    log = data.train
+    if "timestamp" in log.columns:
+        t = log["timestamp"].to_numpy()
+        start = float(np.quantile(t, 1.0 - val_frac))
+        rule = {"rule": "time", "window_start": start}
+    elif "day" in log.columns:
+        t = log["day"].to_numpy()
+        days = np.unique(t)
+        n_val = max(1, int(round(val_frac * len(days))))
+        if n_val >= len(days):
+            raise LeanmlError(f"val_frac={val_frac} leaves no training day of {len(days)}")
+        start = float(days[-n_val])
+        rule = {"rule": "days", "first_val_day": int(start)}
+    else:
+        raise LeanmlError(f"{data.name}: the log has neither 'timestamp' nor 'day'; cannot make a validation split")
+    in_window = t >= start
+    before_items = np.unique(log["item"].to_numpy()[~in_window])
+    rng = np.random.default_rng(seed)
+    held = np.zeros(data.n_items, dtype=bool)
+    held[rng.choice(before_items, int(round(new_frac * len(before_items))), replace=False)] = True
+    keep = ~in_window & ~held[log["item"].to_numpy()]
+    train, val = log[keep].reset_index(drop=True), log[in_window].reset_index(drop=True)
+    is_new = np.ones(data.n_items, dtype=bool)
+    is_new[train["item"].to_numpy()] = False
+    info = {**data.info, "validation": {"val_frac": val_frac, "new_frac": new_frac, "seed": seed,
+                                        "held_out_items": int(held.sum()), **rule}}
+    return CTRData(**{**data.__dict__, "name": f"{data.name}-val", "train": train, "test": val,
+                      "is_new_item": is_new, "info": info})
 
 
 def load_dataset(name: str, seed: int = 0, **kwargs: Any) -> CTRData:

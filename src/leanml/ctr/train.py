@@ -2,22 +2,35 @@
 
 Feature sets (``--features``, any of ``id``, ``raw``, ``visual`` joined by ``,`` or ``+``):
 
-- ``id``: the ad-ID embedding. Ads never seen in training map to the unseen-ad row 0 (zero-initialised;
-  trained only through ``id_dropout``, default 0.1): a new ad looks like "an average ad" -- the
-  cold-start failure the visual IDs address.
-- ``raw``: the continuous content vector (pre-quantization output of the content-ID extractor)
+- ``id``: the ad-ID embedding. Ads without training rows map to the unseen-ad row 0 (zero-initialised).
+  ``id_dropout`` (DropoutNet-style) replaces that share of training rows' ad IDs by row 0, so row 0
+  learns "an ad without history" and the rest of the model learns to work without the ID: the new-ad
+  path is trained on purpose instead of being a side effect. ``id_mode="residual"`` instead trains the
+  model without the ad ID first, freezes it, then learns the ad ID as a correction
+  ``b_ad + <e_ad, e_user>`` on its logit (:class:`ResidualID`); the correction of an ad without training
+  rows is exactly zero, so adding the ID cannot change a new ad's prediction.
+- ``raw``: the continuous content vector (the content-ID extractor's output before quantization)
   through a small MLP, as one field.
-- ``visual``: the ``M`` visual IDs as one bag field (an ``M * K``-row embedding table, mean-pooled),
-  learned from clicks.
+- ``visual``: the ``M`` content IDs, embedded per ``visual_fields``:
 
-User ID and context are always fields. The content-ID model is fitted on the old ads only (their content
-and captions, never clicks), so nothing about a new ad is seen before test time.
+  - ``codes`` (default): each position ``m`` is its own field with its own ``K``-row table;
+  - ``prefix``: prefix n-grams ``(c_1)``, ``(c_1, c_2)``, ..., ``(c_1 .. c_M)``, each its own field (exact
+    ids while ``K^l <= prefix_buckets``, hashed into ``prefix_buckets`` rows beyond) -- for residual
+    (coarse-to-fine) codes, where a prefix names a cluster;
+  - ``codes+prefix``: both (prefixes of length >= 2 next to the single codes);
+  - ``bag``: the first format, all ``M`` ids in one ``M * K`` table, mean-pooled into one field.
+
+User ID and context are always fields. Every id that occurs in no training row (a new user, a content
+ID only new ads have) maps to its field's row 0, zero-initialised, instead of an untrained random row.
+The content-ID model is fitted on the old ads only (their content and captions, never clicks), so
+nothing about a new ad is seen before test time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +40,8 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from leanml.ctr.content_ids.quantizer import global_ids, usage_stats
+from leanml.ctr.content_ids.quantizer import usage_stats
+from leanml.ctr.content_ids.schema import global_ids
 from leanml.ctr.content_ids.trainer import (
     ContentIDConfig,
     ContentIDModel,
@@ -55,21 +69,42 @@ def parse_features(spec: str) -> str:
 
 @dataclass
 class ItemFeatures:
-    """Per-item content features: global visual IDs ``(n_items, M)`` and continuous vectors ``(n_items, D)``."""
+    """Per-item content features: codes ``(n_items, M)`` in ``[0, K)`` and continuous vectors ``(n_items, D)``
+    (``raw`` is ``None`` when only the IDs are known, e.g. read from a serving table)."""
 
-    visual_ids: np.ndarray
-    raw: np.ndarray
+    codes: np.ndarray
+    raw: np.ndarray | None
     m: int
     k: int
+    codebook: str = "pq"
     usage: dict[str, Any] = field(default_factory=dict)
+    decoded: np.ndarray | None = None  # (n_items, D): the codewords of each item's codes, summed / concatenated
 
 
 def content_items(data: CTRData, model: ContentIDModel) -> ItemFeatures:
     """Embed every item (old and new) with a fitted content-ID model."""
     z, codes = embed_all(model, data.content)
     cfg = model.config
-    return ItemFeatures(np.asarray(global_ids(codes, cfg.k), dtype=np.int64), z.astype(np.float32), cfg.m, cfg.k,
-                        usage_stats(codes, cfg.k).as_dict())
+    with torch.no_grad():
+        decoded = model.quantizer.decode(torch.as_tensor(codes)).numpy().astype(np.float32)
+    return ItemFeatures(np.asarray(codes, dtype=np.int64), z.astype(np.float32), cfg.m, cfg.k, cfg.codebook,
+                        usage_stats(codes, cfg.k).as_dict(), decoded)
+
+
+def bytes_per_ad(features: str, items: ItemFeatures | None) -> float:
+    """Bytes of stored content feature per ad: ``M`` codes of ``ceil(log2 K)`` bits each (bit-packed)
+    for ``visual``, ``D`` float32 for ``raw``; the ad ID itself is not counted (every set has it or not)."""
+    parts = set(features.split("+"))
+    if items is None or not parts & {"raw", "visual"}:
+        return 0.0
+    total = 0.0
+    if "visual" in parts:
+        total += items.m * math.ceil(math.log2(items.k)) / 8.0
+    if "raw" in parts:
+        if items.raw is None:
+            raise LeanmlError("features with 'raw' need the continuous content vectors")
+        total += 4.0 * items.raw.shape[1]
+    return total
 
 
 def content_config_for(data: CTRData, **overrides: Any) -> ContentIDConfig:
@@ -101,13 +136,20 @@ def fit_dataset_content_ids(
     captions = [data.captions[i] for i in old]
     # embed all captions (one cache entry per dataset), then keep the old items' rows
     text = embed_texts(data.captions)[old] if config.loss == "infonce" else None
+    import time
+
+    t0 = time.perf_counter()
     model, report = fit_content_ids(data.content[torch.as_tensor(old)], captions, config, text_emb=text,
                                     device=default_device(), progress=progress)
+    report["seconds"] = time.perf_counter() - t0
     model = model.cpu()
     report["fitted_on"] = f"{len(old)} old items of {data.name}"
     if use_cache:
         save_content_model(model, path, report, overwrite=True)
     return model, report
+
+
+VISUAL_FIELDS = ("codes", "prefix", "codes+prefix", "bag", "none")
 
 
 @dataclass
@@ -122,11 +164,23 @@ class CTRConfig:
     lr: float | None = None  # None: DEFAULT_LR of the model
     weight_decay: float = 0.0
     id_dropout: float = 0.1  # probability of replacing a training row's ad ID by the unseen-ad row 0
+    visual_fields: str = "codes"  # how the M content IDs become fields (module docstring)
+    prefix_buckets: int = 1 << 16  # rows of a prefix field once K^l exceeds it (hashed beyond)
+    codeword_vector: bool = False  # also feed the codes' codeword vector (codebook lookup) as a dense field
+    id_mode: str = "dropout"  # "dropout": the ad ID is one field; "residual": a correction on a content model
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.lr is None:
             self.lr = DEFAULT_LR.get(self.model.lower(), 5e-3)
+        if self.visual_fields not in VISUAL_FIELDS:
+            raise LeanmlError(f"visual_fields {self.visual_fields!r}: use one of {', '.join(VISUAL_FIELDS)}")
+        if self.visual_fields == "none" and not self.codeword_vector:
+            raise LeanmlError("visual_fields 'none' leaves the IDs unused; add codeword_vector")
+        if self.id_mode not in ("dropout", "residual"):
+            raise LeanmlError(f"id_mode {self.id_mode!r}: use 'dropout' or 'residual'")
+        if not 0.0 <= self.id_dropout < 1.0:
+            raise LeanmlError(f"id_dropout={self.id_dropout} must be in [0, 1)")
 
 
 # DCNv2's cross layers multiply small initial embeddings, so it learns slowly at 5e-3 within 3 epochs
@@ -134,52 +188,132 @@ class CTRConfig:
 DEFAULT_LR = {"lr": 5e-3, "dnn": 5e-3, "deepfm": 5e-3, "dcnv2": 1e-2}
 
 
-class FieldBuilder:
-    """Turns a log (``user``, ``item``, ``context``) into the model's sparse / dense input tensors."""
+_MERSENNE = (1 << 31) - 1
 
-    def __init__(self, data: CTRData, items: ItemFeatures | None, features: str) -> None:
-        self.features = parse_features(features)
+
+def prefix_ids(codes: np.ndarray, k: int, buckets: int) -> tuple[list[np.ndarray], list[int]]:
+    """Prefix n-gram ids of codes ``(N, M)``: for ``l = 1..M`` the id of ``(c_1 .. c_l)`` and its vocabulary.
+
+    The id is the mixed-radix number ``c_1 K^(l-1) + ... + c_l`` (exact, distinct prefixes never collide)
+    while ``K^l <= buckets``; beyond, that number modulo ``2^31 - 1`` then modulo ``buckets`` (hashed).
+    """
+    codes = np.asarray(codes, dtype=np.int64)
+    h = np.zeros(len(codes), dtype=np.int64)
+    ids, vocabs = [], []
+    for lvl in range(codes.shape[1]):
+        h = (h * k + codes[:, lvl]) % _MERSENNE
+        exact = k ** (lvl + 1) <= buckets
+        ids.append(h.copy() if exact else h % buckets)
+        vocabs.append(k ** (lvl + 1) if exact else buckets)
+    return ids, vocabs
+
+
+def content_fields(items: ItemFeatures, mode: str, prefix_buckets: int = 1 << 16
+                   ) -> list[tuple[str, np.ndarray, int, bool]]:
+    """The visual fields of every item: ``(name, ids per item, vocabulary, is_bag)``; ids ``(n_items,)``,
+    or ``(n_items, M)`` for the bag."""
+    codes, m, k = items.codes, items.m, items.k
+    if mode == "none":
+        return []
+    if mode == "bag":
+        return [("visual", global_ids(codes, k), m * k, True)]
+    out: list[tuple[str, np.ndarray, int, bool]] = []
+    if mode in ("codes", "codes+prefix"):
+        out += [(f"visual{j}", codes[:, j], k, False) for j in range(m)]
+    if mode in ("prefix", "codes+prefix"):
+        ids, vocabs = prefix_ids(codes, k, prefix_buckets)
+        first = 0 if mode == "prefix" else 1
+        out += [(f"visual_p{j + 1}", ids[j], vocabs[j], False) for j in range(first, m)]
+    if mode not in VISUAL_FIELDS:
+        raise LeanmlError(f"visual_fields {mode!r}: use one of {', '.join(VISUAL_FIELDS)}")
+    return out
+
+
+def seen_remap(ids: np.ndarray, seen_rows: np.ndarray, vocab: int) -> np.ndarray:
+    """Shift ids by one and send every id that no ``seen_rows`` entry carries to row 0 (the unseen row)."""
+    seen = np.zeros(vocab, dtype=bool)
+    seen[np.asarray(ids)[seen_rows].ravel()] = True
+    return np.where(seen[ids], ids + 1, 0)
+
+
+class FieldBuilder:
+    """Turns a log (``user``, ``item``, ``context``) into the model's sparse / dense input tensors.
+
+    Per-item field ids are computed once (``item_sparse``: name -> ``(n_items,)`` or ``(n_items, M)``),
+    with ids unseen in ``data.train`` sent to row 0; a log is then a gather by item.
+    """
+
+    def __init__(self, data: CTRData | None, items: ItemFeatures | None, config: CTRConfig,
+                 state: dict[str, Any] | None = None) -> None:
+        self.features = parse_features(config.features)
         parts = set(self.features.split("+"))
         if parts & {"raw", "visual"} and items is None:
             raise LeanmlError(f"features {self.features!r} need content features (fit content IDs first)")
-        self.parts = parts
-        self.items = items
-        seen = np.zeros(data.n_items, dtype=bool)
-        seen[data.train["item"].to_numpy()] = True
-        self.ad_index = np.where(seen, np.arange(data.n_items) + 1, 0)  # 0 = unseen ad (never trained)
-        self.specs = [FieldSpec("user", data.n_users), FieldSpec("context", data.n_contexts)]
-        if "id" in parts:
+        self.parts, self.items = parts, items
+        if state is not None:  # reloaded run
+            self.user_index = state["user_index"]
+            self.item_sparse = state["item_sparse"]
+            self.specs = [FieldSpec(n, v, b) for n, v, b in state["specs"]]
+        else:
+            assert data is not None
+            self._build(data, items, config)
+        self.dense: dict[str, np.ndarray] = {}
+        if "raw" in parts:
+            if items is None or items.raw is None:
+                raise LeanmlError("features with 'raw' need the continuous content vectors; a visual-ID table has none")
+            self.dense["raw"] = items.raw
+        if "visual" in parts and config.codeword_vector:
+            if items is None or items.decoded is None:
+                raise LeanmlError("codeword_vector needs the content-ID model's codebooks (--content-ids), "
+                                  "not only a visual-ID table")
+            self.dense["codeword"] = items.decoded
+        self.dense_dims = {k: int(v.shape[1]) for k, v in self.dense.items()}
+
+    def _build(self, data: CTRData, items: ItemFeatures | None, config: CTRConfig) -> None:
+        train_items = np.unique(data.train["item"].to_numpy())
+        seen_users = np.zeros(data.n_users, dtype=bool)
+        seen_users[data.train["user"].to_numpy()] = True
+        self.user_index = np.where(seen_users, np.arange(data.n_users) + 1, 0)
+        self.specs = [FieldSpec("user", data.n_users + 1), FieldSpec("context", data.n_contexts)]
+        self.item_sparse: dict[str, np.ndarray] = {}
+        if "id" in self.parts:
+            self.item_sparse["ad"] = seen_remap(np.arange(data.n_items), train_items, data.n_items)
             self.specs.append(FieldSpec("ad", data.n_items + 1))
-        if "visual" in parts:
+        if "visual" in self.parts:
             assert items is not None
-            self.specs.append(FieldSpec("visual", items.m * items.k, bag=True))
-        self.dense_dims = {"raw": int(items.raw.shape[1])} if "raw" in parts and items is not None else {}
+            for name, ids, vocab, bag in content_fields(items, config.visual_fields, config.prefix_buckets):
+                self.item_sparse[name] = seen_remap(ids, train_items, vocab)
+                self.specs.append(FieldSpec(name, vocab + 1, bag))
+
+    def state(self) -> dict[str, Any]:
+        return {"user_index": self.user_index, "item_sparse": self.item_sparse,
+                "specs": [(f.name, f.vocab, f.bag) for f in self.specs]}
+
+    @property
+    def unseen_rows(self) -> list[str]:
+        """Fields whose row 0 stands for "not seen in training"."""
+        return ["user", *self.item_sparse]
 
     def tensors(self, log: pd.DataFrame) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
         item = log["item"].to_numpy()
-        sparse = {"user": torch.tensor(log["user"].to_numpy(), dtype=torch.long),
+        sparse = {"user": torch.as_tensor(self.user_index[log["user"].to_numpy()], dtype=torch.long),
                   "context": torch.tensor(log["context"].to_numpy(), dtype=torch.long)}
-        if "id" in self.parts:
-            sparse["ad"] = torch.as_tensor(self.ad_index[item], dtype=torch.long)
-        if "visual" in self.parts:
-            assert self.items is not None
-            sparse["visual"] = torch.as_tensor(self.items.visual_ids[item], dtype=torch.long)
-        dense = {}
-        if "raw" in self.parts:
-            assert self.items is not None
-            dense["raw"] = torch.as_tensor(self.items.raw[item], dtype=torch.float32)
+        for name, ids in self.item_sparse.items():
+            sparse[name] = torch.as_tensor(ids[item], dtype=torch.long)
+        dense = {k: torch.as_tensor(v[item], dtype=torch.float32) for k, v in self.dense.items()}
         return sparse, dense, torch.tensor(log["label"].to_numpy(), dtype=torch.float32)
 
 
 @torch.no_grad()
-def zero_unseen_ad(model: CTRModel) -> None:
-    """Set the unseen-ad row 0 of the ``ad`` field to zero (embedding and first-order weight), so an ad
-    without training rows contributes nothing instead of random noise (unless ``id_dropout`` trains it)."""
+def zero_unseen_rows(model: CTRModel, fields: list[str]) -> None:
+    """Set row 0 of each of ``fields`` to zero (embedding and first-order weight), so an id without
+    training rows contributes nothing instead of random noise (the ad row is trained by ``id_dropout``)."""
     emb = model.embeddings
-    if "ad" in emb.emb:
-        emb.emb["ad"].weight[0].zero_()
-    if "ad" in emb.lin:
-        emb.lin["ad"].weight[0].zero_()
+    for name in fields:
+        if name in emb.emb:
+            emb.emb[name].weight[0].zero_()
+        if name in emb.lin:
+            emb.lin[name].weight[0].zero_()
 
 
 def _slice(d: dict[str, torch.Tensor], idx: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
@@ -239,47 +373,111 @@ def predict(model: CTRModel, sparse: dict[str, torch.Tensor], dense: dict[str, t
     return torch.cat(out).numpy()
 
 
+class ResidualID(torch.nn.Module):
+    """``base(sparse, dense) + b[ad] + <e[ad], u[user]>``: the ad ID as a correction on a model without it.
+
+    Row 0 of ``b`` and ``e`` (ads without training rows) is zero and receives no gradient (no training row
+    maps to it: the residual stage uses no ID dropout), so for a new ad the prediction is the base model's.
+    """
+
+    def __init__(self, base: CTRModel, n_ads: int, n_users: int, dim: int) -> None:
+        super().__init__()
+        self.base = base
+        self.ad_bias = torch.nn.Embedding(n_ads, 1)
+        self.ad = torch.nn.Embedding(n_ads, dim)
+        self.user = torch.nn.Embedding(n_users, dim)
+        torch.nn.init.zeros_(self.ad_bias.weight)
+        torch.nn.init.normal_(self.ad.weight, std=0.05)
+        torch.nn.init.normal_(self.user.weight, std=0.05)
+        with torch.no_grad():
+            self.ad.weight[0].zero_()
+
+    def correction(self, sparse: dict[str, torch.Tensor]) -> torch.Tensor:
+        ad = sparse["ad"]
+        return self.ad_bias(ad).squeeze(-1) + (self.ad(ad) * self.user(sparse["user"])).sum(-1)
+
+    def forward(self, sparse: dict[str, torch.Tensor], dense: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.base(sparse, dense) + self.correction(sparse)
+
+    @torch.no_grad()
+    def predict_proba(self, sparse: dict[str, torch.Tensor], dense: dict[str, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
+        return torch.sigmoid(self(sparse, dense))
+
+
+def build_ctr_model(config: CTRConfig, builder: FieldBuilder) -> CTRModel | ResidualID:
+    """The model a config asks for over ``builder``'s fields (with the unseen rows zeroed)."""
+    residual = config.id_mode == "residual" and "ad" in builder.item_sparse
+    specs = [f for f in builder.specs if not (residual and f.name == "ad")]
+    model = build_model(config.model, specs, builder.dense_dims, embed_dim=config.embed_dim)
+    zero_unseen_rows(model, builder.unseen_rows)
+    if not residual:
+        return model
+    vocab = {f.name: f.vocab for f in builder.specs}
+    return ResidualID(model, vocab["ad"], vocab["user"], config.embed_dim)
+
+
+def fit_ctr_model(model: CTRModel | ResidualID, sparse: dict[str, torch.Tensor], dense: dict[str, torch.Tensor],
+                  labels: torch.Tensor, config: CTRConfig, device: torch.device | None = None,
+                  progress: bool = True) -> list[float]:
+    """Train ``model``; a :class:`ResidualID` trains its base first (no ad ID), then only the correction."""
+    if not isinstance(model, ResidualID):
+        return train_ctr_model(model, sparse, dense, labels, config, device, progress)
+    base_sparse = {k: v for k, v in sparse.items() if k != "ad"}  # the base never sees the ad ID
+    history = train_ctr_model(model.base, base_sparse, dense, labels, config, device, progress)
+    for p in model.base.parameters():
+        p.requires_grad_(False)
+    stage2 = CTRConfig(**{**asdict(config), "id_dropout": 0.0})
+    history += train_ctr_model(model, sparse, dense, labels, stage2, device, progress)
+    for p in model.base.parameters():
+        p.requires_grad_(True)
+    return history
+
+
 def run_ctr(
     data: CTRData, items: ItemFeatures | None, config: CTRConfig, progress: bool = True,
     device: torch.device | None = None,
-) -> tuple[CTRModel, FieldBuilder, dict[str, Any]]:
+) -> tuple[CTRModel | ResidualID, FieldBuilder, dict[str, Any]]:
     """Train one CTR model on ``data.train`` and evaluate on ``data.test`` (new / old ads)."""
     data.check_split()
     torch.manual_seed(config.seed)
-    builder = FieldBuilder(data, items, config.features)
+    builder = FieldBuilder(data, items, config)
     config.features = builder.features
-    model = build_model(config.model, builder.specs, builder.dense_dims, embed_dim=config.embed_dim)
-    zero_unseen_ad(model)
+    model = build_ctr_model(config, builder)
     sparse, dense, labels = builder.tensors(data.train)
-    history = train_ctr_model(model, sparse, dense, labels, config, device, progress)
+    history = fit_ctr_model(model, sparse, dense, labels, config, device, progress)
     t_sparse, t_dense, t_labels = builder.tensors(data.test)
     probs = predict(model, t_sparse, t_dense)
     metrics = ctr_metrics(t_labels.numpy(), probs, data.test["user"].to_numpy(), data.test_is_new)
-    report = {"config": asdict(config), "train_loss": history, "metrics": metrics, "data": data.summary()}
+    report = {"config": asdict(config), "train_loss": history, "metrics": metrics, "data": data.summary(),
+              "bytes_per_ad": bytes_per_ad(builder.features, items)}
     return model, builder, report
 
 
-def record(dataset: str, config: CTRConfig, metrics: dict[str, float]) -> dict[str, Any]:
-    """A benchmark record with the fixed keys of ``bench/results/ctr.json``."""
-    rec: dict[str, Any] = {"dataset": dataset, "model": config.model, "features": config.features, "seed": config.seed}
-    for key in ("auc_new", "auc_old", "gauc_new", "gauc_old", "logloss_new", "logloss_old"):
+def record(dataset: str, config: CTRConfig, metrics: dict[str, float], seed_content: int | None = None,
+           bytes_ad: float = 0.0, **extra: Any) -> dict[str, Any]:
+    """A benchmark record with the fixed keys of ``bench/results/ctr.json`` (plus ``extra``)."""
+    rec: dict[str, Any] = {"dataset": dataset, "model": config.model, "features": config.features,
+                           "seed": config.seed, "seed_content": seed_content, "bytes_per_ad": bytes_ad}
+    for key in ("auc_new", "auc_old", "gauc_new", "gauc_old", "logloss_new", "logloss_old", "n_new", "n_old"):
         rec[key] = metrics[key]
+    rec.update(extra)
     return rec
 
 
 def save_ctr_run(out: str | Path, model: CTRModel, builder: FieldBuilder, report: dict[str, Any],
                  overwrite: bool = False) -> Path:
-    """Write ``model.safetensors``, ``items.npz`` (per-item features) and ``report.json`` atomically."""
+    """Write ``model.safetensors``, ``fields.npz`` (per-item field ids and content vectors) and
+    ``report.json`` atomically."""
     from safetensors.torch import save_file
 
+    state = builder.state()
     with atomic_dir(out, overwrite=overwrite) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-        items = builder.items
-        np.savez(tmp / "items.npz", ad_index=builder.ad_index,
-                 visual_ids=items.visual_ids if items is not None else np.zeros((0, 0), np.int64),
-                 raw=items.raw if items is not None else np.zeros((0, 0), np.float32),
-                 mk=np.array([items.m, items.k] if items is not None else [0, 0]))
-        write_json(tmp / "report.json", report)
+        arrays = {f"sparse__{k}": v for k, v in state["item_sparse"].items()}
+        arrays.update({f"dense__{k}": v for k, v in builder.dense.items()})
+        np.savez(tmp / "fields.npz", user_index=state["user_index"], **arrays)
+        write_json(tmp / "report.json", {**report, "fields": state["specs"]})
     return Path(out)
 
 
@@ -288,19 +486,21 @@ def load_ctr_run(path: str | Path, data: CTRData) -> tuple[CTRModel, FieldBuilde
     from safetensors.torch import load_file
 
     path = Path(path)
-    if not (path / "report.json").exists() or not (path / "model.safetensors").exists():
+    if not (path / "report.json").exists() or not (path / "model.safetensors").exists() \
+            or not (path / "fields.npz").exists():
         raise LeanmlError(f"{path} is not a CTR run folder; create one with `leanml ctr train --out DIR`")
     report = json.loads((path / "report.json").read_text())
     cfg = CTRConfig(**report["config"])
-    npz = np.load(path / "items.npz")
-    m, k = (int(v) for v in npz["mk"])
-    items = ItemFeatures(npz["visual_ids"], npz["raw"], m, k) if m else None
-    if items is not None and len(items.visual_ids) != data.n_items:
-        raise LeanmlError(f"run {path} has features for {len(items.visual_ids)} items but the data has {data.n_items}; "
-                          "evaluate with the dataset and seed it was trained on")
-    builder = FieldBuilder(data, items, cfg.features)
-    builder.ad_index = npz["ad_index"]
-    model = build_model(cfg.model, builder.specs, builder.dense_dims, embed_dim=cfg.embed_dim)
+    npz = np.load(path / "fields.npz")
+    item_sparse = {k[len("sparse__"):]: npz[k] for k in npz.files if k.startswith("sparse__")}
+    if any(len(v) != data.n_items for v in item_sparse.values()) or len(npz["user_index"]) != data.n_users:
+        raise LeanmlError(f"run {path} was trained on other items or users than this data; evaluate with the "
+                          "dataset and seed it was trained on")
+    dense = {k[len("dense__"):]: npz[k] for k in npz.files if k.startswith("dense__")}
+    items = ItemFeatures(np.zeros((data.n_items, 0), np.int64), dense.get("raw"), 0, 0, decoded=dense.get("codeword"))
+    state = {"user_index": npz["user_index"], "item_sparse": item_sparse, "specs": report["fields"]}
+    builder = FieldBuilder(None, items, cfg, state=state)
+    model = build_ctr_model(cfg, builder)
     model.load_state_dict(load_file(str(path / "model.safetensors")))
     return model.eval(), builder, report
 
@@ -313,28 +513,32 @@ def evaluate_run(model: CTRModel, builder: FieldBuilder, data: CTRData) -> dict[
 
 def items_from_table(data: CTRData, table_path: str | Path, raw: np.ndarray | None = None,
                      on_missing: str = "error") -> tuple[ItemFeatures, CTRData, dict[str, Any]]:
-    """Item features from an exported visual-ID table. Ads of the log missing from the table raise
-    (``on_missing="error"``) or their log rows are dropped, counted and reported (``"skip"``)."""
-    from leanml.ctr.content_ids.assign import lookup_visual_ids, read_visual_ids
+    """Item features from a serving table (schema: ``content_ids.schema``). Ads of the log missing from
+    the table raise an error naming the first one (``on_missing="error"``), or their log rows are dropped,
+    counted and reported (``"skip"``); ads in the table with no IDs are treated as missing."""
+    from leanml.ctr.content_ids.schema import read_table
 
-    t_ids, t_vis, m, k = read_visual_ids(table_path)
-    vis, missing = lookup_visual_ids(t_ids, t_vis, data.item_ids)
+    if on_missing not in ("error", "skip"):
+        raise LeanmlError(f"on_missing={on_missing!r}; use 'error' or 'skip'")
+    table = read_table(table_path, on_empty=on_missing)
+    codes, missing = table.lookup(data.item_ids)
     used = np.zeros(data.n_items, dtype=bool)
     used[data.train["item"].to_numpy()] = True
     used[data.test["item"].to_numpy()] = True
     bad = missing & used
-    info = {"table": str(table_path), "ads_missing": int(bad.sum()), "rows_dropped_train": 0, "rows_dropped_test": 0}
+    info = {"table": str(table_path), "M": table.m, "K": table.k, "codebook": table.codebook,
+            "ads_missing": int(bad.sum()), "ads_without_ids_in_table": len(table.skipped),
+            "rows_dropped_train": 0, "rows_dropped_test": 0}
     if bad.any():
-        examples = ", ".join(str(a) for a in data.item_ids[bad][:5])
         if on_missing == "error":
-            raise LeanmlError(f"{int(bad.sum())} ads in the click log have no visual IDs in {table_path} "
-                              f"(e.g. ad {examples}); re-run `assign` on all ads or pass --on-missing skip")
+            raise LeanmlError(f"{int(bad.sum())} ads in the click log have no content IDs in {table_path} "
+                              f"(first: ad {int(data.item_ids[bad][0])}); re-run `assign` on all ads or pass "
+                              "--on-missing skip")
         keep_tr = ~bad[data.train["item"].to_numpy()]
         keep_te = ~bad[data.test["item"].to_numpy()]
         info["rows_dropped_train"] = int((~keep_tr).sum())
         info["rows_dropped_test"] = int((~keep_te).sum())
         data = CTRData(**{**data.__dict__, "train": data.train[keep_tr].reset_index(drop=True),
                           "test": data.test[keep_te].reset_index(drop=True)})
-    vis = np.where(vis < 0, 0, vis)
-    raw_arr = raw if raw is not None else np.zeros((data.n_items, 1), np.float32)
-    return ItemFeatures(vis, raw_arr, m, k), data, info
+    codes = np.where(missing[:, None], 0, codes)  # rows of ads without IDs are never used (dropped above)
+    return ItemFeatures(codes, raw, table.m, table.k, table.codebook), data, info

@@ -1,9 +1,18 @@
-"""Soft product quantization: a D-dim vector -> M sub-vectors -> one of K codewords per sub-space.
+"""Soft quantizers: a D-dim vector -> ``M`` discrete codes of ``K`` values each.
 
-Training uses the soft assignment ``p[m, k] = softmax_k(-||x_m - c_mk||^2 / tau)`` so gradients reach
-both the codebooks and the encoder that produced ``x``; ``tau`` is annealed towards 0, where the soft
-assignment becomes the hard argmax used at inference (``hard_assign``). A straight-through variant
-(forward hard, backward soft) is available. Pure tensor functions first, then a thin ``nn.Module``.
+- **Product quantization** (``pq``): split the vector into ``M`` sub-vectors and pick one of ``K``
+  codewords per sub-space. Codes are independent: position ``m`` describes sub-space ``m``.
+- **Residual quantization** (``rq``): ``M`` levels over the whole vector; level 1 quantizes the vector,
+  level ``l`` the residual left by levels ``< l``. Codes are hierarchical (coarse to fine), so a
+  prefix ``(c_1 .. c_l)`` names a cluster and its refinements.
+
+Training uses the soft assignment ``p[m, k] = softmax_k(-||x_m - c_mk||^2 / (tau * s_m))`` so gradients
+reach both the codebooks and the encoder that produced ``x``; ``tau`` is annealed towards 0, where the
+soft assignment becomes the hard argmax used at inference. ``s_m`` is 1 for PQ (unit sub-vectors) and
+the mean squared residual norm of level ``m`` for RQ (measured at k-means initialisation), so one tau
+schedule fits every level. A straight-through variant (forward hard, backward soft) is available.
+Dead codewords (never chosen in an epoch) can be re-seeded from the data (:func:`reseed_dead_codes`).
+Pure tensor functions first, then thin ``nn.Module`` s.
 """
 
 from __future__ import annotations
@@ -60,11 +69,67 @@ def reconstruct(codes_or_probs: torch.Tensor, codebooks: torch.Tensor) -> torch.
     return sub.reshape(sub.shape[0], m * d)
 
 
-def global_ids(codes: torch.Tensor | np.ndarray, k: int) -> torch.Tensor | np.ndarray:
-    """Per-sub-space codes ``(N, M)`` -> global IDs ``m * K + k`` (unique across sub-spaces)."""
-    m = codes.shape[1]
-    offsets = np.arange(m) * k if isinstance(codes, np.ndarray) else torch.arange(m, device=codes.device) * k
-    return codes + offsets
+def residual_quantize(x: torch.Tensor, codebooks: torch.Tensor, tau: float | None = None,
+                      scale: torch.Tensor | None = None, straight_through: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual quantization of ``x`` ``(N, D)`` with ``codebooks`` ``(L, K, D)``.
+
+    Returns ``(quantized (N, D), probs (N, L, K), level_inputs (N, L, D))``. With ``tau=None`` every level
+    picks its nearest codeword (hard, greedy) and ``probs`` is one-hot; otherwise each level uses the soft
+    assignment at temperature ``tau * scale[l]`` and its soft (or straight-through) reconstruction, and
+    the next level quantizes what is left. ``level_inputs[:, l]`` is the residual level ``l`` saw.
+    """
+    if x.dim() != 2 or codebooks.dim() != 3 or x.shape[1] != codebooks.shape[2]:
+        raise ValueError(f"x {tuple(x.shape)} and codebooks {tuple(codebooks.shape)} do not match (N, D) / (L, K, D)")
+    levels, k, _ = codebooks.shape
+    residual, quantized = x, torch.zeros_like(x)
+    probs, inputs = [], []
+    for lvl in range(levels):
+        cb = codebooks[lvl]
+        inputs.append(residual)
+        d = (residual * residual).sum(-1, keepdim=True) - 2.0 * residual @ cb.T + (cb * cb).sum(-1)
+        d = d.clamp_min(0.0)
+        hard = d.argmin(-1)
+        if tau is None:
+            p = torch.nn.functional.one_hot(hard, k).to(x.dtype)
+            q = cb[hard]
+        else:
+            if tau <= 0:
+                raise ValueError("tau must be > 0")
+            s = 1.0 if scale is None else scale[lvl]
+            p = torch.softmax(-d / (tau * s), dim=-1)
+            q = p @ cb
+            if straight_through:
+                q = cb[hard] + (q - q.detach())
+        probs.append(p)
+        quantized = quantized + q
+        residual = residual - q
+    return quantized, torch.stack(probs, 1), torch.stack(inputs, 1)
+
+
+def reseed_dead_codes(codebooks: torch.Tensor, counts: torch.Tensor, inputs: torch.Tensor,
+                      generator: torch.Generator | None = None, noise: float = 0.01) -> int:
+    """Re-seed dead codewords in place; returns how many were re-seeded.
+
+    ``codebooks`` ``(M, K, d)``, ``counts`` ``(M, K)`` (how often each codeword was chosen),
+    ``inputs`` ``(N, M, d)`` (the vectors each sub-space / level quantizes). Every codeword with count 0
+    becomes a randomly drawn input of its sub-space plus a little noise, so it starts where data is.
+    """
+    n = inputs.shape[0]
+    if n == 0:
+        return 0
+    total = 0
+    with torch.no_grad():
+        for j in range(codebooks.shape[0]):
+            dead = torch.nonzero(counts[j] == 0).flatten()
+            if len(dead) == 0:
+                continue
+            pick = torch.randint(n, (len(dead),), generator=generator)
+            new = inputs[pick, j].to(codebooks) + noise * torch.randn(len(dead), codebooks.shape[2],
+                                                                      generator=generator).to(codebooks)
+            codebooks[j, dead.to(codebooks.device)] = new
+            total += len(dead)
+    return total
 
 
 def kmeans(x: torch.Tensor, k: int, iters: int = 20, seed: int = 0) -> torch.Tensor:
@@ -179,6 +244,73 @@ class SoftProductQuantizer(nn.Module):
     def codes(self, x: torch.Tensor) -> torch.Tensor:
         """Hard codes ``(N, M)`` in ``[0, K)``."""
         return hard_assign(x, self.codebooks)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """The quantized vector ``(N, D)`` of hard codes ``(N, M)``."""
+        return reconstruct(codes, self.codebooks)
+
+    @torch.no_grad()
+    def level_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """What each sub-space quantizes: the sub-vectors ``(N, M, D/M)``."""
+        return split_subvectors(x, self.m)
+
+
+class SoftResidualQuantizer(nn.Module):
+    """``M`` levels of ``K`` codewords over the whole ``dim``-dim vector (residual quantization).
+
+    Same interface as :class:`SoftProductQuantizer`: ``forward(x, tau) -> (quantized, probs (N, M, K))``,
+    ``codes``, ``decode``, ``init_kmeans``, ``level_inputs``.
+
+    >>> q = SoftResidualQuantizer(dim=16, m=3, k=8)
+    >>> z, p = q(torch.randn(5, 16), tau=0.5)
+    >>> z.shape, p.shape
+    (torch.Size([5, 16]), torch.Size([5, 3, 8]))
+    """
+
+    def __init__(self, dim: int, m: int, k: int, straight_through: bool = False) -> None:
+        super().__init__()
+        if k < 2:
+            raise LeanmlError(f"K={k}: a codebook needs at least 2 codewords; use K >= 2")
+        if m < 1:
+            raise LeanmlError(f"M={m}: residual quantization needs at least one level")
+        self.dim, self.m, self.k = dim, m, k
+        self.straight_through = straight_through
+        self.codebooks = nn.Parameter(torch.randn(m, k, dim) * 0.1 / math.sqrt(dim))
+        self.register_buffer("scale", torch.ones(m))
+
+    @torch.no_grad()
+    def init_kmeans(self, x: torch.Tensor, iters: int = 20, seed: int = 0) -> None:
+        """Level by level: k-means of the residuals left by the levels above; sets ``scale``."""
+        residual = x.detach().float()
+        for j in range(self.m):
+            self.scale[j] = (residual * residual).sum(-1).mean().clamp_min(1e-8)
+            self.codebooks[j] = kmeans(residual, self.k, iters=iters, seed=seed + j).to(self.codebooks)
+            residual = residual - self.codebooks[j][torch.cdist(residual, self.codebooks[j]).argmin(1)]
+
+    def forward(self, x: torch.Tensor, tau: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.training:
+            q, probs, _ = residual_quantize(x, self.codebooks)
+            return q, probs
+        q, probs, _ = residual_quantize(x, self.codebooks, tau, self.scale, self.straight_through)
+        return q, probs
+
+    @torch.no_grad()
+    def codes(self, x: torch.Tensor) -> torch.Tensor:
+        """Hard (greedy) codes ``(N, M)`` in ``[0, K)``."""
+        _, probs, _ = residual_quantize(x, self.codebooks)
+        return probs.argmax(-1)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """The quantized vector ``(N, D)``: the sum of each level's codeword."""
+        return self.codebooks[torch.arange(self.m, device=codes.device), codes].sum(1)
+
+    @torch.no_grad()
+    def level_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """What each level quantizes under hard assignment: the residuals ``(N, M, D)``."""
+        return residual_quantize(x, self.codebooks)[2]
+
+
+QUANTIZERS: dict[str, type[nn.Module]] = {"pq": SoftProductQuantizer, "rq": SoftResidualQuantizer}
 
 
 def anneal_tau(step: int, total: int, tau_start: float, tau_end: float) -> float:

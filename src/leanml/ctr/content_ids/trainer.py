@@ -1,17 +1,29 @@
 """Text-supervised training of an extractor + soft product quantizer (the content-ID model).
 
-The model maps content (an image, or a content vector) to a continuous ``D``-dim vector ``x`` whose
-``M`` sub-vectors are L2-normalized, then quantizes it with :class:`SoftProductQuantizer`. Training
-makes the *quantized* vector predict the item's text:
+The model maps content (an image, or a content vector) to a continuous ``D``-dim vector ``x``, then
+quantizes it into ``M`` codes of ``K`` values: ``codebook="pq"`` (:class:`SoftProductQuantizer`; each of
+the ``M`` sub-vectors is L2-normalized) or ``codebook="rq"`` (:class:`SoftResidualQuantizer`, ``M``
+coarse-to-fine levels; ``x`` is L2-normalized as a whole). Training makes the *quantized* vector predict
+the item's text:
 
 - ``loss="infonce"`` (default): image <-> text InfoNCE with a frozen MiniLM text embedding and two
   small trainable projections; captions that are identical count as positives of each other.
 - ``loss="tokens"``: multi-label classification of the caption's tokens (bag of words) from the
   quantized vector.
 
+With ``recon_weight > 0`` a small decoder also reconstructs the (per-dimension standardized) input from
+the quantized vector, as RQ-VAE semantic IDs do: text alone rewards only what captions say (a class and
+coarse attribute words), and items with the same caption collapse onto one code; reconstruction keeps
+the content detail the captions leave out. The text supervision stays.
+
 Schedule: ``warmup_epochs`` without quantization (heads see ``x``), then k-means initialization of the
 codebooks on ``x`` of all training items, then ``epochs`` with the soft quantizer and ``tau`` annealed
-geometrically from ``tau_start`` to ``tau_end``.
+geometrically from ``tau_start`` to ``tau_end``. With ``joint=False`` the encoder trains all epochs on the
+continuous ``x`` and the codebooks are fitted afterwards by k-means (per sub-space, or level by level on
+the residuals: "RQ-KMeans"), so the codes approximate the supervised vector as closely as ``M``, ``K``
+allow and no level can collapse during training. With ``reseed_dead`` (default), after every quantized
+epoch but the last, codewords that no training item uses are re-seeded at randomly drawn encoded items
+(their sub-vector, or the residual of their level); the report counts them per epoch.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanml.ctr.content_ids.encoders import ContentEncoder, MLPEncoder, SmallCNN
-from leanml.ctr.content_ids.quantizer import SoftProductQuantizer, anneal_tau, usage_stats
+from leanml.ctr.content_ids.quantizer import QUANTIZERS, anneal_tau, reseed_dead_codes, usage_stats
 from leanml.utils import LeanmlError, atomic_dir, write_json
 
 STOPWORDS = frozenset("a an the and or of with in on for to is it this that its by at as".split())
@@ -43,9 +55,12 @@ class ContentIDConfig:
 
     kind: str = "cnn"  # "cnn" (images) or "mlp" (content vectors)
     in_dim: int = 0  # vector length for kind="mlp"
-    dim: int = 32  # D, the quantized vector length; must be divisible by m
-    m: int = 4
-    k: int = 16
+    dim: int = 32  # D, the quantized vector length; divisible by m for codebook="pq"
+    m: int = 4  # codes per item: sub-spaces (pq) or levels (rq)
+    k: int = 16  # codewords per sub-space / level
+    codebook: str = "pq"  # "pq" (product) or "rq" (residual, hierarchical)
+    reseed_dead: bool = True  # re-seed unused codewords after each quantized epoch but the last
+    joint: bool = True  # train encoder and quantizer together; False: encoder alone, then k-means codebooks
     loss: str = "infonce"  # or "tokens"
     width: int = 16  # CNN width / MLP hidden = 8 * width
     epochs: int = 6
@@ -58,6 +73,8 @@ class ContentIDConfig:
     commit_weight: float = 0.05
     temperature: float = 0.1  # InfoNCE logit temperature
     proj_dim: int = 64
+    recon_weight: float = 0.0  # weight of the input reconstruction term (0: text supervision only)
+    recon_dim: int = 0  # flattened input size, set by fit_content_ids when recon_weight > 0
     vocab: list[str] = field(default_factory=list)  # caption tokens, for loss="tokens"
     text_dim: int = 384
     seed: int = 0
@@ -65,11 +82,13 @@ class ContentIDConfig:
     def validate(self) -> None:
         if self.kind not in ("cnn", "mlp"):
             raise LeanmlError(f"unknown encoder kind {self.kind!r}; use 'cnn' or 'mlp'")
+        if self.codebook not in QUANTIZERS:
+            raise LeanmlError(f"unknown codebook {self.codebook!r}; use 'pq' (product) or 'rq' (residual)")
         if self.loss not in ("infonce", "tokens"):
             raise LeanmlError(f"unknown loss {self.loss!r}; use 'infonce' or 'tokens'")
         if self.k < 2:
             raise LeanmlError(f"K={self.k}: a codebook needs at least 2 codewords; use K >= 2")
-        if self.m < 1 or self.dim % self.m:
+        if self.m < 1 or (self.codebook == "pq" and self.dim % self.m):
             raise LeanmlError(f"M={self.m} must divide the vector dim D={self.dim}; change --M or --dim")
         if self.kind == "mlp" and self.in_dim <= 0:
             raise LeanmlError("kind='mlp' needs in_dim > 0 (the content vector length)")
@@ -111,13 +130,26 @@ class ContentIDModel(nn.Module):
         if backbone is None:
             backbone = SmallCNN(width=config.width) if config.kind == "cnn" else MLPEncoder(config.in_dim, 8 * config.width)
         self.encoder = ContentEncoder(backbone, config.dim)
-        self.quantizer = SoftProductQuantizer(config.dim, config.m, config.k, config.straight_through)
+        self.quantizer = QUANTIZERS[config.codebook](config.dim, config.m, config.k, config.straight_through)
         self.img_proj = nn.Linear(config.dim, config.proj_dim)
         self.txt_proj = nn.Linear(config.text_dim, config.proj_dim)
         self.token_head = nn.Linear(config.dim, max(len(config.vocab), 1))
+        if config.recon_weight > 0:
+            if config.recon_dim <= 0:
+                raise LeanmlError("recon_weight > 0 needs recon_dim (the flattened input size)")
+            self.decoder = nn.Sequential(nn.Linear(config.dim, 256), nn.ReLU(), nn.Linear(256, config.recon_dim))
+            self.register_buffer("recon_mean", torch.zeros(config.recon_dim))
+            self.register_buffer("recon_std", torch.ones(config.recon_dim))
+
+    def recon_loss(self, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Mean squared error of the decoder's reconstruction of the standardized input ``x``."""
+        target = (x.reshape(len(x), -1) - self.recon_mean) / self.recon_std
+        return F.mse_loss(self.decoder(v), target)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         z = self.encoder(x)
+        if self.config.codebook == "rq":
+            return F.normalize(z, dim=-1)
         n, d = z.shape
         return F.normalize(z.reshape(n, self.config.m, d // self.config.m), dim=-1).reshape(n, d)
 
@@ -193,7 +225,14 @@ def fit_content_ids(
         config.vocab = build_vocab(captions)
         if not config.vocab:
             raise LeanmlError("captions have no token seen twice; token supervision needs repeated words")
+    if config.recon_weight > 0:
+        config.recon_dim = int(inputs[0].numel())
     model = ContentIDModel(config, backbone).to(device)
+    if config.recon_weight > 0:
+        flat = inputs.reshape(n, -1).float()
+        model.recon_mean.copy_(flat.mean(0).to(device))
+        std = flat.std(0)
+        model.recon_std.copy_(std.clamp_min(0.5 * float(std.mean()) + 1e-6).to(device))  # no blow-up on near-constant dims
     _, group_np = np.unique(np.asarray(list(captions), dtype=object), return_inverse=True)
     group = torch.as_tensor(group_np.ravel(), dtype=torch.long)
     text = None
@@ -203,6 +242,7 @@ def fit_content_ids(
         text = torch.as_tensor(np.asarray(text_emb), dtype=torch.float32)
     tokens = torch.as_tensor(token_targets(captions, config.vocab)) if config.loss == "tokens" else None
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    gen = torch.Generator().manual_seed(config.seed)
     steps_per_epoch = (n + config.batch_size - 1) // config.batch_size
     total_q = config.epochs * steps_per_epoch
     history: list[dict[str, float]] = []
@@ -210,7 +250,7 @@ def fit_content_ids(
     total_epochs = config.warmup_epochs + config.epochs
     bar = tqdm(total=total_epochs * steps_per_epoch, desc=f"content-ids {config.loss}", disable=not progress, leave=False)
     for epoch in range(total_epochs):
-        quantize = epoch >= config.warmup_epochs
+        quantize = config.joint and epoch >= config.warmup_epochs
         if quantize and epoch == config.warmup_epochs:
             z_all, _ = embed_all(model, inputs)
             model.quantizer.init_kmeans(torch.as_tensor(z_all).to(device), seed=config.seed)
@@ -225,8 +265,9 @@ def fit_content_ids(
             if quantize:
                 tau = anneal_tau(step_q, total_q, config.tau_start, config.tau_end)
                 z, v, probs = model(x, tau)
-                hard = model.quantizer.codebooks.detach()[torch.arange(config.m, device=device), probs.argmax(-1)]
-                commit = ((z.reshape(hard.shape) - hard) ** 2).sum(-1).mean()
+                with torch.no_grad():
+                    hard = model.quantizer.decode(probs.argmax(-1))
+                commit = ((z - hard) ** 2).sum(-1).mean() / config.m  # mean squared error per code
                 step_q += 1
             else:
                 v, commit = model.embed(x), torch.zeros((), device=device)
@@ -236,13 +277,21 @@ def fit_content_ids(
                 group[idx].to(device),
                 tokens[idx].to(device) if tokens is not None else None,
             ) + config.commit_weight * commit
+            if config.recon_weight > 0:
+                loss = loss + config.recon_weight * model.recon_loss(v, x)
             opt.zero_grad()
             loss.backward()
             opt.step()
             losses.append(loss.item())
             bar.update(1)
-        history.append({"epoch": epoch, "quantized": quantize, "tau": tau, "loss": float(np.mean(losses))})
+        entry: dict[str, Any] = {"epoch": epoch, "quantized": quantize, "tau": tau, "loss": float(np.mean(losses))}
+        if quantize and config.reseed_dead and epoch < total_epochs - 1:
+            entry["reseeded"] = reseed_dead(model, inputs, gen)
+        history.append(entry)
     bar.close()
+    if not config.joint:  # post-hoc: codebooks are k-means (per sub-space, or level by level) of the final vectors
+        z_all, _ = embed_all(model, inputs)
+        model.quantizer.init_kmeans(torch.as_tensor(z_all).to(device), iters=50, seed=config.seed)
     model.eval()
     _, codes = embed_all(model, inputs)
     report = {
@@ -255,6 +304,16 @@ def fit_content_ids(
     if config.loss == "infonce":
         report["caption_top1"] = caption_retrieval_top1(model, inputs, text, group)
     return model, report
+
+
+@torch.no_grad()
+def reseed_dead(model: ContentIDModel, inputs: torch.Tensor, generator: torch.Generator) -> int:
+    """Re-seed the codewords no item of ``inputs`` uses (hard codes); returns how many were re-seeded."""
+    z, codes = embed_all(model, inputs)
+    q = model.quantizer
+    counts = torch.stack([torch.bincount(torch.as_tensor(codes[:, j]), minlength=q.k) for j in range(q.m)])
+    level_in = q.level_inputs(torch.as_tensor(z).to(q.codebooks.device)).cpu()
+    return reseed_dead_codes(q.codebooks.data, counts, level_in, generator)
 
 
 @torch.no_grad()
