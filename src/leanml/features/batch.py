@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from leanml.features.columns import Column, Ragged
+from leanml.features.columns import Column, Gathered, Ragged, is_arrow
 
 
 @dataclass
@@ -48,8 +48,12 @@ class FeatureBatch:
 
 
 def _np(col: Column) -> np.ndarray:
+    if isinstance(col, Gathered):
+        return _np(col.entity.values)[col.index]
     if isinstance(col, Ragged):
         raise TypeError("a list column cannot be a model input; truncate_pad it first")
+    if is_arrow(col):
+        raise TypeError("a string column cannot be a model input; hash it first")
     if isinstance(col, torch.Tensor):
         return col.detach().cpu().numpy()
     if col.dtype == object:
@@ -70,6 +74,8 @@ def collate(cols: dict[str, Column], label: str, sparse: list[str], dense: list[
         de[:, j] = _np(cols[c])
     seqs = []
     for c in sequence:
-        s = _np(cols[c])
-        seqs.append(torch.from_numpy(np.array(s.reshape(n, -1), dtype=np.int64, copy=True)))
+        col = cols[c]
+        s = _np(col)
+        fresh = isinstance(col, Gathered) and s.dtype == np.int64 and s.flags.c_contiguous and s.flags.writeable
+        seqs.append(torch.from_numpy(s.reshape(n, -1) if fresh else np.array(s.reshape(n, -1), dtype=np.int64)))
     return FeatureBatch(lab, torch.from_numpy(sp), torch.from_numpy(de), seqs)
