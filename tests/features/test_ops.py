@@ -242,3 +242,77 @@ def test_op_spec_roundtrip_and_errors():
         DictJoin(input="u", table="t", key="k", columns={"a": "b"}, placement="gpu")
     with pytest.raises(LeanmlError, match="at least two"):
         Cross(inputs=["a"], output="c")
+
+
+# ---------------------------------------------------------------------------------- arrow string columns
+@FAST
+@given(st.lists(texts, min_size=1, max_size=30), st.integers(0, 2**32))
+def test_hash_arrow_strings_matches_reference(values, seed):
+    import pyarrow as pa
+
+    got = H.to_sign(H.hash_values(pa.array(values), seed))
+    assert got.tolist() == [H.ref_bucket(H.ref_hash_value(v, seed), None) for v in values]
+    sliced = pa.array(["pad", *values])[1:]  # a sliced array (non-zero offset) hashes the same
+    assert H.to_sign(H.hash_values(sliced, seed)).tolist() == got.tolist()
+
+
+def test_split_on_arrow_follows_python_int_rules():
+    import pyarrow as pa
+
+    rows = ["1|0x10|3", "", "4 |5", "+7|-8", "|", "9223372036854775808|2", "٣|1"]
+    ctx = OpContext()
+    (rag,) = Split(input="h", output="l", dtype="int").forward([pa.array(rows)], ctx)
+    ref = []
+    bad = 0
+    for r in rows:
+        items = r.split("|") if r else []
+        kept = []
+        for x in items:
+            try:
+                v = int(x)
+                ok = -(2**63) <= v < 2**63
+            except ValueError:
+                ok = False
+            kept += [v] if ok else []
+            bad += not ok
+        ref.append(kept)
+    assert rag.rows() == ref and ctx.counters["l:bad_items"] == bad
+    (words,) = Split(input="t", output="w", sep=" ").forward([pa.array(["a b", "", "c  d"])], OpContext())
+    assert words.rows() == [["a", "b"], [], ["c", "", "d"]]
+
+
+def test_filter_on_arrow_strings():
+    import pyarrow as pa
+
+    col = pa.array(["a", "b", "", "c"])
+    for cmp, value in (("==", "b"), ("!=", "b"), ("<", "b"), ("in", ["a", "c"]), ("not_in", ["a"])):
+        (m,) = Filter(input="s", output="k", cmp=cmp, value=value).forward([col], OpContext())
+        (ref,) = Filter(input="s", output="k", cmp=cmp, value=value).forward([obj(col.to_pylist())], OpContext())
+        assert m.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("keys", [[1, 5, 9, -3], [10**15, 7, -(2**40)]], ids=["dense", "sparse"])
+def test_dict_join_key_index(tmp_path, keys):
+    import pyarrow as pa
+
+    (tmp_path / "t.jsonl").write_text("".join(f'{{"k": {k}, "v": {i}}}\n' for i, k in enumerate(keys)))
+    op = DictJoin(input="x", table="t.jsonl", key="k", columns={"v": "v"}, defaults={"v": -1}, found="f")
+    q = np.array([*keys, 2, 10**16, -(2**63)], dtype=np.int64)[::-1].copy()
+    ctx = OpContext(data_dir=tmp_path)
+    v, f = op.forward([q], ctx)
+    ref = {k: i for i, k in enumerate(keys)}
+    assert v.tolist() == [ref.get(int(k), -1) for k in q] and f.tolist() == [int(int(k) in ref) for k in q]
+    assert (op.prepare(ctx)[0].lut is not None) == (max(keys) - min(keys) < 1 << 22)
+    (v2, _) = op.forward([pa.array([str(k) for k in q])], ctx)  # string keys against int keys: all missing
+    assert (v2 == -1).all()
+
+
+def test_table_too_large_for_memory(tmp_path, monkeypatch):
+    from leanml.features.ops import join
+
+    (tmp_path / "big.jsonl").write_text('{"k": 1, "v": 2}\n' * 1000)
+    monkeypatch.setattr(join, "memory_available", lambda: 10_000)
+    op = DictJoin(input="x", table="big.jsonl", key="k", columns={"v": "v"})
+    with pytest.raises(LeanmlError, match=r"big.jsonl needs about .* GiB in memory but only .* available"):
+        op.forward([np.array([1])], OpContext(data_dir=tmp_path))
+    assert join.table_memory_estimate(tmp_path / "big.jsonl") == 3 * 17 * 1000

@@ -144,3 +144,49 @@ def test_prefetcher_overlaps_extraction_with_training(logs):
     wall = time.perf_counter() - t0
     assert seen == list(range(10))
     assert wall < 0.8 * (10 * 0.08 * 2)  # serial would take 1.6 s; overlapped about 0.9 s
+
+
+def test_worker_processes_keep_chunk_order_and_merge_quarantine(logs, tmp_path):
+    q = tmp_path / "q.jsonl"
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=256, quarantine=str(q))
+    ref = list(Extractor(ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=256)))
+    pf = Prefetcher(cfg, depth=2, mode="process", workers=3)
+    got = list(pf)
+    assert len(got) == len(ref) and all(a.equal(b) for a, b in zip(got, ref))  # same batches, same order
+    assert pf.report.rows_read == ROWS and pf.report.quarantined == {"field_count": 1, "bad_int:user_id": 1}
+    assert pf.report.cpu_s > 0 and pf.report.batches == len(ref)
+    lines = [json.loads(x)["line"] for x in q.read_text().splitlines()]
+    assert lines == [101, 2001] and not list(tmp_path.glob("q.worker*"))
+
+
+class _Dies:
+    """A producer whose worker process dies (as if killed) after its first batch."""
+
+    def __init__(self, cfg) -> None:
+        pass
+
+    def __iter__(self):
+        import os
+
+        yield FeatureBatch(torch.zeros(2), torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1), [])
+        os._exit(3)
+
+
+class _Fails:
+    def __init__(self, cfg) -> None:
+        pass
+
+    def __iter__(self):
+        yield FeatureBatch(torch.zeros(2), torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1), [])
+        raise ValueError("column 'x' broke in the producer")
+
+
+@pytest.mark.slow  # worker processes
+def test_a_dying_or_failing_worker_raises_in_the_trainer(logs):
+    cfg = ExtractConfig.build("movielens", [logs / "test.tsv"])
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        list(Prefetcher(cfg, mode="process", source=_Dies))
+    with pytest.raises(ValueError, match="column 'x' broke in the producer"):
+        list(Prefetcher(cfg, mode="process", source=_Fails))
+    with pytest.raises(RuntimeError, match="column 'x' broke in the producer"):
+        list(Prefetcher(cfg, mode="thread", source=_Fails))

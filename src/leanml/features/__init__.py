@@ -1,16 +1,19 @@
 """FeatureBox: raw ad logs -> feature operators pipelined straight into CTR training.
 
-Readers stream raw TSV / JSON-lines / Parquet logs in chunks (malformed rows go to a quarantine file);
-an operator graph (declared in Python or YAML) is cut into topological levels and run layer by layer,
-CPU ops in a thread pool and GPU ops on one CUDA stream, with a per-batch memory arena for op outputs;
-finished batches stream through a bounded queue into training while the next batch is extracted.
+Native (arrow) readers stream raw TSV / JSON-lines / Parquet logs in chunks (malformed rows go to a
+quarantine file); an operator graph (declared in Python or YAML) is cut into topological levels and run
+layer by layer, CPU ops in a thread pool and GPU ops on one CUDA stream, with a per-batch memory arena;
+features of a joined user/item are computed once per entity and gathered per row. Finished batches
+reach training from DataLoader worker processes through shared memory (or from a producer thread)
+while the next batches are extracted; the CTR model looks all fields up in one fused embedding table.
 The two-stage baseline (extract to Parquet, then train) runs the same graph for comparison, and the
-same graph runs on Ray Data and feeds ``torchrun`` DDP training.
+same graph runs on Ray Data and feeds ``torchrun`` DDP training. See docs/features.md.
 """
 
 from leanml.features.arena import Arena, NoArena
 from leanml.features.batch import FeatureBatch
 from leanml.features.graph import FeatureGraph, OutputSpec, graph, load_graph
+from leanml.features.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
 from leanml.features.ops import (
     OPS,
     Bucketize,
@@ -26,15 +29,15 @@ from leanml.features.ops import (
     Split,
     TruncatePad,
 )
-from leanml.features.pipeline import ExtractConfig, Extractor, Prefetcher, run_pipelined
+from leanml.features.pipeline import ExtractConfig, Extractor, FeatureStream, Prefetcher, run_pipelined
 from leanml.features.readers import LogReader, Quarantine, Schema
 from leanml.features.scheduler import LayerwiseExecutor, Plan, make_plan
 from leanml.features.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
 
 __all__ = [
-    "OPS", "Arena", "Bucketize", "ContentIdLookup", "Cross", "DictJoin", "ExtractConfig", "Extractor",
-    "FeatureBatch", "FeatureGraph", "Filter", "Hash", "LayerwiseExecutor", "LogReader", "LogTransform", "NoArena",
+    "OPS", "Arena", "Bucketize", "CTROptimizer", "ContentIdLookup", "Cross", "DictJoin", "ExtractConfig", "Extractor",
+    "FeatureBatch", "FeatureDNN", "FeatureGraph", "FeatureStream", "FusedEmbedding", "Filter", "Hash", "LayerwiseExecutor", "LogReader", "LogTransform", "NoArena",
     "Normalize", "Op", "OutputSpec", "Plan", "Prefetcher", "Quarantine", "Ragged", "Schema", "Split",
-    "TruncatePad", "extract_to_parquet", "graph", "load_graph", "make_plan", "read_parquet_batches",
+    "TruncatePad", "extract_to_parquet", "graph", "load_graph", "make_plan", "model_for_graph", "read_parquet_batches",
     "run_pipelined", "run_two_stage",
 ]

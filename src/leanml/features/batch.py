@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from leanml.features.columns import Column, Ragged
+from leanml.features.columns import Column, Gathered, Ragged, is_arrow
 
 
 @dataclass
@@ -29,6 +29,29 @@ class FeatureBatch:
     def tensors(self) -> list[torch.Tensor]:
         return [self.label, self.sparse, self.dense, *self.seqs]
 
+    def ids(self) -> torch.Tensor:
+        """``[n, F + sum(L)]``: the sparse ids then every sequence, side by side. Free (a view) when the batch
+        is packed (:meth:`packed`: what collate and the Parquet reader build), a copy otherwise."""
+        parts = [self.sparse, *self.seqs]
+        n, width = self.sparse.shape[0], sum(p.shape[1] for p in parts)
+        first = self.sparse
+        if (all(p.dtype == first.dtype and p.device == first.device for p in parts)
+                and all(p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts)
+                and all(n < 2 or p.stride() == (width, 1) for p in parts)):
+            off, ok = first.storage_offset(), True
+            for p in parts:
+                ok = ok and p.storage_offset() == off
+                off += p.shape[1]
+            if ok and (first.storage_offset() + n * width) * first.element_size() <= first.untyped_storage().nbytes():
+                return first.as_strided((n, width), (width, 1), first.storage_offset())
+        return torch.cat(parts, 1) if self.seqs else self.sparse
+
+    def packed(self) -> FeatureBatch:
+        """The same batch with sparse ids and sequences as views of one ``[n, F + sum(L)]`` int64 buffer
+        (one tensor to share between processes, no concatenation in the model)."""
+        ids = torch.cat([self.sparse.long(), *(s.long() for s in self.seqs)], 1)
+        return _split_ids(self.label, ids, self.dense, [s.shape[1] for s in self.seqs])
+
     @staticmethod
     def concat(batches: list[FeatureBatch]) -> FeatureBatch:
         if not batches:
@@ -47,9 +70,22 @@ class FeatureBatch:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
+def _split_ids(label: torch.Tensor, ids: torch.Tensor, dense: torch.Tensor, widths: list[int]) -> FeatureBatch:
+    f = ids.shape[1] - sum(widths)
+    seqs, start = [], f
+    for w in widths:
+        seqs.append(ids[:, start : start + w])
+        start += w
+    return FeatureBatch(label, ids[:, :f], dense, seqs)
+
+
 def _np(col: Column) -> np.ndarray:
+    if isinstance(col, Gathered):
+        return _np(col.entity.values)[col.index]
     if isinstance(col, Ragged):
         raise TypeError("a list column cannot be a model input; truncate_pad it first")
+    if is_arrow(col):
+        raise TypeError("a string column cannot be a model input; hash it first")
     if isinstance(col, torch.Tensor):
         return col.detach().cpu().numpy()
     if col.dtype == object:
@@ -59,17 +95,22 @@ def _np(col: Column) -> np.ndarray:
 
 def collate(cols: dict[str, Column], label: str, sparse: list[str], dense: list[str],
             sequence: list[str]) -> FeatureBatch:
-    """Copy (never alias) the output columns into fresh tensors, so the arena can be reset afterwards."""
+    """Copy (never alias) the output columns into fresh tensors, so the arena can be reset afterwards.
+
+    The batch comes out packed: sparse ids and sequences are views of one int64 buffer (see
+    :meth:`FeatureBatch.packed`)."""
     n = len(cols[label])
     lab = torch.from_numpy(_np(cols[label]).astype(np.float32, copy=True))
-    sp = np.empty((n, len(sparse)), dtype=np.int64)
+    seq_cols = [_np(cols[c]) for c in sequence]
+    widths = [int(np.prod(s.shape[1:])) if s.ndim > 1 else 1 for s in seq_cols]
+    ids = np.empty((n, len(sparse) + sum(widths)), dtype=np.int64)
     for j, c in enumerate(sparse):
-        sp[:, j] = _np(cols[c])
+        ids[:, j] = _np(cols[c])
+    start = len(sparse)
+    for s, w in zip(seq_cols, widths):
+        ids[:, start : start + w] = s.reshape(n, w)
+        start += w
     de = np.empty((n, len(dense)), dtype=np.float32)
     for j, c in enumerate(dense):
         de[:, j] = _np(cols[c])
-    seqs = []
-    for c in sequence:
-        s = _np(cols[c])
-        seqs.append(torch.from_numpy(np.array(s.reshape(n, -1), dtype=np.int64, copy=True)))
-    return FeatureBatch(lab, torch.from_numpy(sp), torch.from_numpy(de), seqs)
+    return _split_ids(lab, torch.from_numpy(ids), torch.from_numpy(de), widths)

@@ -17,7 +17,8 @@ EPILOG = """examples:
   leanml features generate --rows 1000000 --out logs/1m
   leanml features extract --graph movielens --log logs/1m/impressions_000.tsv --out feats/1m
   leanml features train --graph movielens --features feats/1m          # two-stage, stage 2
-  leanml features train --graph movielens --log logs/1m/impressions_000.tsv --prefetch 4
+  leanml features train --graph movielens --log logs/1m/impressions_000.tsv --workers 2 --prefetch 4
+  leanml features train --log logs/1m/impressions_000.tsv --producer thread --reader python --no-entity
   leanml features train --graph movielens                              # MovieLens-100k, pipelined
   leanml features train --graph movielens --engine ray --log logs/1m/impressions_000.tsv
 """
@@ -62,9 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     _input_args(tr)
     tr.add_argument("--features", help="train from this Parquet feature directory instead of logs")
     tr.add_argument("--engine", choices=["local", "ray"], default="local", help="local pipeline or Ray Data")
-    tr.add_argument("--producer", choices=["thread", "process"], default="thread",
-                    help="extraction in a thread, or in its own process (its own core)")
-    tr.add_argument("--prefetch", type=int, default=2, help="bounded queue depth in batches (default 2)")
+    tr.add_argument("--producer", choices=["thread", "process"], default="process",
+                    help="extraction in DataLoader worker processes feeding training through shared memory "
+                         "(default), or in one thread of the training process")
+    tr.add_argument("--workers", type=int, default=1,
+                    help="producer processes (default 1: on 2 cores one trains, one extracts)")
+    tr.add_argument("--prefetch", type=int, default=2,
+                    help="batches made ahead per worker (thread producer: queue depth; default 2)")
     tr.add_argument("--epochs", type=int, default=1)
     tr.add_argument("--lr", type=float, default=2e-3)
     tr.add_argument("--dim", type=int, default=16, help="embedding width")
@@ -97,9 +102,14 @@ def _input_args(p: argparse.ArgumentParser) -> None:
                                                   "(default: MovieLens-100k train log)")
     p.add_argument("--data-dir", help="where relative table paths resolve (default: the first log's directory)")
     p.add_argument("--table", action="append", default=[], metavar="NAME=PATH", help="override a table path")
-    p.add_argument("--batch-rows", type=int, default=2048, help="rows per chunk / batch (default 2048)")
+    p.add_argument("--batch-rows", type=int, default=8192, help="rows per chunk / training batch (default 8192)")
     p.add_argument("--threads", type=int, default=1, help="threads for the CPU ops of one level (default 1)")
     p.add_argument("--no-arena", action="store_true", help="plain allocation instead of the per-batch arena")
+    p.add_argument("--reader", choices=["arrow", "python"], default="arrow",
+                   help="log parser: arrow (native, default) or python (the line-by-line reference); "
+                        "same rows and quarantine records")
+    p.add_argument("--no-entity", action="store_true",
+                   help="run every op per log row instead of once per user/item for features of a joined table")
     p.add_argument("--quarantine", help="malformed-row file (default: quarantine.jsonl next to the report)")
 
 
@@ -127,7 +137,8 @@ def _config(args: argparse.Namespace, quarantine: Path) -> Any:
         raise LeanmlError("--batch-rows must be >= 1")
     return ExtractConfig.build(args.graph, logs, data_dir=args.data_dir, tables=_tables(args.table),
                                batch_rows=args.batch_rows, threads=args.threads, arena=not args.no_arena,
-                               quarantine=str(args.quarantine or quarantine))
+                               quarantine=str(args.quarantine or quarantine), engine=args.reader,
+                               entity=not args.no_entity)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -179,11 +190,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             model, report = run_ray(cfg, quarantine_dir=str(report_path.parent / "ray_quarantine"), **kw)
         else:
-            model, report = run_pipelined(cfg, prefetch=args.prefetch, producer=args.producer, **kw)
+            model, report = run_pipelined(cfg, prefetch=args.prefetch, producer=args.producer,
+                                          workers=args.workers, **kw)
     if args.test_log:
         tcfg = ExtractConfig.build(cfg.graph if cfg else args.graph, args.test_log,
                                    data_dir=args.data_dir or (cfg.data_dir if cfg else None),
-                                   tables=_tables(args.table), batch_rows=4096)
+                                   tables=_tables(args.table), batch_rows=args.batch_rows, engine=args.reader)
         report["test"] = evaluate(model, Extractor(tcfg), "cuda" if torch.cuda.is_available() else "cpu")
     report["config"] = {k: v for k, v in vars(args).items() if k != "func"}
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")

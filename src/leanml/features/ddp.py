@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--producer", choices=["thread", "process"], default="thread",
+                   help="extraction in a thread of each rank, or in DataLoader worker processes")
+    p.add_argument("--workers", type=int, default=1, help="producer processes per rank (--producer process)")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--hidden", default="128,64")
     p.add_argument("--out", required=True)
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     reps = []
     with Join([ddp]):
         for _ in range(args.epochs):
-            reps.append(train_on(ddp, Prefetcher(cfg, depth=args.prefetch), opt, device))  # type: ignore[arg-type]
+            reps.append(train_on(ddp, Prefetcher(cfg, depth=args.prefetch, mode=args.producer,
+                                                 workers=args.workers), opt, device))  # type: ignore[arg-type]
     wall = time.perf_counter() - t0
     checksum = float(sum(p.detach().double().sum().item() for p in model.parameters()))
     write_json(Path(args.out) / f"rank{rank}.json", {

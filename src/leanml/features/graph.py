@@ -146,7 +146,7 @@ class FeatureGraph:
             raise LeanmlError("a graph must be a mapping with keys name, schema, ops, outputs")
         missing = [k for k in ("schema", "ops", "outputs") if k not in d]
         if missing:
-            raise LeanmlError(f"graph lacks keys {missing}; see the FeatureBox section of README.md for the format")
+            raise LeanmlError(f"graph lacks keys {missing}; see docs/features.md for the format")
         outs = d["outputs"]
         if not isinstance(outs, dict) or "label" not in outs:
             raise LeanmlError("graph outputs must be a mapping with a 'label' and sparse/dense/sequence lists")

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 MASK64 = (1 << 64) - 1
@@ -133,8 +135,51 @@ def fnv1a_strings(values: np.ndarray) -> np.ndarray:
     return h[codes]
 
 
-def value_keys(values: np.ndarray) -> np.ndarray:
+def fnv1a_arrow(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """FNV-1a of each string of an arrow string array (nulls hash as ""), computed on the distinct values.
+
+    Native throughout: arrow's hash-table dictionary encoding finds the distinct values, and the FNV
+    loop runs over byte positions of their UTF-8 buffer (longest first, so each step is a prefix slice).
+    """
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if len(values) == 0:
+        return np.empty(0, dtype=_U)
+    enc = pc.dictionary_encode(values.fill_null(""))
+    return _fnv1a_distinct(enc.dictionary)[np.asarray(enc.indices)]
+
+
+def _fnv1a_distinct(arr: pa.Array) -> np.ndarray:
+    """FNV-1a of every value of an arrow string array without nulls."""
+    n = len(arr)
+    large = pa.types.is_large_string(arr.type)
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=np.int64 if large else np.int32)[arr.offset : arr.offset + n + 1]
+    offsets = offsets.astype(np.int64)
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(1, np.uint8)
+    lengths = np.diff(offsets)
+    order = np.argsort(-lengths, kind="stable")
+    starts = offsets[:-1][order]
+    live_counts = np.searchsorted(-lengths[order], -np.arange(int(lengths.max(initial=0))), side="left")
+    h = np.full(n, FNV_OFFSET, dtype=_U)
+    with np.errstate(over="ignore"):
+        for j, c in enumerate(live_counts.tolist()):
+            hv = h[:c]
+            np.bitwise_xor(hv, data[starts[:c] + j], out=hv, casting="unsafe")
+            np.multiply(hv, _U(FNV_PRIME), out=hv)
+    out = np.empty(n, dtype=_U)
+    out[order] = h
+    return out
+
+
+def value_keys(values: np.ndarray | pa.Array) -> np.ndarray:
     """64-bit keys of a column before mixing: integers as two's complement, strings via FNV-1a."""
+    if isinstance(values, pa.Array | pa.ChunkedArray):
+        if pa.types.is_integer(values.type) or pa.types.is_boolean(values.type):
+            return np.asarray(values.cast(pa.int64()).fill_null(0)).view(_U)
+        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+            return fnv1a_arrow(values)
+        raise TypeError(f"cannot hash an arrow column of type {values.type}")
     values = np.asarray(values)
     if values.dtype.kind in "iub":
         return values.astype(np.int64, copy=False).view(_U)
@@ -143,7 +188,7 @@ def value_keys(values: np.ndarray) -> np.ndarray:
     return fnv1a_strings(values)
 
 
-def hash_values(values: np.ndarray, seed: int = 0, out: np.ndarray | None = None,
+def hash_values(values: np.ndarray | pa.Array, seed: int = 0, out: np.ndarray | None = None,
                 tmp: np.ndarray | None = None) -> np.ndarray:
     """Unmasked 64-bit hashes (``uint64``) of a column of ints or strings."""
     keys = value_keys(values)

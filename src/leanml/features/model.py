@@ -1,10 +1,19 @@
-"""A small CTR model over FeatureBox batches: per-field embeddings, mean-pooled sequences, an MLP.
+"""A small CTR model over FeatureBox batches: one fused embedding table, mean-pooled sequences, an MLP.
 
-Embedding tables use sparse gradients (only the rows a batch touches are updated, by ``SparseAdam``),
-as CTR trainers do: a dense Adam step over every hashed bucket would dominate the step time.
+Every sparse field and every sequence has its own block of rows in ONE embedding table (field ``f``'s
+id ``i`` is row ``offsets[f] + i``), so a batch needs one lookup for all fields instead of one per field.
+The lookup is one ``embedding_bag`` call that pools every field's slots into its bag (a sparse field
+is a bag of one id, a sequence a bag of up to ``L`` ids, padding ``< 0`` skipped, mean over the rest,
+an empty bag is zeros); its backward sorts the batch's ids once, sums the gradient per distinct row
+with the same bag kernel and hands the optimizer a sparse, already coalesced gradient of those rows. The
+table is trained by :class:`RowSparseAdam` (lazy Adam, as ``SparseAdam``: only the touched rows move),
+the MLP by ``Adam``; a dense Adam step over every hashed bucket would dominate the step time.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,8 +23,88 @@ from leanml.features.graph import FeatureGraph
 from leanml.utils import LeanmlError
 
 
+class _BagLookup(torch.autograd.Function):
+    """``out[b] = sum_j w_j * weight[gid_j]`` over the slots ``j`` of bag ``b`` (slots in bag order, ``boff``
+    the first slot of every bag). Backward sorts the slots by row once, sums each distinct row's gradient
+    with the same bag kernel, and returns a coalesced sparse gradient of those rows (dense if not ``sparse``)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, gid: torch.Tensor, bag: torch.Tensor, w: torch.Tensor,
+                boff: torch.Tensor, sparse: bool) -> torch.Tensor:
+        ctx.save_for_backward(gid, bag, w)
+        ctx.shape, ctx.sparse = weight.shape, sparse
+        return nn.functional.embedding_bag(gid, weight, boff, mode="sum", per_sample_weights=w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        gid, bag, w = ctx.saved_tensors
+        sorted_gid, perm = torch.sort(gid)
+        uniq, counts = torch.unique_consecutive(sorted_gid, return_counts=True)
+        goff = torch.zeros_like(counts)
+        goff[1:] = torch.cumsum(counts, 0)[:-1]
+        g_rows = nn.functional.embedding_bag(bag[perm], grad.contiguous(), goff, mode="sum",
+                                             per_sample_weights=w[perm])
+        if ctx.sparse:
+            gw = torch.sparse_coo_tensor(uniq.unsqueeze(0), g_rows, ctx.shape, is_coalesced=True,
+                                         check_invariants=False)
+        else:
+            gw = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device).index_add_(0, uniq, g_rows)
+        return gw, None, None, None, None, None
+
+
+class FusedEmbedding(nn.Module):
+    """One embedding table for several fields, looked up and mean-pooled per bag in one call.
+
+    ``sizes[f]`` is field ``f``'s number of ids. :meth:`forward` takes ``ids`` ``[n, S]`` (``S`` slots
+    per row, ids ``< 0`` are padding) and ``bags`` ``[S]`` (the field of every slot; slots of one field
+    are adjacent) and returns ``[n, F, dim]``: per row and field the mean of its valid slots' vectors.
+
+    >>> e = FusedEmbedding([10, 5], dim=4)
+    >>> ids = torch.tensor([[3, 0, 4, -1], [9, -1, -1, -1]])
+    >>> e(ids, torch.tensor([0, 1, 1, 1])).shape
+    torch.Size([2, 2, 4])
+    """
+
+    def __init__(self, sizes: list[int], dim: int, sparse: bool = True, init_std: float = 0.05) -> None:
+        super().__init__()
+        if not sizes or min(sizes) < 1:
+            raise LeanmlError(f"every embedded field needs at least one id (sizes {sizes})")
+        self.sizes, self.dim, self.sparse = list(sizes), dim, sparse
+        self.weight = nn.Parameter(torch.empty(sum(sizes), dim))
+        nn.init.normal_(self.weight, std=init_std)
+        off = torch.zeros(len(sizes), dtype=torch.int64)
+        off[1:] = torch.cumsum(torch.tensor(sizes[:-1], dtype=torch.int64), 0)
+        self.register_buffer("offsets", off, persistent=False)
+        self.register_buffer("limits", torch.tensor(sizes, dtype=torch.int64), persistent=False)
+
+    def field_rows(self, field: int) -> torch.Tensor:
+        """The block of the table that holds field ``field``'s vectors."""
+        o = int(self.offsets[field])
+        return self.weight[o : o + self.sizes[field]]
+
+    def forward(self, ids: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
+        n, s = ids.shape
+        nf = len(self.sizes)
+        if bags.shape != (s,):
+            raise LeanmlError(f"fused embedding: {s} id columns but {tuple(bags.shape)} field labels")
+        if (ids >= self.limits[bags]).any():
+            col = int((ids >= self.limits[bags]).any(0).nonzero()[0])
+            raise LeanmlError(f"fused embedding: column {col} (field {int(bags[col])}) has id "
+                              f"{int(ids[:, col].max())} >= its {self.sizes[int(bags[col])]} ids; "
+                              "the graph's buckets and the model's table sizes disagree")
+        valid = (ids >= 0).reshape(-1).nonzero().squeeze(1)
+        gid = (ids + self.offsets[bags]).reshape(-1).index_select(0, valid)
+        bag = (torch.arange(n, device=ids.device).unsqueeze(1) * nf + bags).reshape(-1).index_select(0, valid)
+        counts = torch.bincount(bag, minlength=n * nf)
+        w = counts[bag].to(self.weight.dtype).reciprocal_()
+        boff = torch.zeros_like(counts)
+        boff[1:] = torch.cumsum(counts, 0)[:-1]
+        out = _BagLookup.apply(self.weight, gid, bag, w, boff, self.sparse)
+        return out.view(n, nf, self.dim)
+
+
 class FeatureDNN(nn.Module):
-    """Embeds each sparse field (its own table), mean-pools each sequence (ids < 0 are padding),
+    """Embeds each sparse field and mean-pools each sequence (ids < 0 are padding) from one fused table,
     concatenates the dense floats and runs an MLP to one logit.
 
     >>> m = FeatureDNN([10, 5], [100], n_dense=2, dim=4, hidden=(8,))
@@ -28,8 +117,8 @@ class FeatureDNN(nn.Module):
     def __init__(self, sparse_sizes: list[int], seq_sizes: list[int], n_dense: int, dim: int = 16,
                  hidden: tuple[int, ...] = (128, 64), sparse_grad: bool = True) -> None:
         super().__init__()
-        self.sparse = nn.ModuleList(nn.Embedding(n, dim, sparse=sparse_grad) for n in sparse_sizes)
-        self.seq = nn.ModuleList(nn.Embedding(n, dim, sparse=sparse_grad) for n in seq_sizes)
+        self.n_sparse, self.n_seq = len(sparse_sizes), len(seq_sizes)
+        self.emb = FusedEmbedding([*sparse_sizes, *seq_sizes], dim, sparse=sparse_grad)
         width = dim * (len(sparse_sizes) + len(seq_sizes)) + n_dense
         layers: list[nn.Module] = []
         for h in hidden:
@@ -37,27 +126,83 @@ class FeatureDNN(nn.Module):
             width = h
         layers.append(nn.Linear(width, 1))
         self.mlp = nn.Sequential(*layers)
-        for e in [*self.sparse, *self.seq]:
-            nn.init.normal_(e.weight, std=0.05)
+        self._bags: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _bag_labels(self, widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        key = (*widths, hash(device))
+        if key not in self._bags:
+            labels = list(range(self.n_sparse))
+            for j, L in enumerate(widths):
+                labels += [self.n_sparse + j] * L
+            self._bags[key] = torch.tensor(labels, dtype=torch.int64, device=device)
+        return self._bags[key]
 
     def forward(self, batch: FeatureBatch) -> torch.Tensor:
-        parts = [emb(batch.sparse[:, j]) for j, emb in enumerate(self.sparse)]
-        for ids, emb in zip(batch.seqs, self.seq):
-            mask = (ids >= 0).unsqueeze(-1).to(torch.float32)
-            pooled = (emb(ids.clamp_min(0)) * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-            parts.append(pooled)
-        parts.append(batch.dense)
-        return self.mlp(torch.cat(parts, dim=1)).squeeze(-1)
+        if batch.sparse.shape[1] != self.n_sparse or len(batch.seqs) != self.n_seq:
+            raise LeanmlError(f"model expects {self.n_sparse} sparse fields and {self.n_seq} sequences, the batch "
+                              f"has {batch.sparse.shape[1]} and {len(batch.seqs)}")
+        ids = batch.ids()
+        bags = self._bag_labels(tuple(s.shape[1] for s in batch.seqs), ids.device)
+        pooled = self.emb(ids, bags)
+        x = torch.cat([pooled.reshape(len(ids), -1), batch.dense], dim=1)
+        return self.mlp(x).squeeze(-1)
+
+
+class RowSparseAdam(torch.optim.Optimizer):
+    """Lazy Adam for parameters with row-sparse gradients: the update rule of ``torch.optim.SparseAdam``
+    (only the rows in the gradient move; their moments decay only when they are touched), done as one
+    gather of the touched rows of both moments, in-place updates and one scatter back, instead of a chain
+    of sparse-tensor ops. Same numbers as ``SparseAdam`` to float rounding (tested)."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if not g.is_sparse:
+                    raise LeanmlError("RowSparseAdam takes sparse gradients (an embedding with sparse=True)")
+                idx = g._indices()[0]
+                if not (g.is_coalesced() or idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all())):
+                    g = g.coalesce()  # accumulated over several backward passes: rows repeat
+                    idx = g._indices()[0]
+                values = g._values()
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+                st["step"] += 1
+                m = st["exp_avg"].index_select(0, idx)
+                v = st["exp_avg_sq"].index_select(0, idx)
+                m.lerp_(values, 1 - b1)
+                v.mul_(b2).addcmul_(values, values, value=1 - b2)
+                st["exp_avg"].index_copy_(0, idx, m)
+                st["exp_avg_sq"].index_copy_(0, idx, v)
+                step_size = group["lr"] * math.sqrt(1 - b2 ** st["step"]) / (1 - b1 ** st["step"])
+                rows = p.index_select(0, idx)  # gather + copy back: much cheaper than index_add_ on CPU
+                rows.sub_(m.div_(v.sqrt_().add_(group["eps"])), alpha=step_size)
+                p.index_copy_(0, idx, rows)
 
 
 class CTROptimizer:
-    """``SparseAdam`` for the embedding tables, ``Adam`` for the MLP, driven as one optimizer."""
+    """:class:`RowSparseAdam` for the fused embedding table (``SparseAdam`` for plain sparse ``nn.Embedding``
+    tables), ``Adam`` for the MLP, driven as one optimizer."""
 
     def __init__(self, model: nn.Module, lr: float = 1e-3) -> None:
+        fused = [m.weight for m in model.modules() if isinstance(m, FusedEmbedding) and m.sparse]
         sparse = [p for m in model.modules() if isinstance(m, nn.Embedding) and m.sparse for p in m.parameters()]
-        ids = {id(p) for p in sparse}
+        ids = {id(p) for p in fused + sparse}
         dense = [p for p in model.parameters() if id(p) not in ids]
         self.opts: list[torch.optim.Optimizer] = []
+        if fused:
+            self.opts.append(RowSparseAdam(fused, lr=lr))
         if sparse:
             self.opts.append(torch.optim.SparseAdam(sparse, lr=lr))
         if dense:

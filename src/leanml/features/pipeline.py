@@ -1,21 +1,30 @@
 """FeatureBox pipeline: extraction of batch i+1 overlaps training on batch i; nothing touches disk.
 
-A producer (a thread, or a separate process so that extraction and training each own a core) reads
-raw log chunks, runs the graph layer by layer and puts finished :class:`FeatureBatch` es on a bounded
-queue of ``prefetch`` batches; the trainer takes them off the queue. The queue bound keeps memory flat:
-when training is slower the producer blocks, when extraction is slower the trainer waits (and the
-report says how long).
+Producers read raw log chunks, run the graph layer by layer and hand finished :class:`FeatureBatch` es
+to the trainer, at most a bounded number ahead (memory stays flat: when training is slower the
+producers block, when extraction is slower the trainer waits, and the report says how long).
+
+* ``process`` (default): ``workers`` producer processes behind a ``torch.utils.data.DataLoader`` over
+  the :class:`FeatureStream` iterable dataset. Batches reach the trainer through shared memory (no
+  pickled arrays through a pipe), ``prefetch`` batches per worker (``prefetch_factor``), workers kept
+  for later epochs (``persistent_workers``). Worker ``w`` of ``W`` extracts chunks ``w, w+W, ...``, and
+  the loader returns them round-robin, so the batch order is the chunk order whatever ``W`` is. A
+  worker that fails raises in the trainer with its error (its one-line message for input errors, the
+  traceback otherwise); one that dies (killed, out of memory) raises there too.
+* ``thread``: one producer thread in the trainer's process, a queue of ``prefetch`` batches. The
+  readers and ops run in arrow / numpy kernels that release the GIL, but the glue between them does not.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +57,8 @@ class ExtractConfig:
     quarantine: str | None = None
     shard: tuple[int, int] = (0, 1)
     device: str | None = None
+    engine: str = "arrow"  # reader engine: arrow (native) or python (reference)
+    entity: bool = True  # per-entity ops once per table row (False: every op per log row)
 
     @classmethod
     def build(cls, graph: FeatureGraph | dict | str, logs: Iterable[str | Path], **kw: Any) -> ExtractConfig:
@@ -71,7 +82,7 @@ class ExtractReport:
     quarantined: dict[str, int] = field(default_factory=dict)
     quarantine_file: str | None = None
     extract_s: float = 0.0
-    cpu_s: float = 0.0  # CPU seconds of the extracting thread
+    cpu_s: float = 0.0  # CPU seconds of the extracting thread(s) or worker process(es)
     read_s: float = 0.0
     exec: dict[str, Any] = field(default_factory=dict)
     arena: dict[str, int] = field(default_factory=dict)
@@ -88,15 +99,22 @@ class Extractor:
         self.graph = FeatureGraph.from_dict(cfg.graph)
         self.quarantine = Quarantine(Path(cfg.quarantine) if cfg.quarantine else None)
         self.reader = LogReader(cfg.logs, self.graph.schema, chunk_rows=cfg.batch_rows,
-                                quarantine=self.quarantine, shard=tuple(cfg.shard))
+                                quarantine=self.quarantine, shard=tuple(cfg.shard), engine=cfg.engine,
+                                yield_empty=True)
         arena: Arena | NoArena = Arena(cfg.arena_bytes) if cfg.arena else NoArena()
         self.executor = LayerwiseExecutor(self.graph, device=cfg.device, threads=cfg.threads, arena=arena,
-                                          data_dir=cfg.data_dir, tables=cfg.tables)
+                                          data_dir=cfg.data_dir, tables=cfg.tables, entity=cfg.entity)
         self.read_s = 0.0
         self.extract_s = 0.0
         self.cpu_s = 0.0
 
     def __iter__(self) -> Iterator[FeatureBatch]:
+        for batch in self.iter_chunks():
+            if batch is not None:
+                yield batch
+
+    def iter_chunks(self) -> Iterator[FeatureBatch | None]:
+        """One item per chunk this shard owns: its batch, or None when no row of it survived."""
         it = iter(self.reader)
         while True:
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -111,9 +129,17 @@ class Extractor:
             batch = self.executor.run(chunk) if chunk and len(next(iter(chunk.values()))) else None
             self.extract_s += time.perf_counter() - t0
             self.cpu_s += time.thread_time() - c0
-            if batch is not None and len(batch):
-                yield batch
+            yield batch if batch is not None and len(batch) else None
         self.quarantine.close()
+
+    def warm(self) -> float:
+        """Load the tables and compute the per-entity features now (before workers fork); returns CPU seconds."""
+        c0 = time.process_time()
+        for lv in self.executor.plan.levels:
+            for op in lv:
+                if self.executor.entity and hasattr(op, "positions"):
+                    self.executor.entities(op)
+        return time.process_time() - c0
 
     def report(self) -> ExtractReport:
         st = self.executor.stats
@@ -155,22 +181,16 @@ _DONE = "__done__"
 _ERROR = "__error__"
 
 
-def _produce(cfg: ExtractConfig, q: Any, stop: Any, as_arrays: bool = False,
-             source: Callable[[ExtractConfig], Any] | None = None) -> None:
-    """Producer body shared by the thread and process producers.
-
-    A process producer sends plain numpy arrays (pickled through the queue's pipe) rather than torch
-    tensors, whose shared-memory handles would die with the producer before the consumer reads them.
-    """
+def _produce(cfg: ExtractConfig, q: Any, stop: Any, source: Callable[[ExtractConfig], Any] | None = None) -> None:
+    """Body of the producer thread: batches onto ``q``, then the report (or the error) as the last item."""
     try:
         ex = (source or Extractor)(cfg)
         for batch in ex:
-            item: Any = ("__arrays__", [t.numpy() for t in batch.tensors()]) if as_arrays else batch
             while True:
                 if stop.is_set():
                     return
                 try:
-                    q.put(item, timeout=0.2)
+                    q.put(batch, timeout=0.2)
                     break
                 except queue.Full:
                     continue
@@ -180,40 +200,162 @@ def _produce(cfg: ExtractConfig, q: Any, stop: Any, as_arrays: bool = False,
         q.put((_ERROR, type(exc).__name__, msg))
 
 
-def _produce_process(cfg: ExtractConfig, q: Any, stop: Any, source: Any = None) -> None:
-    torch.set_num_threads(max(1, cfg.torch_threads))
-    _produce(cfg, q, stop, as_arrays=True, source=source)
+class WorkerDone:
+    """Last item of a worker's stream: its extraction report and its process CPU seconds."""
+
+    def __init__(self, report: ExtractReport | None, cpu_s: float, worker: int) -> None:
+        self.report, self.cpu_s, self.worker = report, cpu_s, worker
+
+
+class WorkerFailed:
+    """A worker's input error (:class:`LeanmlError`), re-raised with its one-line message by the trainer."""
+
+    def __init__(self, message: str, worker: int) -> None:
+        self.message, self.worker = message, worker
+
+
+class FeatureStream(torch.utils.data.IterableDataset):
+    """The batches of an :class:`ExtractConfig` as an iterable dataset for ``DataLoader`` workers.
+
+    Worker ``w`` of ``W`` extracts the chunks ``i`` with ``i % W == w`` (within the config's own shard,
+    e.g. a DDP rank's) and yields one item per chunk (an empty chunk as None), so the loader's
+    round-robin order over workers is the chunk order. Its last item is a :class:`WorkerDone`.
+    ``source`` replaces :class:`Extractor` (it must offer ``iter_chunks`` or be iterable).
+    """
+
+    def __init__(self, cfg: ExtractConfig, source: Callable[[ExtractConfig], Any] | None = None) -> None:
+        super().__init__()
+        self.cfg, self.source = cfg, source
+
+    def worker_config(self, worker: int, workers: int) -> ExtractConfig:
+        r, n = self.cfg.shard
+        q = self.cfg.quarantine
+        if q and workers > 1:
+            q = str(Path(q).with_name(f"{Path(q).stem}.worker{worker}{Path(q).suffix}"))
+        return replace(self.cfg, shard=(r + n * worker, n * workers), quarantine=q)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        w, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        c0 = time.process_time() if info is not None else time.thread_time()
+        try:
+            ex = (self.source or Extractor)(self.worker_config(w, n))
+            yield from (ex.iter_chunks() if hasattr(ex, "iter_chunks") else iter(ex))
+        except LeanmlError as exc:
+            yield WorkerFailed(str(exc), w)
+            return
+        cpu = (time.process_time() if info is not None else time.thread_time()) - c0
+        yield WorkerDone(ex.report() if hasattr(ex, "report") else None, cpu, w)
+
+
+def _worker_init(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    torch.set_num_threads(max(1, info.dataset.cfg.torch_threads) if info is not None else 1)
+
+
+def merge_quarantine(path: str, workers: int) -> str | None:
+    """Concatenate the workers' quarantine files into ``path`` ordered by source and line; None if empty."""
+    import json
+
+    parts = [Path(path).with_name(f"{Path(path).stem}.worker{w}{Path(path).suffix}") for w in range(workers)]
+    recs = []
+    for p in parts:
+        if p.exists():
+            recs += [json.loads(x) for x in p.read_text(encoding="utf-8").splitlines() if x]
+            p.unlink()
+    if not recs:
+        return None
+    recs.sort(key=lambda r: (r["source"], r["line"]))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as fh:
+        for r in recs:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return path
 
 
 class Prefetcher:
-    """Iterate batches made by a producer thread or process, at most ``depth`` batches ahead.
+    """Iterate batches made by producer worker processes (``mode="process"``) or a producer thread.
 
-    After iteration, :attr:`report` holds the producer's :class:`ExtractReport`.
+    ``depth``: batches ahead per worker (process) or queue depth (thread). ``workers``: producer
+    processes. ``persistent``: keep the workers between iterations (epochs). ``warm``: load tables and
+    per-entity features in this process before the workers fork, so every worker shares them (the CPU
+    seconds go to :attr:`warm_cpu_s`). After each iteration :attr:`report` holds the merged
+    :class:`ExtractReport` (``cpu_s`` = the producers' CPU seconds).
     """
 
-    def __init__(self, cfg: ExtractConfig, depth: int = 2, mode: str = "thread",
-                 source: Callable[[ExtractConfig], Any] | None = None) -> None:
+    def __init__(self, cfg: ExtractConfig, depth: int = 2, mode: str = "process",
+                 source: Callable[[ExtractConfig], Any] | None = None, workers: int = 1,
+                 persistent: bool = False, warm: bool = True, mp_context: str | None = None) -> None:
         if depth < 1:
             raise LeanmlError(f"prefetch depth must be >= 1 (got {depth})")
         if mode not in ("thread", "process"):
             raise LeanmlError(f"producer must be thread or process (got {mode!r})")
-        self.cfg, self.depth, self.mode = cfg, depth, mode
-        self.source = source  # builds the batch iterable from cfg (default: Extractor); must be picklable
+        if workers < 1:
+            raise LeanmlError(f"workers must be >= 1 (got {workers})")
+        self.cfg, self.depth, self.mode, self.workers = cfg, depth, mode, workers
+        self.source = source  # builds the batch iterable from cfg (default: Extractor)
+        self.persistent, self.warm, self.mp_context = persistent, warm, mp_context
         self.report: ExtractReport | None = None
         self.wait_s = 0.0
+        self.warm_cpu_s = 0.0
+        self._loader: Any = None
 
     def __iter__(self) -> Iterator[FeatureBatch]:
-        if self.mode == "thread":
-            q: Any = queue.Queue(maxsize=self.depth)
-            stop: Any = threading.Event()
-            worker: Any = threading.Thread(target=_produce, args=(self.cfg, q, stop, False, self.source), daemon=True)
-        else:
-            import torch.multiprocessing as mp
+        return self._iter_thread() if self.mode == "thread" else self._iter_workers()
 
-            ctx = mp.get_context("spawn")
-            q = ctx.Queue(maxsize=self.depth)
-            stop = ctx.Event()
-            worker = ctx.Process(target=_produce_process, args=(self.cfg, q, stop, self.source), daemon=True)
+    def close(self) -> None:
+        """Stop persistent workers."""
+        loader, self._loader = self._loader, None
+        it = getattr(loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    def _make_loader(self) -> Any:
+        ctx = self.mp_context or ("fork" if os.name == "posix" and "fork" in _start_methods() else None)
+        if self.warm and self.source is None and ctx == "fork":
+            self.warm_cpu_s += Extractor(self.cfg).warm()
+        cuda = torch.cuda.is_available() and (self.cfg.device or "cuda").startswith("cuda")
+        return torch.utils.data.DataLoader(
+            FeatureStream(self.cfg, self.source), batch_size=None, num_workers=self.workers,
+            prefetch_factor=self.depth, persistent_workers=self.persistent, multiprocessing_context=ctx,
+            worker_init_fn=_worker_init, pin_memory=cuda, in_order=True)
+
+    def _iter_workers(self) -> Iterator[FeatureBatch]:
+        if self._loader is None:
+            self._loader = self._make_loader()
+        done: list[WorkerDone] = []
+        it = iter(self._loader)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    break
+                finally:
+                    self.wait_s += time.perf_counter() - t0
+                if isinstance(item, WorkerFailed):
+                    raise LeanmlError(item.message)
+                if isinstance(item, WorkerDone):
+                    done.append(item)
+                elif item is not None:
+                    yield item
+        finally:
+            if not self.persistent:
+                del it
+                self._loader = None
+        reports = [d.report for d in sorted(done, key=lambda d: d.worker) if d.report is not None]
+        rep = merge_reports(reports) if reports else ExtractReport()
+        rep.cpu_s = sum(d.cpu_s for d in done)
+        rep.extract_s = sum(r.extract_s for r in reports)
+        if self.cfg.quarantine and self.workers > 1:
+            rep.quarantine_file = merge_quarantine(self.cfg.quarantine, self.workers)
+        self.report = rep
+
+    def _iter_thread(self) -> Iterator[FeatureBatch]:
+        q: Any = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        worker = threading.Thread(target=_produce, args=(self.cfg, q, stop, self.source), daemon=True)
         worker.start()
         try:
             while True:
@@ -227,21 +369,16 @@ class Prefetcher:
                     if item[1] == "LeanmlError":
                         raise LeanmlError(item[2])
                     raise RuntimeError(f"feature extraction failed:\n{item[2]}")
-                if isinstance(item, tuple) and item and item[0] == "__arrays__":
-                    ts = [torch.from_numpy(a) for a in item[1]]
-                    item = FeatureBatch(ts[0], ts[1], ts[2], ts[3:])
                 yield item
         finally:
             stop.set()
-            if self.mode == "process":
-                while worker.is_alive():
-                    try:
-                        q.get(timeout=0.05)
-                    except queue.Empty:
-                        pass
-                    worker.join(timeout=0.05)
-            else:
-                worker.join(timeout=5)
+            worker.join(timeout=5)
+
+
+def _start_methods() -> list[str]:
+    import multiprocessing
+
+    return multiprocessing.get_all_start_methods()
 
 
 # ----------------------------------------------------------------------------------------- training
@@ -323,11 +460,15 @@ def evaluate(model: FeatureDNN, batches: Iterable[FeatureBatch], device: torch.d
     return {"auc": auc, "logloss": logloss, "rows": len(y)}
 
 
-def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, producer: str = "thread",
-                  lr: float = 1e-3, seed: int = 0, model: FeatureDNN | None = None, dim: int = 16,
-                  hidden: tuple[int, ...] = (128, 64), device: str | None = None,
+def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, producer: str = "process",
+                  workers: int = 1, lr: float = 1e-3, seed: int = 0, model: FeatureDNN | None = None,
+                  dim: int = 16, hidden: tuple[int, ...] = (128, 64), device: str | None = None,
                   progress: bool = False) -> tuple[FeatureDNN, dict[str, Any]]:
-    """Stream logs through the graph straight into training; returns the model and a JSON-able report."""
+    """Stream logs through the graph straight into training; returns the model and a JSON-able report.
+
+    ``producer="process"``: ``workers`` DataLoader worker processes (shared memory, ``prefetch`` batches
+    each, kept across epochs); ``"thread"``: one producer thread with a queue of ``prefetch`` batches.
+    """
     torch.manual_seed(seed)
     graph = FeatureGraph.from_dict(cfg.graph)
     model = model or model_for_graph(graph, dim=dim, hidden=hidden)
@@ -336,20 +477,24 @@ def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, pro
     opt = CTROptimizer(model, lr=lr)
     t0 = time.perf_counter()
     reps, trains = [], []
-    for ep in range(epochs):
-        pf = Prefetcher(cfg, depth=prefetch, mode=producer)
-        trains.append(train_on(model, pf, opt, dev, progress=progress, desc=f"pipelined epoch {ep + 1}"))
-        reps.append(pf.report)
+    pf = Prefetcher(cfg, depth=prefetch, mode=producer, workers=workers, persistent=epochs > 1)
+    try:
+        for ep in range(epochs):
+            trains.append(train_on(model, pf, opt, dev, progress=progress, desc=f"pipelined epoch {ep + 1}"))
+            reps.append(pf.report)
+    finally:
+        pf.close()
     wall = time.perf_counter() - t0
     ext = merge_reports([r for r in reps if r is not None])
     ext.extract_s = sum(r.extract_s for r in reps if r is not None)
-    ext.cpu_s = sum(r.cpu_s for r in reps if r is not None)
+    ext.cpu_s = sum(r.cpu_s for r in reps if r is not None) + pf.warm_cpu_s
     rows = sum(t.rows for t in trains)
     report = {
-        "mode": "pipelined", "producer": producer, "prefetch": prefetch, "epochs": epochs,
+        "mode": "pipelined", "producer": producer, "workers": workers if producer == "process" else 0,
+        "prefetch": prefetch, "epochs": epochs,
         "rows": rows, "wall_s": wall, "samples_s": rows / wall if wall > 0 else 0.0,
         "extract_s": ext.extract_s, "train_s": sum(t.train_s for t in trains),
-        "extract_cpu_s": ext.cpu_s, "train_cpu_s": sum(t.cpu_s for t in trains),
+        "extract_cpu_s": ext.cpu_s, "warm_cpu_s": pf.warm_cpu_s, "train_cpu_s": sum(t.cpu_s for t in trains),
         "train_wait_s": sum(t.wait_s for t in trains), "loss": trains[-1].loss if trains else None,
         "extract": ext.as_dict(), "train": [t.as_dict() for t in trains],
     }

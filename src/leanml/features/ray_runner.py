@@ -21,7 +21,7 @@ from leanml.features.batch import FeatureBatch
 from leanml.features.graph import FeatureGraph
 from leanml.features.model import CTROptimizer, FeatureDNN, model_for_graph
 from leanml.features.pipeline import ExtractConfig, train_on
-from leanml.features.readers import Quarantine, parse_json_lines, parse_tsv_lines
+from leanml.features.readers import Quarantine, parse_lines
 from leanml.features.scheduler import LayerwiseExecutor
 from leanml.utils import LeanmlError
 
@@ -35,13 +35,14 @@ class RayExtract:
         qpath = Path(quarantine_dir) / f"quarantine-{os.getpid()}.jsonl" if quarantine_dir else None
         self.quarantine = Quarantine(qpath)
         self.executor = LayerwiseExecutor(self.graph, device=cfg.device, threads=cfg.threads,
-                                          arena=Arena(cfg.arena_bytes), data_dir=cfg.data_dir, tables=cfg.tables)
+                                          arena=Arena(cfg.arena_bytes), data_dir=cfg.data_dir, tables=cfg.tables,
+                                          entity=cfg.entity)
         self.jsonl = cfg.logs and cfg.logs[0].removesuffix(".gz").endswith((".jsonl", ".json"))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         lines = [(s + "\n").encode("utf-8") for s in batch["text"].tolist()]
-        parse = parse_json_lines if self.jsonl else parse_tsv_lines
-        chunk = parse(lines, self.graph.schema, self.quarantine, "ray", -1)
+        chunk = parse_lines(lines, self.graph.schema, self.quarantine, "ray", -1,
+                            fmt="jsonl" if self.jsonl else "tsv", engine=self.cfg.engine)
         self.quarantine.close()
         if not chunk or len(next(iter(chunk.values()))) == 0:
             return _empty(self.graph)

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
-from leanml.features.batch import FeatureBatch
+from leanml.features.batch import FeatureBatch, _split_ids
 from leanml.features.graph import FeatureGraph
 from leanml.features.model import CTROptimizer, FeatureDNN, model_for_graph
 from leanml.features.pipeline import ExtractConfig, Extractor, train_on
@@ -42,17 +42,21 @@ def batch_to_table(batch: FeatureBatch, seq_names: list[str]) -> pa.Table:
 
 
 def table_to_batch(table: pa.Table, seq_names: list[str], widths: dict[str, int]) -> FeatureBatch:
+    """A row group back into a packed :class:`FeatureBatch` (ids of all fields in one buffer)."""
     n = table.num_rows
 
-    def unfixed(col: str, dtype: Any, width: int) -> torch.Tensor:
-        flat = table.column(col).combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        return torch.from_numpy(np.array(flat, dtype=dtype).reshape(n, width))
+    def flat(col: str) -> np.ndarray:
+        return table.column(col).combine_chunks().flatten().to_numpy(zero_copy_only=False)
 
-    return FeatureBatch(
-        torch.from_numpy(table.column("label").to_numpy().astype(np.float32)),
-        unfixed("sparse", np.int64, widths["sparse"]), unfixed("dense", np.float32, widths["dense"]),
-        [unfixed(f"seq:{s}", np.int64, widths[f"seq:{s}"]) for s in seq_names],
-    )
+    id_cols = ["sparse", *[f"seq:{s}" for s in seq_names]]
+    ids = np.empty((n, sum(widths[c] for c in id_cols)), dtype=np.int64)
+    start = 0
+    for c in id_cols:
+        ids[:, start : start + widths[c]] = flat(c).reshape(n, widths[c])
+        start += widths[c]
+    dense = np.array(flat("dense"), dtype=np.float32).reshape(n, widths["dense"])
+    return _split_ids(torch.from_numpy(table.column("label").to_numpy().astype(np.float32)), torch.from_numpy(ids),
+                      torch.from_numpy(dense), [widths[f"seq:{s}"] for s in seq_names])
 
 
 def extract_to_parquet(cfg: ExtractConfig, out: str | Path, overwrite: bool = False,

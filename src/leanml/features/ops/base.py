@@ -50,11 +50,20 @@ def register_op(cls: type[Op]) -> type[Op]:
 
 @dataclass(kw_only=True)
 class Op:
-    """Base of all operators. Subclasses set ``kind`` and implement :meth:`forward` (numpy)."""
+    """Base of all operators. Subclasses set ``kind`` and implement :meth:`forward` (numpy).
+
+    ``rowwise``: output row i depends only on input row i (every bundled op). The scheduler then
+    computes an op whose inputs all come from one joined table once per entity of that table, when
+    the table is loaded, and gathers the results per log row. ``accepts_gathered``: :meth:`forward`
+    takes :class:`~leanml.features.columns.Gathered` inputs as they are (otherwise the scheduler
+    materialises them first).
+    """
 
     kind: ClassVar[str] = ""
     has_torch: ClassVar[bool] = False
     is_filter: ClassVar[bool] = False
+    rowwise: ClassVar[bool] = True
+    accepts_gathered: ClassVar[bool] = False
     default_placement: ClassVar[str] = "cpu"
     name: str = ""
     placement: str = ""

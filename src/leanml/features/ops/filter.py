@@ -6,11 +6,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from leanml.features.columns import Column
+from leanml.features.columns import Column, is_arrow
 from leanml.features.ops.base import Op, OpContext, register_op
 from leanml.utils import LeanmlError
 
+_ARROW_OPS = {"==": pc.equal, "!=": pc.not_equal, "<": pc.less, "<=": pc.less_equal, ">": pc.greater,
+              ">=": pc.greater_equal}
 _FILTER_OPS = {
     "==": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
 }
@@ -40,6 +44,12 @@ class Filter(Op):
 
     def forward(self, cols: list[Column], ctx: OpContext) -> list[Column]:
         (col,) = cols
+        if is_arrow(col):
+            if self.cmp in ("in", "not_in"):
+                keep = np.asarray(pc.is_in(col, value_set=pa.array(self.value, type=col.type)), dtype=bool)
+                return [keep if self.cmp == "in" else ~keep]
+            return [np.asarray(_ARROW_OPS[self.cmp](col, pa.scalar(self.value, type=col.type)).fill_null(False),
+                               dtype=bool)]
         if self.cmp in ("in", "not_in"):
             keep = np.isin(col, np.asarray(self.value, dtype=col.dtype if col.dtype != object else object))
             return [keep if self.cmp == "in" else ~keep]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from leanml.features import hashing as H
-from leanml.features.columns import Column, Ragged, copy_out, to_device
+from leanml.features.columns import Column, Gathered, Ragged, copy_out, to_device
 from leanml.features.ops.base import Op, OpContext, default_seed, register_op
 from leanml.utils import LeanmlError
 
@@ -69,6 +69,7 @@ class Cross(Op):
 
     kind: ClassVar[str] = "cross"
     has_torch: ClassVar[bool] = True
+    accepts_gathered: ClassVar[bool] = True
     inputs_: list[str] = field(default_factory=list, metadata={"yaml": "inputs"})
     output: str
     buckets: int | None = None
@@ -111,13 +112,16 @@ class Cross(Op):
         h = ctx.alloc(n, np.uint64)
         acc[:] = H.seed_key(self.seed_value)
         for col in cols:
-            H.hash_values(col, 0, out=h, tmp=tmp)
+            if isinstance(col, Gathered):  # a field of a joined table: hashed once per entity, gathered per row
+                np.take(col.entity.derived("hash0", lambda v: H.hash_values(v, 0)), col.index, out=h)
+            else:
+                H.hash_values(col, 0, out=h, tmp=tmp)
             H.combine(acc, h, tmp=tmp)
         out = acc.view(np.int64)
         return [H.to_sign(acc, self.buckets, out=out)]
 
     def forward_torch(self, cols: list[Column], ctx: OpContext) -> list[Column]:
-        if any(not isinstance(c, torch.Tensor) for c in cols):
+        if any(not isinstance(c, torch.Tensor) for c in cols):  # strings or gathered fields
             ctx.counters[f"{self.name}:cpu_fallback"] += 1
             out = self.forward([to_device(c, torch.device("cpu")) for c in cols], ctx)[0]
             return [to_device(np.array(out), ctx.device)]

@@ -39,16 +39,19 @@ class TruncatePad(Op):
         if not isinstance(col, Ragged):
             raise LeanmlError(f"truncate_pad {self.output}: input {self.input!r} is not a list column; split it first")
         n, L = len(col), self.max_len
-        off = np.asarray(col.offsets)
-        lengths = np.minimum(np.diff(off), L)
-        starts = off[:-1] if self.keep == "first" else off[1:] - lengths
-        pos = np.arange(L, dtype=np.int64)
+        off = np.asarray(col.offsets, dtype=np.int64)
+        values = np.asarray(col.values)
         out = ctx.alloc((n, L), np.int64)
         out.fill(self.pad)
-        mask = pos[None, :] < lengths[:, None]
-        if len(col.values):
-            idx = starts[:, None] + pos[None, :]
-            out[mask] = np.asarray(col.values)[idx[mask]]
+        if len(values):
+            # work per list item (not per output cell): item j of row r lands at r * L + (j - first kept item of r)
+            lengths = np.diff(off)
+            row = np.repeat(np.arange(n, dtype=np.int64), lengths)
+            first = off[:-1] if self.keep == "first" else np.maximum(off[1:] - L, off[:-1])
+            pos = np.arange(len(values), dtype=np.int64) - first[row]
+            kept = (pos >= 0) & (pos < L)
+            flat = out.reshape(-1)
+            flat[row[kept] * L + pos[kept]] = values[kept]
         return [out]
 
     def forward_torch(self, cols: list[Column], ctx: OpContext) -> list[Column]:

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from leanml.features.columns import Column, Ragged
+from leanml.features.columns import Column, Ragged, as_arrow_strings, string_lengths
 from leanml.features.ops.base import Op, OpContext, register_op
 from leanml.utils import LeanmlError
 
@@ -17,7 +19,9 @@ from leanml.utils import LeanmlError
 class Split(Op):
     """Split a delimited string field into a list (``"3|17|5"`` -> ``[3, 17, 5]``). Empty string -> ``[]``.
 
-    ``dtype: int`` parses items as integers; items that do not parse are dropped and counted.
+    ``dtype: int`` parses items as integers with Python's ``int()`` rules; items that do not parse are
+    dropped and counted. Runs in arrow's C++ kernels (``split_pattern``, ``cast``); items arrow will
+    not take as they are (hex, spaces, signs) are checked one by one in Python.
     """
 
     kind: ClassVar[str] = "split"
@@ -35,56 +39,43 @@ class Split(Op):
 
     def forward(self, cols: list[Column], ctx: OpContext) -> list[Column]:
         (col,) = cols
-        sep = self.sep
-        strs = [s if isinstance(s, str) else str(s) for s in col.tolist()]
-        n = len(strs)
-        lengths = ctx.alloc(n, np.int64)
-        lengths[:] = np.fromiter((s.count(sep) + 1 if s else 0 for s in strs), dtype=np.int64, count=n)
-        offsets = ctx.alloc(n + 1, np.int64)
-        offsets[0] = 0
-        np.cumsum(lengths, out=offsets[1:])
-        joined = sep.join(s for s in strs if s)
-        if self.dtype == "str":
-            flat = joined.split(sep) if joined else []
-            values = np.empty(len(flat), dtype=object)
-            values[:] = flat
-            return [Ragged(values, offsets)]
-        values = _parse_ints(joined, sep, int(offsets[-1]))
-        if values is None:
-            flat = joined.split(sep) if joined else []
-            good_rows, ok_items = [], []
-            for i in range(n):
-                items = flat[offsets[i] : offsets[i + 1]]
-                kept = [int(x) for x in items if _is_int(x)]
-                ctx.counters[f"{self.name}:bad_items"] += len(items) - len(kept)
-                good_rows.append(len(kept))
-                ok_items.extend(kept)
-            lengths[:] = good_rows
+        arr = as_arrow_strings(col).fill_null("")
+        lists = pc.split_pattern(arr, self.sep)
+        offsets = np.asarray(lists.offsets).astype(np.int64)
+        values = lists.flatten()
+        empty = string_lengths(arr) == 0
+        if empty.any():  # "" splits into [""]; a split field that is empty is the empty list
+            lengths = np.diff(offsets)
+            keep = ~np.repeat(empty, lengths)
+            values = values.filter(pa.array(keep))
+            lengths[empty] = 0
+            offsets = np.zeros(len(arr) + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
-            values = np.array(ok_items, dtype=np.int64)
-        return [Ragged(values, offsets)]
+        if self.dtype == "str":
+            return [Ragged(values, offsets)]
+        return [self._ints(values, offsets, ctx)]
+
+    def _ints(self, values: pa.Array, offsets: np.ndarray, ctx: OpContext) -> Ragged:
+        data = values.buffers()[2]
+        hexy = data is not None and bool(np.isin(np.frombuffer(data, np.uint8), (ord("x"), ord("X"))).any())
+        if not hexy:
+            try:
+                return Ragged(np.asarray(pc.cast(values, pa.int64())), offsets)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                pass
+        parsed = [_int_or_none(x) for x in values.to_pylist()]
+        ok = np.fromiter((p is not None for p in parsed), dtype=bool, count=len(parsed))
+        ctx.counters[f"{self.name}:bad_items"] += int((~ok).sum())
+        row = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+        lengths = np.bincount(row[ok], minlength=len(offsets) - 1).astype(np.int64)
+        new_off = np.zeros(len(offsets), dtype=np.int64)
+        np.cumsum(lengths, out=new_off[1:])
+        return Ragged(np.array([p for p in parsed if p is not None], dtype=np.int64), new_off)
 
 
-_I64 = np.iinfo(np.int64)
-
-
-def _parse_ints(joined: str, sep: str, expected: int) -> np.ndarray | None:
-    """Fast C parse of ``sep``-joined integers; None when anything is off (the caller then goes item by item)."""
-    if expected == 0:
-        return np.empty(0, dtype=np.int64)
-    if any(w in joined for w in (" ", "\t", "\n", "\r")):
-        return None
+def _int_or_none(s: str) -> int | None:
     try:
-        values = np.fromstring(joined.replace(sep, " "), dtype=np.int64, sep=" ")
+        v = int(s)
     except ValueError:
         return None
-    if len(values) != expected or (values == _I64.max).any() or (values == _I64.min).any():
-        return None
-    return values
-
-
-def _is_int(s: str) -> bool:
-    try:
-        return -(2**63) <= int(s) < 2**63
-    except ValueError:
-        return False
+    return v if -(2**63) <= v < 2**63 else None
