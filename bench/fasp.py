@@ -27,10 +27,10 @@ import torch
 from leanml.data.text import calibration_windows, load_text, token_windows
 from leanml.eval.perplexity import perplexity
 from leanml.models import load_model
+from leanml.models.surgery import count_nonzero, count_parameters
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods import pruner_class
-from leanml.prune.structured import count_nonzero, count_parameters
 from leanml.utils import machine_info, machine_line, write_json
 
 METHODS = ["fasp", "magnitude-sp", "wanda-sp", "flap"]
@@ -165,8 +165,8 @@ def speed_only(args: argparse.Namespace) -> int:
     model is rebuilt as the dense model with its MLPs cut to the record's ``intermediate_size``."""
     import copy
 
-    from leanml.models.adapters import get_adapter
-    from leanml.prune.structured import replace_module, select_columns, select_rows
+    from leanml.models.layout import get_adapter
+    from leanml.models.surgery import cut_mlp
 
     data = json.loads(Path(args.speed_only).read_text())
     dense, _ = load_model("smollm2-135m")
@@ -177,12 +177,9 @@ def speed_only(args: argparse.Namespace) -> int:
             adapter = get_adapter(m)
             keep = torch.arange(int(r["intermediate_size"]))
             for layer in adapter.layers():
-                for g in adapter.groups(layer):
+                for g in adapter.pairs(layer):
                     if g.name == "mlp_out":
-                        for name, lin in g.producers.items():
-                            replace_module(layer, name, select_rows(lin, keep))
-                        for name, lin in g.linears.items():
-                            replace_module(layer, name, select_columns(lin, keep))
+                        cut_mlp(layer, g, keep)
             models[f"fasp@{r['sparsity']}"] = m
     speeds = measure_speeds(models, args)
     for r in data["records"]:

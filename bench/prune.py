@@ -1,209 +1,375 @@
-"""Pruning benchmark: dense, magnitude, Wanda and SparseGPT at 50 % unstructured and 2:4 on one model,
-with one calibration set, side by side in one run.
+"""Pruning benchmark: our methods and llm-compressor's side by side, on two corpora, over seeds.
 
-    .venv/bin/python bench/prune.py                 # SmolLM2-135M, 32 x 512 calibration tokens
-    .venv/bin/python bench/prune.py --quick         # fewer calibration / evaluation windows
+Every row prunes SmolLM2-135M (or ``--model``) with the SAME calibration windows (``--nsamples`` x
+``--seqlen`` tokens from the calib split of ``--calib``, one token-id file per seed, fed to every
+method), saves the pruned model, reloads it from disk, measures its sparsity per module kind from
+the saved weights, and evaluates it with our evaluator on the WHOLE test split of each corpus
+(Hamlet and the clothing reviews). Rows:
 
-Writes ``bench/results/prune.{md,json,png}``. Records from other scripts (e.g. FISTA's) already in
-``prune.json`` are kept; records of the same (method, pattern, warm_start, variant) are replaced.
-Helpers :func:`run_method`, :func:`merge_records` and :func:`write_outputs` are imported by
-``bench/prune_fista.py``.
+- ``dense``: the unpruned model;
+- ``magnitude``, ``wanda``, ``sparsegpt``, ``fista`` (any registered method; ``fista:dense`` sets a
+  warm start): through the engine API (``prune_model``);
+- ``llmc-sparsegpt``, ``llmc-wanda``: llm-compressor's ``SparseGPTModifier`` / ``WandaPruningModifier``
+  run by ``bench/peers/llmc_prune.py`` in ``.venv-peers`` (built by ``make peers`` when absent). A
+  peer that cannot be built or run gives a record with the error; the other rows go on.
+
+Patterns: ``50%``, ``60%``, ``70%`` (any ``NN%``) unstructured, ``2:4``, ``4:8``; profiles ``uniform``
+and ``owl`` (unstructured only). One record per (method, pattern, profile, seed, corpus) in
+``bench/results/prune.json``, merged by that key, so chunks run separately; after each row the JSON,
+``prune.md`` (tables, headers and the targets of issue 12, all generated from the records) and
+``prune.png`` are rewritten. Run each chunk under the CPU lock:
+
+    flock /tmp/leanml-cpu.lock python bench/prune.py --methods dense
+    flock /tmp/leanml-cpu.lock python bench/prune.py --methods llmc-sparsegpt --patterns 50%,2:4 --seeds 0
+    flock /tmp/leanml-cpu.lock python bench/prune.py --methods sparsegpt,fista --patterns 50% --seeds 0,1,2
+    python bench/prune.py --render-only
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import fcntl
+import hashlib
+import inspect
 import json
+import os
+import resource
 import shlex
+import shutil
+import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from leanml.data.text import calibration_windows, load_text, token_windows  # noqa: E402
-from leanml.eval.perplexity import perplexity  # noqa: E402
-from leanml.models import load_model  # noqa: E402
-from leanml.prune.engine import prune_model  # noqa: E402
-from leanml.prune.masks import MaskSpec  # noqa: E402
-from leanml.prune.methods import pruner_class  # noqa: E402
-from leanml.utils import machine_info, machine_line, write_json  # noqa: E402
+import prune_harness as H  # noqa: E402
+from leanml.data.text import (  # noqa: E402
+    REVIEWS_TEST,
+    SHAKESPEARE_CALIB,
+    SHAKESPEARE_TEST,
+    SHAKESPEARE_VAL,
+    calibration_windows,
+    load_text,
+    token_windows,
+)
+from leanml.utils import LeanmlError, atomic_file, cache_dir, machine_info, write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# Shared with bench/prune_fista.py so every method sees the same calibration and test windows.
+PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "llmc_prune.py"
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CALIB = "shakespeare"
-DEFAULT_NSAMPLES = 16
+DEFAULT_NSAMPLES = 64
 DEFAULT_SEQLEN = 512
 DEFAULT_SEED = 0
-DEFAULT_EVAL_WINDOWS = 10
 DEFAULT_BATCH_SIZE = 8
-PATTERNS = {"unstructured": MaskSpec(0.5), "2:4": MaskSpec(pattern=(2, 4))}
-BASELINES = ["magnitude", "wanda", "sparsegpt"]
-
-
-def record_key(r: dict[str, Any]) -> tuple:
-    return (r["method"], r["pattern"], r.get("warm_start"), r.get("variant"))
+DEFAULT_THREADS = 2
+CORPORA = ("shakespeare", "reviews")
+CPU_LOCK = "/tmp/leanml-cpu.lock"
 
 
 def merge_records(new: list[dict[str, Any]], path: Path = RESULTS / "prune.json") -> list[dict[str, Any]]:
-    """Records in ``path`` with those of ``new`` replacing the ones with the same key."""
-    old = json.loads(path.read_text()) if path.exists() else []
-    keys = {record_key(r) for r in new}
-    return [r for r in old if record_key(r) not in keys] + new
+    """Records of ``path`` with those of ``new`` replacing the ones of the same key (see ``prune_harness``).
+
+    Records without the key fields (an older protocol) are not of this benchmark and are left out.
+    """
+    current = [r for r in new if H.is_current(r)]
+    if len(current) < len(new):
+        print(f"prune.json: {len(new) - len(current)} record(s) without corpus/profile/seed left out", file=sys.stderr)
+    return H.merge_records(current, H.load_records(path))
 
 
-def run_method(
-    model: torch.nn.Module,
-    dense_state: dict[str, torch.Tensor],
-    calib: torch.Tensor,
-    test: torch.Tensor,
-    method: str,
-    spec: MaskSpec,
-    pruner: Any = None,
-    **engine_kwargs: Any,
-) -> tuple[float, float, dict[str, Any]]:
-    """Restore the dense weights, prune with ``method``, return (perplexity, prune seconds, report)."""
-    model.load_state_dict(dense_state)
+def write_outputs(records: list[dict[str, Any]], results: Path) -> None:
+    """``prune.json``, ``prune.md`` and ``prune.png`` next to each other, all from ``records``."""
+    write_json(results, records)
+    with atomic_file(results.with_suffix(".md")) as tmp:
+        tmp.write_text(H.render_markdown(records))
+    with atomic_file(results.with_suffix(".png"), suffix=".png") as tmp:
+        H.plot(records, tmp)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its waited-for children."""
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def cpu_lock_held(path: str = CPU_LOCK) -> bool | None:
+    """Whether someone (this run's ``flock``, when run as documented) holds the exclusive CPU lock:
+    a non-blocking shared lock fails exactly then. None when the lock file does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def machine() -> dict[str, Any]:
+    info = machine_info()
+    info["cores_available"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return info
+
+
+def calib_text(name: str) -> str:
+    if name == "shakespeare":
+        return f"the shakespeare calib split ({len(SHAKESPEARE_CALIB)} plays, none of {SHAKESPEARE_TEST + SHAKESPEARE_VAL})"
+    return f"the {name} calib split"
+
+
+def eval_text(name: str) -> str:
+    if name == "shakespeare":
+        return f"the whole shakespeare test split ({', '.join(SHAKESPEARE_TEST)})"
+    if name == "reviews":
+        return f"the whole reviews test split (last {REVIEWS_TEST} Women's Clothing review texts)"
+    return f"the whole {name} test split"
+
+
+def ids_sha256(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.long().numpy().tobytes()).hexdigest()
+
+
+@dataclass
+class Context:
+    """What every row of one invocation shares."""
+
+    args: argparse.Namespace
+    model_dir: Path
+    tokenizer: Any
+    tests: dict[str, torch.Tensor]
+    dense_kinds: dict[str, float]
+    work: Path
+    command: str
+    calib: dict[int, tuple[Path, torch.Tensor]] = field(default_factory=dict)
+
+    def calibration(self, seed: int) -> tuple[Path, torch.Tensor]:
+        """The calibration windows of ``seed``, written once to a token-id file every method reads."""
+        if seed not in self.calib:
+            a = self.args
+            ids = calibration_windows(self.tokenizer, a.calib, a.nsamples, a.seqlen, seed=seed)
+            path = self.work / f"calib-{a.calib}-{a.nsamples}x{a.seqlen}-seed{seed}.pt"
+            with atomic_file(path) as tmp:
+                torch.save(ids, tmp)
+            self.calib[seed] = (path, torch.load(path, weights_only=True))
+        return self.calib[seed]
+
+
+# ---------------------------------------------------------------- rows
+
+
+def prune_ours(ctx: Context, label: str, pattern: str, profile: str, seed: int, out: Path) -> dict[str, Any]:
+    """Prune with our engine, save to ``out``; return timing and settings."""
+    from leanml.models import load_model, save_model
+    from leanml.prune.engine import prune_model
+    from leanml.prune.masks import MaskSpec
+    from leanml.prune.methods import pruner_class
+
+    method, _, warm = label.partition(":")
     cls = pruner_class(method)
-    pruner = pruner or cls()
-    spec = MaskSpec(spec.sparsity, spec.pattern, getattr(cls, "default_scope", "row"))
-    t0 = time.perf_counter()
-    report = prune_model(model, calib, pruner, spec, **engine_kwargs)
-    seconds = time.perf_counter() - t0
-    ppl = perplexity(model, test, batch_size=4, progress=False)
-    return ppl, seconds, report
+    pruner = cls(warm_start=warm) if warm else cls()
+    sparsity, nm = H.parse_pattern(pattern)
+    spec = MaskSpec(sparsity, nm, getattr(cls, "default_scope", "row"))
+    kwargs = engine_profile_kwargs(profile)
+    _, ids = ctx.calibration(seed)
+    model, tok = load_model(str(ctx.model_dir))
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    prune_model(model, ids, pruner, spec, batch_size=ctx.args.batch_size, progress=True, **kwargs)
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    save_model(model, tok, out)
+    return {"seconds": seconds, "cpu_seconds": cpu, "method_config": pruner.config(), "mask_scope": spec.scope}
 
 
-def write_outputs(records: list[dict[str, Any]], command: str, extra_md: str = "") -> None:
-    """``prune.json``, the Markdown table and the plot, from all records."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    records = list({record_key(r): r for r in records}.values())  # one record per key, the latest
-    write_json(RESULTS / "prune.json", records)
-    # ratios only against SparseGPT measured in the same setting (same variant)
-    ref = {(r["pattern"], r.get("variant")): r for r in records if r["method"] == "sparsegpt"}
-    lines = [
-        "# Pruning benchmark",
-        "",
-        f"Machine: {machine_line()}.  ",
-        "Commands: " + "; ".join(f"`{c}`" for c in dict.fromkeys([*(r["command"] for r in records if r.get("command")),
-                                                                  command])) + ".  ",
-        "Perplexity: SparseGPT protocol on the Hamlet test split (Shakespeare stands in for WikiText-2 offline), "
-        f"{records[0]['eval_windows']} windows x {records[0]['seqlen']} tokens; calibration "
-        f"{records[0]['nsamples']} x {records[0]['seqlen']} tokens from other plays (seed 0), the same set for every method.",
-        "",
-        "Rows with a variant come from separate runs (`bench/prune_fista.py`, or `bench/prune.py --variant`); "
-        "their ratios are against SparseGPT with the same variant, measured in the same run (`-` where that run "
-        "had none: see `prune_fista.md`).",
-        "Prune seconds include the engine's calibration forward passes, which dominate for the cheap methods.",
-        "",
-        "| method | warm start | variant | pattern | sparsity | ppl | ppl / SparseGPT | prune s | time / SparseGPT |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    order = {"dense": 0, "magnitude": 1, "wanda": 2, "sparsegpt": 3, "fista": 4}
-    patterns = {"dense": 0, "unstructured": 1}
-    shown = [r for r in records if r["method"] != "dense" or not r.get("variant")]  # one dense row: same model
-    for r in sorted(shown, key=lambda r: (patterns.get(r["pattern"], 2), str(r.get("variant") or ""),
-                                          order.get(r["method"], 9), str(r.get("warm_start")))):
-        base = ref.get((r["pattern"], r.get("variant")))
-        ratio = f"{r['ppl'] / base['ppl']:.3f}" if base else "-"
-        tratio = f"{r['seconds'] / base['seconds']:.2f}" if base and base["seconds"] and r["seconds"] else "-"
-        lines.append(
-            f"| {r['method']} | {r.get('warm_start') or '-'} | {r.get('variant') or '-'} | {r['pattern']} | "
-            f"{r['sparsity']:.2f} | {r['ppl']:.2f} | {ratio} | {r['seconds']:.1f} | {tratio} |"
-        )
-    (RESULTS / "prune.md").write_text("\n".join(lines) + "\n" + extra_md)
-    _plot(records)
+def engine_profile_kwargs(profile: str) -> dict[str, Any]:
+    """Keyword arguments that ask ``prune_model`` for a layer sparsity profile (none for uniform)."""
+    if profile == "uniform":
+        return {}
+    from leanml.prune.engine import prune_model
+
+    params = inspect.signature(prune_model).parameters
+    for name in ("sparsity_profile", "profile"):
+        if name in params:
+            return {name: profile}
+    raise LeanmlError(f"this engine has no sparsity profile option; profile {profile!r} needs it")
 
 
-def _plot(records: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
-    for ax, pattern in zip(axes, ["unstructured", "2:4"]):
-        # the baselines' run, then every full-model variant (FISTA beside its same-run SparseGPT);
-        # reduced settings (only some layers pruned) stay in the table
-        base = [r for r in records if r["pattern"] in (pattern, "dense") and not r.get("variant")]
-        full = [r for r in records if r["pattern"] == pattern and str(r.get("variant", "")).startswith("full model")]
-        full.sort(key=lambda r: (r["variant"], r["method"] != "sparsegpt", str(r.get("warm_start"))))
-        rows = base + full
-        labels = [r["method"] + (f"\n({r['warm_start']})" if r.get("warm_start") else "")
-                  + (f"\n[{r['variant'].removeprefix('full model, ')[:25]}]" if r.get("variant") else "")
-                  for r in rows]  # fmt: skip
-        colors = ["tab:orange" if r["method"] == "fista" else "tab:blue" for r in rows]
-        ax.bar(range(len(rows)), [r["ppl"] for r in rows], color=colors)
-        ax.set_xticks(range(len(rows)), labels, fontsize=6)
-        ax.set_yscale("log")
-        ax.set_ylabel("perplexity (log)")
-        ax.set_title(f"{'50% unstructured' if pattern == 'unstructured' else '2:4'}")
-        for i, r in enumerate(rows):
-            ax.text(i, r["ppl"], f"{r['ppl']:.1f}", ha="center", va="bottom", fontsize=8)
-    fig.suptitle(f"{records[0]['model']}: perplexity after pruning (lower is better)")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "prune.png", dpi=120)
-    plt.close(fig)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--nsamples", type=int, default=DEFAULT_NSAMPLES)
-    ap.add_argument("--seqlen", type=int, default=DEFAULT_SEQLEN)
-    ap.add_argument("--eval-windows", type=int, default=DEFAULT_EVAL_WINDOWS)
-    ap.add_argument("--methods", default=",".join(BASELINES),
-                    help="comma list of methods; fista:<start> sets FISTA's warm start (e.g. fista:dense)")
-    ap.add_argument("--quick", action="store_true", help="8 calibration and 8 evaluation windows")
-    ap.add_argument("--patterns", default=",".join(PATTERNS), help="comma list of: unstructured,2:4")
-    ap.add_argument("--variant", default=None, help="label for this run's records (ratios stay within a variant)")
-    ap.add_argument("--render-only", action="store_true", help="rewrite the table and plot from prune.json")
-    args = ap.parse_args()
-    if args.render_only:
-        records = json.loads((RESULTS / "prune.json").read_text())
-        write_outputs(records, "python bench/prune.py")
-        print((RESULTS / "prune.md").read_text())
+def ensure_peers(python: Path) -> None:
+    """Build ``.venv-peers`` with ``make peers`` when absent; raise with the reason when that fails."""
+    if python.exists():
         return
-    if args.quick:
-        args.nsamples, args.eval_windows = 8, 8
-    torch.manual_seed(0)
-    model, tok = load_model(args.model)
-    calib = calibration_windows(tok, DEFAULT_CALIB, args.nsamples, args.seqlen, seed=DEFAULT_SEED)
-    test = token_windows(tok, load_text("shakespeare", "test"), args.seqlen)[: args.eval_windows]
-    dense_state = copy.deepcopy(model.state_dict())
-    command = shlex.join(["python", "bench/prune.py", *sys.argv[1:]])
-    common = {"model": args.model, "calib": "shakespeare", "nsamples": args.nsamples, "seqlen": args.seqlen,
-              "eval_windows": int(test.shape[0])}
-    if args.variant:
-        common["variant"] = args.variant
-    records = [{"method": "dense", "pattern": "dense", "sparsity": 0.0,
-                "ppl": perplexity(model, test, batch_size=4, progress=False), "seconds": 0.0, **common}]
-    print(f"dense ppl {records[0]['ppl']:.2f}", flush=True)
-    for pattern in args.patterns.split(","):
-        spec = PATTERNS[pattern]
-        for entry in args.methods.split(","):
-            method, _, warm = entry.partition(":")  # fista:dense is FISTA from a cold (dense) start
-            pruner = pruner_class(method)(warm_start=warm) if warm else pruner_class(method)()
-            ppl, seconds, _ = run_method(model, dense_state, calib, test, method, spec, pruner=pruner,
-                                         progress=True, batch_size=DEFAULT_BATCH_SIZE)
-            record = {"method": method, "pattern": pattern, "sparsity": spec.target_sparsity, "ppl": ppl,
-                      "seconds": seconds, **common}
-            if hasattr(pruner, "warm_start"):
-                record["warm_start"] = pruner.warm_start
-                record["method_config"] = pruner.config()
-            record["command"] = command
-            records.append(record)
-            print(f"{method:10s} {pattern:12s} ppl {ppl:8.2f}  {seconds:6.1f} s", flush=True)
-    all_records = merge_records(records)
-    for r in all_records:
-        r.setdefault("machine", machine_info()["cpu"])
-    write_outputs(all_records, command)
-    print((RESULTS / "prune.md").read_text())
+    if python != PEERS_PYTHON:
+        raise LeanmlError(f"peer python {python} does not exist; pass the python of an env with llmcompressor")
+    print(f"{python} absent: running `make peers`", flush=True)
+    proc = subprocess.run(["make", "-C", str(ROOT), "peers"], capture_output=True, text=True)
+    if proc.returncode or not python.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise LeanmlError(f"`make peers` failed (exit {proc.returncode}): {tail[0]}")
+
+
+def prune_peer(ctx: Context, label: str, pattern: str, profile: str, seed: int, out: Path) -> dict[str, Any]:
+    """Run llm-compressor in its own venv on our calibration file; return its report."""
+    python = Path(ctx.args.peers_python)
+    ensure_peers(python)
+    sparsity, nm = H.parse_pattern(pattern)
+    calib_path, ids = ctx.calibration(seed)
+    cmd = [str(python), str(PEER_SCRIPT), "--model", str(ctx.model_dir), "--calib", str(calib_path),
+           "--method", H.PEERS[label], "--out", str(out), "--threads", str(ctx.args.threads), "--profile", profile]
+    cmd += ["--mask", f"{nm[0]}:{nm[1]}"] if nm else ["--sparsity", f"{sparsity:g}"]
+    log = ctx.work / "logs" / f"{out.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    process_seconds, process_cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    if proc.returncode:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        errs = [ln for ln in lines if "Error" in ln or "error:" in ln] or lines
+        raise LeanmlError(f"llm-compressor run failed (exit {proc.returncode}): {(errs[-1] if errs else 'no output')[:300]} (log {log})")
+    report = json.loads((out / "run.json").read_text())
+    if report["calib_sha256"] != ids_sha256(ids):
+        raise LeanmlError("the peer read different calibration ids than ours")
+    return {"seconds": report["seconds"], "cpu_seconds": report["cpu_seconds"], "process_seconds": process_seconds,
+            "process_cpu_seconds": process_cpu, "peer": {k: report[k] for k in ("modifier", "settings", "versions",
+                                                                               "torch_threads", "total_seconds",
+                                                                               "total_cpu_seconds")}}
+
+
+def run_row(ctx: Context, method: str, pattern: str, profile: str, seed: int | None) -> list[dict[str, Any]]:
+    """One pruned (or dense) model evaluated on every corpus: one record per corpus."""
+    from leanml.eval.perplexity import perplexity
+    from leanml.models import load_model
+
+    a = ctx.args
+    name = f"{method.replace(':', '-')}-{pattern.replace('%', 'pct').replace(':', 'of')}-{profile}-seed{seed}"
+    out = ctx.work / "models" / name
+    shutil.rmtree(out, ignore_errors=True)
+    base: dict[str, Any] = {"method": method, "pattern": pattern, "profile": profile, "seed": seed,
+                            "model": a.model, "seqlen": a.seqlen, "command": ctx.command, "machine": machine(),
+                            "load": {"before": list(os.getloadavg())},
+                            "cpu_lock_held": cpu_lock_held(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if method != "dense":
+        sparsity, _ = H.parse_pattern(pattern)
+        calib_path, ids = ctx.calibration(seed)
+        base.update(sparsity=sparsity, nsamples=a.nsamples, calib=a.calib, calib_text=calib_text(a.calib),
+                    calib_sha256=ids_sha256(ids))
+    else:
+        base.update(sparsity=0.0, nsamples=None)
+    try:
+        if method == "dense":
+            info, model_dir = {"seconds": 0.0, "cpu_seconds": 0.0}, ctx.model_dir
+        else:
+            prune = prune_peer if method in H.PEERS else prune_ours
+            info, model_dir = prune(ctx, method, pattern, profile, seed, out), out
+        base.update(info)
+        kinds = H.sparsity_by_kind(model_dir)
+        base.update(sparsity_measured=kinds["decoder_linears"], sparsity_by_kind=kinds["by_kind"],
+                    tied_head=kinds["tied_head"], flags=H.untouched_flags(kinds["by_kind"], ctx.dense_kinds))
+        model, _ = load_model(str(model_dir))
+        records = []
+        for corpus, windows in ctx.tests.items():
+            t0 = time.perf_counter()
+            ppl = perplexity(model, windows, batch_size=a.eval_batch_size, progress=True)
+            records.append({**base, "corpus": corpus, "eval_text": eval_text(corpus), "eval_windows": int(windows.shape[0]),
+                            "ppl": ppl, "eval_seconds": time.perf_counter() - t0})
+    except (LeanmlError, subprocess.SubprocessError, OSError, RuntimeError, ValueError) as exc:
+        msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        print(f"{method} {pattern} {profile} seed {seed}: {msg}", flush=True)
+        records = [{**base, "corpus": c, "eval_text": eval_text(c), "eval_windows": int(w.shape[0]), "ppl": None,
+                    "error": msg} for c, w in ctx.tests.items()]
+    finally:
+        if not a.keep_models:
+            shutil.rmtree(out, ignore_errors=True)
+    for r in records:
+        r["load"]["after"] = list(os.getloadavg())
+    return records
+
+
+def plan(methods: list[str], patterns: list[str], profiles: list[str], seeds: list[int]) -> list[tuple]:
+    """The rows to run, in order: dense once, then per seed, pattern, profile, method."""
+    rows: list[tuple] = [("dense", "dense", "uniform", None)] if "dense" in methods else []
+    for seed in seeds:
+        for pattern in patterns:
+            nm = H.parse_pattern(pattern)[1]
+            for profile in profiles:
+                if profile != "uniform" and nm:
+                    print(f"skipping {profile} x {pattern}: a sparsity profile takes unstructured patterns", file=sys.stderr)
+                    continue
+                rows += [(m, pattern, profile, seed) for m in methods if m != "dense"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="bundled name or model directory (default smollm2-135m)")
+    ap.add_argument("--methods", default="dense,llmc-sparsegpt,llmc-wanda",
+                    help="comma list of: dense, llmc-sparsegpt, llmc-wanda, and our methods (magnitude, wanda, "
+                         "sparsegpt, fista, fista:<warm start>)")
+    ap.add_argument("--patterns", default="50%", help="comma list of NN%% (unstructured) and N:M, e.g. 50%%,60%%,70%%,2:4,4:8")
+    ap.add_argument("--profiles", default="uniform", help="comma list of: uniform, owl (owl: unstructured only)")
+    ap.add_argument("--seeds", default=str(DEFAULT_SEED), help="comma list of calibration seeds, e.g. 0,1,2")
+    ap.add_argument("--nsamples", type=int, default=DEFAULT_NSAMPLES, help="calibration windows (default 64)")
+    ap.add_argument("--seqlen", type=int, default=DEFAULT_SEQLEN, help="tokens per window (default 512)")
+    ap.add_argument("--calib", default=DEFAULT_CALIB, help="corpus whose calib split calibrates (default shakespeare)")
+    ap.add_argument("--corpora", default=",".join(CORPORA), help="evaluation corpora, whole test splits")
+    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads, ours and the peer's (default 2)")
+    ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="engine calibration batch size")
+    ap.add_argument("--eval-batch-size", type=int, default=4)
+    ap.add_argument("--peers-python", default=str(PEERS_PYTHON), help="python of the peer venv (default .venv-peers)")
+    ap.add_argument("--work-dir", default=None, help="calibration files, saved models, peer logs (default <cache>/bench-prune)")
+    ap.add_argument("--keep-models", action="store_true", help="keep the saved pruned models in the work dir")
+    ap.add_argument("--results", default=str(RESULTS / "prune.json"), help="records file (md and png beside it)")
+    ap.add_argument("--render-only", action="store_true", help="rewrite prune.md and prune.png from the records")
+    args = ap.parse_args(argv)
+    results = Path(args.results)
+    if args.render_only:
+        write_outputs(merge_records([], results), results)
+        print(results.with_suffix(".md").read_text())
+        return
+    methods = [m for m in args.methods.split(",") if m]
+    patterns = [p for p in args.patterns.split(",") if p]
+    profiles = [p for p in args.profiles.split(",") if p]
+    try:
+        for p in patterns:
+            H.parse_pattern(p)
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError as exc:
+        ap.error(str(exc))
+    if bad := [p for p in profiles if p not in H.PROFILES]:
+        ap.error(f"unknown profile(s) {bad}; use uniform, owl")
+    torch.set_num_threads(args.threads)
+    from leanml.models import BUNDLED, bundled_dir, load_model
+
+    model_dir = bundled_dir(args.model) if args.model in BUNDLED else Path(args.model).resolve()
+    _, tok = load_model(str(model_dir))
+    tests = {c: token_windows(tok, load_text(c, "test"), args.seqlen) for c in args.corpora.split(",") if c}
+    work = Path(args.work_dir) if args.work_dir else cache_dir() / "bench-prune"
+    work.mkdir(parents=True, exist_ok=True)
+    ctx = Context(args, model_dir, tok, tests, H.sparsity_by_kind(model_dir)["by_kind"], work,
+                  shlex.join(["python", "bench/prune.py", *(sys.argv[1:] if argv is None else argv)]))
+    print(", ".join(f"{c}: {w.shape[0]} windows x {w.shape[1]}" for c, w in tests.items()), flush=True)
+    for row in tqdm(plan(methods, patterns, profiles, seeds), desc="rows", unit="row"):
+        records = run_row(ctx, *row)
+        all_records = merge_records(records, results)
+        write_outputs(all_records, results)
+        for r in records:
+            ppl = "error" if r["ppl"] is None else f"{r['ppl']:.2f}"
+            print(f"{r['method']:15s} {r['pattern']:4s} {r['profile']:7s} seed {r['seed']} {r['corpus']:11s} ppl {ppl:>8s}  "
+                  f"sparsity {r.get('sparsity_measured', float('nan')):.3f}  prune {r.get('seconds', 0):.0f} s / "
+                  f"{r.get('cpu_seconds', 0):.0f} CPU-s", flush=True)
+    print(results.with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":

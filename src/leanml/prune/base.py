@@ -1,9 +1,10 @@
 """The contract between the layer-wise engine and pruning methods.
 
 The engine walks a model one decoder layer at a time. Inside a layer it visits :class:`Group` s in
-order (attention input projections, attention output, MLP input, MLP output). For each group it
-accumulates the input statistics of that group (:class:`GroupStats`) over the calibration tokens,
-then calls :meth:`Pruner.prune_group`, which rewrites the group's weights in place.
+forward order (linears reading the same input, found automatically; for structured methods the
+declared pairs of :mod:`leanml.models.adapters`). For each group it accumulates the input statistics
+of that group (:class:`GroupStats`) over the calibration tokens, then calls
+:meth:`Pruner.prune_group`, which rewrites the group's weights in place.
 
 Notation (per group, n = input features of the group's linears):
 
@@ -14,7 +15,9 @@ Notation (per group, n = input features of the group's linears):
 - ``H  = mean over tokens of x* x*^T``  (n x n)
 - ``G  = mean over tokens of x  x*^T``  (n x n, dense rows x pruned-path columns); only when the
   pruner sets ``needs_dense = True``
-- ``Hd = mean over tokens of x  x^T``   (n x n); only when ``needs_dense``.
+- ``Hd = mean over tokens of x  x^T``   (n x n); only when ``needs_dense``. When the engine runs the
+  dense layer's linears anyway it records instead, per linear, ``out_sq = diag(W Hd W^T)``: the mean
+  squared dense output of each row (bias excluded), which is all a method needs from ``Hd``.
 
 so for a dense weight W and a candidate W*, the mean squared output error against the dense layer is
 ``tr(W* H W*^T) - 2 tr(W G W*^T) + tr(W Hd W^T)`` (see :func:`output_error`).
@@ -23,13 +26,25 @@ so for a dense weight W and a candidate W*, the mean squared output error agains
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from leanml.models.layout import Group, StructUnits
 from leanml.prune.masks import MaskSpec
+
+__all__ = ["Group", "GroupStats", "LinearSpecs", "Pruner", "StructUnits", "linear_spec", "output_error"]
+
+#: what :meth:`Pruner.prune_group` receives: one spec for the group, or one per linear name
+LinearSpecs = MaskSpec | Mapping[str, MaskSpec]
+
+
+def linear_spec(spec: LinearSpecs, name: str) -> MaskSpec:
+    """The mask spec of linear ``name``: ``spec`` itself, or its entry when it maps names to specs."""
+    return spec if isinstance(spec, MaskSpec) else spec[name]
 
 
 @dataclass
@@ -42,6 +57,16 @@ class GroupStats:
     ntokens: int = 0
     #: per input feature, the mean of the pruned-path input (FLAP's fluctuation and bias compensation)
     mean: torch.Tensor | None = None
+    #: per linear name, ``diag(W Hd W^T)``: the mean squared dense output per row (bias excluded)
+    out_sq: dict[str, torch.Tensor] | None = None
+
+    def dense_energy(self, name: str, W: torch.Tensor) -> torch.Tensor:
+        """Per output row of linear ``name`` (dense weight ``W``), ``w Hd w^T``: the dense output's mean
+        square (from ``out_sq``, else ``Hd``, else ``H`` when there is no dense/pruned distinction)."""
+        if self.out_sq is not None and name in self.out_sq:
+            return self.out_sq[name].to(self.H.dtype)
+        Wd = W.to(self.H.dtype)
+        return ((Wd @ (self.H if self.Hd is None else self.Hd)) * Wd).sum(1)
 
     @property
     def sq_norms(self) -> torch.Tensor:
@@ -49,64 +74,39 @@ class GroupStats:
         return torch.diagonal(self.H)
 
 
-def output_error(W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats) -> float:
-    """Mean over tokens of ``||W_new x* - W x||^2`` (needs ``G``/``Hd``; else uses ``x = x*``)."""
+def output_error(W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats, name: str | None = None) -> float:
+    """Mean over tokens of ``||W_new x* - W x||^2`` (needs ``G`` and ``Hd`` or ``out_sq[name]``; without
+    ``G`` it uses ``x = x*``)."""
     W = W.to(stats.H.dtype)
     W_new = W_new.to(stats.H.dtype)
-    if stats.G is None or stats.Hd is None:
+    if stats.G is None:
         D = W_new - W
         return float(torch.einsum("ij,jk,ik->", D, stats.H, D))
     t1 = torch.einsum("ij,jk,ik->", W_new, stats.H, W_new)
     t2 = torch.einsum("ij,jk,ik->", W, stats.G, W_new)
-    t3 = torch.einsum("ij,jk,ik->", W, stats.Hd, W)
+    t3 = stats.dense_energy(name or "", W).sum()
     return float(t1 - 2 * t2 + t3)
-
-
-@dataclass
-class Group:
-    """Linears of one decoder layer that read the same input.
-
-    ``linears`` maps the linear's qualified name inside the decoder layer (e.g. ``"mlp.down_proj"``)
-    to the module. For groups whose input columns are produced elementwise by earlier linears (the
-    structured pairs: attention value -> output projection, MLP in -> MLP out), ``producers`` maps
-    those earlier linears' names to modules and ``units`` describes the removable units:
-    ``units.columns[u]`` are this group's input columns fed by unit ``u`` and ``units.rows[u]`` the
-    producers' output rows of unit ``u`` (the same row indices in every producer).
-    """
-
-    name: str
-    linears: dict[str, nn.Linear]
-    producers: dict[str, nn.Linear] = field(default_factory=dict)
-    units: StructUnits | None = None
-
-
-@dataclass
-class StructUnits:
-    """Removable structured units of a (producers -> consumer) pair.
-
-    ``columns``: (n_units, cols_per_unit) long tensor of consumer input columns per unit.
-    ``rows``: (n_units, rows_per_unit) long tensor of producer output rows per unit.
-    ``kind``: ``"mlp"`` or ``"attention"``.
-    """
-
-    columns: torch.Tensor
-    rows: torch.Tensor
-    kind: str
 
 
 class Pruner:
     """Base class of pruning methods used by the engine.
 
-    Subclasses set ``name``, optionally ``needs_dense`` (accumulate ``G`` and ``Hd``) and
-    ``structured`` (the method removes units of structured pairs and may shrink the model in
-    :meth:`finalize`), implement :meth:`prune_group`, and may add CLI options through
-    :meth:`add_args` / :meth:`from_args` (prefix option names with the method name).
+    Subclasses set ``name``, optionally ``needs_dense`` (accumulate ``G`` and ``Hd``), ``needs_stats``
+    (False: the method reads no calibration statistics), ``structured`` (the method removes units of
+    the declared structured pairs and may shrink the model in :meth:`finalize`), ``default_scope``
+    (the unstructured mask scope when the caller leaves it open) and ``default_intra_layer``
+    (whether later groups of a layer see the already pruned earlier groups); implement
+    :meth:`prune_group`, and may add CLI options through :meth:`add_args` / :meth:`from_args` (prefix
+    option names with the method name).
     """
 
     name: ClassVar[str] = "base"
     needs_dense: ClassVar[bool] = False
+    needs_stats: ClassVar[bool] = True
     structured: ClassVar[bool] = False
     supports_pattern: ClassVar[bool] = True
+    default_scope: ClassVar[str] = "row"
+    default_intra_layer: ClassVar[bool] = True
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -120,19 +120,46 @@ class Pruner:
         """Method options, recorded in the report."""
         return {}
 
+    def resolve_spec(self, spec: MaskSpec) -> MaskSpec:
+        """``spec`` with an open scope (``None``) set to this method's default: the one place where a
+        mask scope is chosen, for the Python API and the CLI alike."""
+        if spec.scope is None:
+            return replace(spec, scope=self.default_scope)
+        return spec
+
+    def resolve_intra_layer(self, intra_layer: bool | None) -> bool:
+        """``intra_layer`` when given, else this method's default."""
+        return self.default_intra_layer if intra_layer is None else bool(intra_layer)
+
     def check_layer(self, groups: list[Group], spec: MaskSpec) -> None:
         """Raise :class:`~leanml.utils.LeanmlError` if this method cannot prune a layer with these groups
-        at ``spec``; the engine calls it for every layer to prune before any calibration pass."""
+        at ``spec``; the engine calls it for every layer to prune before any calibration pass (for
+        unstructured methods each group is one linear; for structured methods the declared pairs)."""
 
     def touches(self, group: Group) -> bool:
         """Whether :meth:`prune_group` may change ``group``; the engine gathers no statistics for (and
         does not call the method on) groups it leaves alone."""
         return True
 
-    def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
-        """Rewrite the weights of ``group.linears`` in place; return extra per-linear report fields."""
+    def prune_group(self, group: Group, stats: GroupStats | None, spec: LinearSpecs) -> dict[str, dict[str, Any]]:
+        """Rewrite the weights of ``group.linears`` in place; return extra per-linear report fields.
+
+        ``stats`` is ``None`` for methods with ``needs_stats = False``; ``spec`` is one
+        :class:`MaskSpec` or one per linear name (see :func:`linear_spec`), already resolved."""
         raise NotImplementedError
 
     def finalize(self, model: nn.Module, adapter: Any) -> dict[str, Any]:
         """Called once after all layers are pruned, before saving (e.g. to shrink modules)."""
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed or multi-process run needs to carry over (default: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+    @staticmethod
+    def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """Combine the states of several ranks that pruned disjoint layers (default: the first)."""
+        return states[0] if states else {}

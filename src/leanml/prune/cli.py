@@ -18,6 +18,8 @@ PRUNE_EPILOG = """examples:
   leanml prune --model smollm2-135m --method wanda --pattern 2:4 --out out/wanda24
   leanml prune --model ./my-llama --method fista --sparsity 0.5 --calib shakespeare --nsamples 64 --out out/f
   leanml prune --model smollm2-135m --method fasp --sparsity 0.2 --out out/fasp20
+  leanml prune --model smollm2-135m --method wanda --sparsity 0.7 --sparsity-profile owl --out out/owl70
+  leanml prune --model ./big-model --dtype bfloat16 --device cuda --save-format compressed --out out/big
   torchrun --nproc_per_node=2 -m leanml prune --method fista --mode dense --out out/fista-par
   leanml prune ... --resume        # continue an interrupted run from its last finished layer
 """
@@ -25,6 +27,7 @@ PRUNE_EPILOG = """examples:
 EVAL_EPILOG = """examples:
   leanml eval --model smollm2-135m --data shakespeare --seqlen 512
   leanml eval --model out/sgpt50 --data shakespeare --seqlen 512 --max-windows 20 --json ppl.json
+  leanml eval --model ./big-model --dtype bfloat16 --device cuda   # layer by layer: the model stays on the CPU
 """
 
 
@@ -32,7 +35,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file, hub id, or smollm2-135m")
     p.add_argument("--seqlen", type=int, default=512, help="tokens per window (512 on CPU)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--device", default=None,
+                   help="where each decoder layer does its work: cpu or cuda (default: cuda when present); "
+                        "the model's weights stay on the CPU and visit the device layer by layer")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype to load (statistics and solves stay float32; default float32)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,6 +62,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--scope", choices=["row", "layer"], default=None,
         help="unstructured mask: same count per output row, or one threshold per matrix (default: the method's)",
     )
+    p.add_argument(
+        "--sparsity-profile", choices=["uniform", "owl"], default="uniform",
+        help="per-layer sparsity of unstructured methods: uniform, or owl (outlier-weighted, Yin et al. 2024; "
+             "the total stays exact)",
+    )
+    p.add_argument("--owl-m", type=float, default=5.0, help="owl: outlier threshold M on |W|*||X|| (default 5)")
+    p.add_argument("--owl-lambda", type=float, default=0.08,
+                   help="owl: largest deviation of a layer's sparsity from the target (default 0.08)")
     p.add_argument("--calib", default="shakespeare", help="calibration corpus (shakespeare, a .txt, wikitext2, c4, ptb)")
     p.add_argument("--nsamples", type=int, default=64, help="calibration windows")
     p.add_argument("--seed", type=int, default=0, help="calibration sampling seed")
@@ -62,11 +77,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--mode", choices=["sequential", "dense"], default="sequential",
         help="sequential: pruned outputs feed the next layer (default); dense: every layer sees dense inputs",
     )
-    p.add_argument("--no-intra-layer", action="store_true", help="disable intra-layer cumulative error correction")
+    p.add_argument("--intra-layer", dest="intra_layer", action="store_true", default=None,
+                   help="intra-layer cumulative error correction: later groups of a layer see the pruned "
+                        "earlier ones (default: the method's; on for fista and structured methods)")
+    p.add_argument("--no-intra-layer", dest="intra_layer", action="store_false",
+                   help="gather a layer's statistics in one pass of the dense layer (default for magnitude, "
+                        "wanda, sparsegpt)")
     p.add_argument("--eval-data", default="shakespeare", help="corpus whose test split gives perplexity")
     p.add_argument("--eval-windows", type=int, default=None, help="evaluate on the first N test windows (default all)")
     p.add_argument("--no-eval", action="store_true", help="skip perplexity before/after")
     p.add_argument("--out", required=True, help="output directory (appears only when complete)")
+    p.add_argument("--save-format", choices=["safetensors", "compressed"], default="safetensors",
+                   help="safetensors (default; plain from_pretrained loads it) or compressed "
+                        "(compressed-tensors sparse-bitmask: a 50%% model is about half the size on disk)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--resume", action="store_true", help="continue from the per-layer checkpoint of an interrupted run")
     for name in methods:
@@ -92,7 +115,10 @@ def _device(arg: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if arg.startswith("cuda") and not torch.cuda.is_available():
         raise LeanmlError("--device cuda asked for, but no CUDA device is available; use --device cpu")
-    return torch.device(arg)
+    try:
+        return torch.device(arg)
+    except RuntimeError as exc:
+        raise LeanmlError(f"unknown --device {arg!r}; use cpu or cuda") from exc
 
 
 def _check_seqlen(model: torch.nn.Module, seqlen: int) -> None:
@@ -113,20 +139,23 @@ def evaluate(model, tokenizer, data: str, seqlen: int, max_windows: int | None, 
         if max_windows < 1:
             raise LeanmlError(f"--max-windows must be at least 1, got {max_windows}")
         windows = windows[:max_windows]
+    layerwise = any(p.device != torch.device(device) for p in model.parameters())
     with Timer() as t:
-        ppl = perplexity(model, windows, batch_size=batch_size, device=device)
+        ppl = perplexity(model, windows, batch_size=batch_size, device=device, layerwise=layerwise)
     return {"ppl": ppl, "data": data, "split": "test", "seqlen": seqlen, "windows": int(windows.shape[0]),
-            "seconds": t.seconds}
+            "seconds": t.seconds, "device": str(device), "layerwise": layerwise}
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from leanml.models import load_model
+    from leanml.models import check_dtype, load_model, parse_dtype
 
     device = _device(args.device)
-    model, tokenizer = load_model(args.model, device=device)
+    dtype = parse_dtype(args.dtype)
+    check_dtype(dtype, device)
+    model, tokenizer = load_model(args.model, dtype=dtype)  # stays on the CPU; layers visit the device
     _check_seqlen(model, args.seqlen)
     result = evaluate(model, tokenizer, args.data, args.seqlen, args.max_windows, args.batch_size, device)
-    result.update({"model": args.model, "machine": machine_info()})
+    result.update({"model": args.model, "dtype": args.dtype, "machine": machine_info()})
     path = Path(args.json) if args.json else Path("runs") / (
         f"eval-{Path(args.model).name}-{Path(args.data).stem}-{args.seqlen}.json"
     )
@@ -139,18 +168,54 @@ def measured_sparsity(model: torch.nn.Module, adapter: Any) -> float:
     """Fraction of zeros over all linears of the decoder layers (embeddings and lm_head excluded)."""
     zeros = total = 0
     for layer in adapter.layers():
-        for group in adapter.groups(layer):
-            for lin in group.linears.values():
-                zeros += int((lin.weight == 0).sum())
-                total += lin.weight.numel()
+        for lin in adapter.linears(layer).values():
+            zeros += int((lin.weight == 0).sum())
+            total += lin.weight.numel()
     return zeros / max(total, 1)
+
+
+def _check_model_type(spec: str, structured: bool) -> None:
+    """Refuse, before loading weights, a model whose config says leanml cannot prune it this way."""
+    from leanml.models import peek_model_type
+    from leanml.models.layout import MOE_KEYS, structured_model_types
+
+    model_type = peek_model_type(spec)
+    if model_type is None:
+        return
+    if structured and model_type not in structured_model_types():
+        raise LeanmlError(
+            f"no structured-pair layout for {model_type!r}; structured methods support: "
+            f"{', '.join(structured_model_types())} (unstructured methods work on any decoder)"
+        )
+    config = peek_config(spec)
+    moe = [k for k in MOE_KEYS if (config.get(k) or 0) > 1]
+    if moe:
+        raise LeanmlError(
+            f"{model_type} is a mixture-of-experts model ({moe[0]}={config[moe[0]]}); leanml does not prune "
+            "experts: use a dense model"
+        )
+
+
+def peek_config(spec: str) -> dict[str, Any]:
+    """``config.json`` of a local model directory as a dict (empty when there is none)."""
+    import json
+
+    path = Path(spec).expanduser() / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def run_prune(args: argparse.Namespace) -> int:
     from leanml.data.text import calibration_windows
-    from leanml.models import count_parameters, load_model, peek_model_type, save_model
-    from leanml.models.adapters import get_adapter, supported_model_types
-    from leanml.prune.engine import prune_model
+    from leanml.models import (
+        check_dtype,
+        count_parameters,
+        decoder_linear_names,
+        load_model,
+        parse_dtype,
+        save_model,
+    )
+    from leanml.models.layout import get_adapter
+    from leanml.prune.engine import check_spec, prune_model
     from leanml.prune.masks import MaskSpec, parse_pattern
     from leanml.prune.methods import pruner_class
 
@@ -158,15 +223,19 @@ def run_prune(args: argparse.Namespace) -> int:
     # cheap checks first: nothing is loaded or written before the input is known to be good
     pattern = parse_pattern(args.pattern)
     cls = pruner_class(args.method)
-    if cls.structured and pattern is not None:
-        raise LeanmlError(f"{args.method} is structured pruning and takes no --pattern")
     if pattern is None and not 0.0 < args.sparsity < 1.0:
         raise LeanmlError(f"--sparsity must be in (0, 1), got {args.sparsity}")
     if args.nsamples < 1:
         raise LeanmlError(f"--nsamples must be at least 1, got {args.nsamples}")
-    scope = args.scope or getattr(cls, "default_scope", "row")
-    spec = MaskSpec(sparsity=args.sparsity, pattern=pattern, scope=scope)
+    if args.sparsity_profile != "uniform" and (pattern is not None or cls.structured):
+        what = f"the {args.pattern} pattern" if pattern is not None else f"structured {args.method}"
+        raise LeanmlError(f"--sparsity-profile {args.sparsity_profile} sets unstructured per-layer sparsities; "
+                          f"it does not apply to {what}: drop --sparsity-profile")
     pruner = cls.from_args(args)
+    # the scope left open here is resolved by the pruner, exactly as for a Python caller
+    spec = pruner.resolve_spec(MaskSpec(sparsity=args.sparsity, pattern=pattern, scope=args.scope))
+    check_spec(pruner, spec)
+    dtype = parse_dtype(args.dtype)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out = Path(args.out)
@@ -176,14 +245,15 @@ def run_prune(args: argparse.Namespace) -> int:
     if ckpt.exists() and not args.resume and rank == 0:
         raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; pass --resume to continue or delete it")
     device = _device(args.device)
-    model_type = peek_model_type(args.model)
-    if model_type is not None and model_type not in supported_model_types():
-        raise LeanmlError(
-            f"unsupported architecture {model_type!r}; supported: {', '.join(supported_model_types())}"
-        )
+    check_dtype(dtype, device)
+    if args.save_format == "compressed":
+        from leanml.models.compressed import _require
+
+        _require()
+    _check_model_type(args.model, cls.structured)
 
     with Timer() as t_load:
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, dtype=dtype)  # stays on the CPU; layers visit the device
     adapter = get_adapter(model)
     _check_seqlen(model, args.seqlen)
     with Timer() as t_calib:
@@ -198,10 +268,13 @@ def run_prune(args: argparse.Namespace) -> int:
     engine_kwargs = dict(
         adapter=adapter,
         sequential=args.mode == "sequential",
-        intra_layer=not args.no_intra_layer,
+        intra_layer=args.intra_layer,
         batch_size=args.batch_size,
         device=device,
-        fingerprint={"model": args.model, "calib": args.calib, "seed": args.seed, "seqlen": args.seqlen},
+        sparsity_profile=args.sparsity_profile,
+        owl={"m": args.owl_m, "lam": args.owl_lambda},
+        fingerprint={"model": args.model, "calib": args.calib, "seed": args.seed, "seqlen": args.seqlen,
+                     "dtype": args.dtype},
     )
     if world > 1:
         from leanml.prune.parallel import prune_distributed
@@ -220,7 +293,7 @@ def run_prune(args: argparse.Namespace) -> int:
     sparsity = measured_sparsity(model, adapter)
     report.update({
         "config": {k: v for k, v in vars(args).items() if k != "func"},
-        "model": {**adapter.describe(), "source": args.model, "params_before": params_before,
+        "model": {**adapter.describe(), "source": args.model, "dtype": args.dtype, "params_before": params_before,
                   "params_after": count_parameters(model)},
         "calibration": {"corpus": args.calib, "split": "calib", "nsamples": args.nsamples, "seqlen": args.seqlen,
                         "seed": args.seed,
@@ -234,9 +307,13 @@ def run_prune(args: argparse.Namespace) -> int:
                     "total_seconds": time.perf_counter() - t_total},
         "machine": machine_info(),
     })
+    sparse = [n for n in decoder_linear_names(model) if bool((model.get_submodule(n).weight == 0).any())]
+    structure = "2:4" if pattern == (2, 4) else "unstructured"
     with atomic_dir(out, overwrite=args.overwrite) as tmp:
         model.config.use_cache = True
-        save_model(model, tokenizer, tmp)
+        sizes = save_model(model, tokenizer, tmp, args.save_format, sparse, sparsity, structure)
+        report["save"] = {"format": args.save_format, **(sizes or {}),
+                          "weights_bytes": sum(f.stat().st_size for f in tmp.glob("*.safetensors"))}
         write_json(tmp / "report.json", report)
     shutil.rmtree(ckpt, ignore_errors=True)
     ppl_txt = f", ppl {before['ppl']:.2f} -> {after['ppl']:.2f}" if before and after else ""
@@ -244,5 +321,6 @@ def run_prune(args: argparse.Namespace) -> int:
         what = f"parameters {params_before:,} -> {report['model']['params_after']:,} (zeros left {sparsity:.3f})"
     else:
         what = f"sparsity {sparsity:.3f}"
-    print(f"{args.method}: {what}{ppl_txt}, pruned in {report['prune_seconds']:.1f} s -> {out}")
+    size_txt = f", {report['save']['weights_bytes'] / 2**20:.1f} MiB on disk ({args.save_format})"
+    print(f"{args.method}: {what}{ppl_txt}, pruned in {report['prune_seconds']:.1f} s{size_txt} -> {out}")
     return 0

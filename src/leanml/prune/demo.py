@@ -33,7 +33,6 @@ def run_demo() -> None:
     def run(model, method: str, spec: MaskSpec, layers=None, label: str | None = None) -> None:
         model.load_state_dict(dense_state)
         cls = pruner_class(method)
-        spec = MaskSpec(spec.sparsity, spec.pattern, getattr(cls, "default_scope", "row"))
         t0 = time.perf_counter()
         prune_model(model, calib, cls(), spec, layers=layers, batch_size=4)
         seconds = time.perf_counter() - t0

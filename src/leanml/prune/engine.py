@@ -1,19 +1,33 @@
 """The layer-wise pruning engine.
 
-The first decoder layer's inputs are captured once; then decoder layers are processed one at a time,
-so memory holds one layer's activations whatever the model size. Two activation streams run side by
-side: the *dense* stream (inputs of the unpruned model) and the *pruned* stream.
+The inputs of every decoder layer are captured once (:mod:`leanml.models.layerwise`); then decoder
+layers are processed one at a time, each visiting ``device`` for its work while the model stays where
+it is, so memory holds one layer and its activations whatever the model size. Activations between
+layers live on the CPU.
 
-Within a layer, groups are pruned in forward order (attention input projections, attention output,
-MLP input, MLP output). With **intra-layer cumulative error correction** (``intra_layer=True``, the
-default) each group's statistics come from running the *partially pruned* layer on the pruned
-stream, so later groups see and correct the error of earlier ones; the dense target (``G``/``Hd``,
-for methods that ask for it) comes from an untouched copy of the layer on the dense stream.
+Per layer the engine finds the groups to prune: for unstructured and N:M methods the linears grouped
+by the input they read, found on the first calibration batch (no per-architecture code); for
+structured methods the pairs declared by the model's family adapter. Statistics are gathered in one of
+two ways:
+
+- **one pass** (``intra_layer=False``; the default of magnitude, Wanda and SparseGPT, as in their
+  papers): one forward of the still dense layer over the calibration batches with hooks on every
+  group's first linear gathers all groups' statistics at once (plus one pass on the dense stream for
+  methods that compare with the dense model); then every group is pruned.
+- **intra-layer cumulative error correction** (``intra_layer=True``; FISTA's and the structured
+  methods' default): groups are pruned in forward order and each group's statistics come from running
+  the *partially pruned* layer, so later groups see and correct the error of earlier ones; the dense
+  target (``G``/``Hd``) comes from an untouched copy of the layer on the dense stream.
 
 Between layers: ``sequential=True`` (the default, SparseGPT's choice) feeds the pruned layer's outputs
-to the next layer; ``sequential=False`` gives every layer the dense model's inputs, which makes layers
-independent (so they can be pruned in parallel by several processes).
+to the next layer, and keeps a second, dense activation stream only for methods that need dense
+targets (``needs_dense``); ``sequential=False`` gives every layer the dense model's inputs, which
+makes layers independent (so they can be pruned in parallel by several processes).
 
+Every pruned layer reports ``rel_output_error``, the relative squared error of its output against the
+reference the method aims at, from passes the engine runs anyway: with a dense stream (methods with a
+dense target in sequential mode) the dense model's activations, otherwise the dense layer's output on
+the same (pruned-path) inputs.
 Embeddings and ``lm_head`` are never touched.
 """
 
@@ -32,108 +46,24 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanml.models.adapters import DecoderAdapter, get_adapter
-from leanml.prune.base import Group, GroupStats, Pruner, output_error
+from leanml.models.layerwise import (
+    _Stop,
+    capture_layer_inputs,
+    first,
+    forward_layer,
+    layer_on,
+    run_layer,
+    to_device,
+)
+from leanml.models.layout import DecoderAdapter, Group, get_adapter, group_calls, layer_linears
+from leanml.models.surgery import load_layer_state
+from leanml.prune.base import GroupStats, LinearSpecs, Pruner, output_error
 from leanml.prune.masks import MaskSpec, sparsity_of
 from leanml.utils import LeanmlError, atomic_file
 
 ENGINE_READY = True
-
-
-class _Stop(Exception):
-    """Raised by a capture hook to skip the rest of a layer's forward pass."""
-
-
-def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(_to(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [_to(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
-
-
-def _first(out: Any) -> torch.Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-@torch.no_grad()
-def capture_layer_inputs(
-    model: nn.Module, adapter: DecoderAdapter, calib_ids: torch.Tensor, batch_size: int
-) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-    """Run the model up to the first decoder layer; return its inputs ``(n, seqlen, hidden)`` (on CPU)
-    and the keyword arguments it received, one dict per batch of ``batch_size`` windows."""
-    layers = adapter.layers()
-    first = layers[0]
-    inputs: list[torch.Tensor] = []
-    kwargs_list: list[dict[str, Any]] = []
-
-    class Catcher(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            inputs.append(hidden_states.detach().cpu())
-            kwargs = dict(kwargs)
-            if args:
-                kwargs["_args"] = args
-            kwargs_list.append({k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")})
-            raise _Stop
-
-    layers[0] = Catcher(first)
-    device = next(model.parameters()).device
-    try:
-        for start in range(0, calib_ids.shape[0], batch_size):
-            try:
-                model(input_ids=calib_ids[start : start + batch_size].to(device), use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        layers[0] = first
-    return torch.cat(inputs), kwargs_list
-
-
-def _forward(layer: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-    kwargs = dict(kwargs)
-    args = kwargs.pop("_args", ())
-    return _first(layer(x, *args, **kwargs))
-
-
-def _capture_group_input(
-    layer: nn.Module, group_first: str, x: torch.Tensor, kwargs: dict[str, Any]
-) -> torch.Tensor:
-    """The input of linear ``group_first`` (a qualified name in ``layer``) when ``layer`` runs on ``x``."""
-    box: list[torch.Tensor] = []
-
-    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-        box.append(args[0].detach())
-        raise _Stop
-
-    handle = layer.get_submodule(group_first).register_forward_pre_hook(hook)
-    try:
-        _forward(layer, x, kwargs)
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    if not box:
-        raise RuntimeError(f"{group_first} was not called during the layer's forward pass")
-    return box[0].reshape(-1, box[0].shape[-1]).float()
-
-
-class _Streams:
-    """Pruned and dense activations entering the current layer (CPU tensors, one row per window)."""
-
-    def __init__(self, pruned: torch.Tensor, dense: torch.Tensor | None) -> None:
-        self.pruned = pruned
-        self.dense = dense  # None when identical to pruned (dense-input mode)
-
-    def dense_or_pruned(self) -> torch.Tensor:
-        return self.pruned if self.dense is None else self.dense
+#: bumped when the checkpoint layout changes, so an old checkpoint is refused instead of misread
+CHECKPOINT_VERSION = 2
 
 
 def _fingerprint(meta: dict[str, Any]) -> str:
@@ -145,6 +75,435 @@ def _atomic_save(obj: Any, path: Path) -> None:
         torch.save(obj, tmp)
 
 
+class _Streams:
+    """Pruned and dense activations entering the current layer (CPU tensors, one row per window)."""
+
+    def __init__(self, pruned: torch.Tensor, dense: torch.Tensor | None) -> None:
+        self.pruned = pruned
+        self.dense = dense  # None: no separate dense stream (dense-input mode, or nothing needs it)
+
+    def dense_or_pruned(self) -> torch.Tensor:
+        return self.pruned if self.dense is None else self.dense
+
+
+# --------------------------------------------------------------------------------------------------
+# per-linear exact sparsity
+
+
+def linear_specs(
+    adapter: DecoderAdapter, layers: Sequence[int], spec: MaskSpec, layer_sparsity: Sequence[float] | None = None
+) -> dict[int, dict[str, MaskSpec]]:
+    """Per layer and linear, the unstructured spec that makes the total exact.
+
+    ``layer_sparsity[i]`` (default: ``spec.sparsity`` everywhere) is layer ``i``'s target. Linears are
+    taken layer by layer in registration order and their prune counts are cumulatively rounded:
+    ``count_j = round(T_j) - round(T_{j-1})`` with ``T_j`` the running sum of ``sparsity * numel``, so
+    over all pruned linears exactly ``round(sum sparsity_l * numel_l)`` weights go, and each linear is
+    within one weight of its own target. Each linear's spec carries ``count / numel`` as its sparsity.
+    """
+    out: dict[int, dict[str, MaskSpec]] = {}
+    running = 0.0
+    done = 0
+    for i in sorted(layers):
+        s = spec.sparsity if layer_sparsity is None else float(layer_sparsity[i])
+        per: dict[str, MaskSpec] = {}
+        for name, lin in layer_linears(adapter.layers()[i]).items():
+            numel = lin.weight.numel()
+            running += s * numel
+            count = int(round(running)) - done
+            done += count
+            if not 0 < count < numel:
+                raise LeanmlError(
+                    f"{name} of layer {i} would lose {count} of its {numel} weights; choose a sparsity "
+                    "(or profile) that keeps every linear's share inside (0, 1)"
+                )
+            per[name] = spec.with_sparsity(count / numel)
+        out[i] = per
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# statistics
+
+
+class _Moments:
+    """Running sums of one group's input statistics on ``device``.
+
+    ``dense``: also the cross moment ``G`` and the dense target's energy: ``Hd`` (n x n), or, when the
+    dense outputs of the group's linears are given (``out_sq``), only their squared norms per row."""
+
+    def __init__(self, n: int, device: torch.device, dense: bool, hd: bool = True) -> None:
+        self.H = torch.zeros(n, n, device=device)
+        self.total = torch.zeros(n, device=device)
+        self.G = torch.zeros(n, n, device=device) if dense else None
+        self.Hd = torch.zeros(n, n, device=device) if dense and hd else None
+        self.out_sq: dict[str, torch.Tensor] = {}
+        self.ntokens = 0
+
+    def add(self, xs: torch.Tensor, x: torch.Tensor | None, out_sq: dict[str, torch.Tensor] | None = None) -> None:
+        self.H.addmm_(xs.T, xs)
+        self.total += xs.sum(0)
+        if self.G is not None:
+            same = x is None
+            x = xs if same else x
+            self.G.addmm_(x.T, xs)
+            if self.Hd is not None:
+                if same:
+                    self.Hd.copy_(self.H)  # dense input = pruned-path input
+                else:
+                    self.Hd.addmm_(x.T, x)
+        for name, v in (out_sq or {}).items():
+            self.out_sq[name] = self.out_sq[name] + v if name in self.out_sq else v
+        self.ntokens += xs.shape[0]
+
+    def stats(self) -> GroupStats:
+        n = max(self.ntokens, 1)
+        return GroupStats(
+            H=self.H / n,
+            G=None if self.G is None else self.G / n,
+            Hd=None if self.Hd is None else self.Hd / n,
+            ntokens=self.ntokens,
+            mean=self.total / n,
+            out_sq={k: v / n for k, v in self.out_sq.items()} or None,
+        )
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).float()
+
+
+class _Capture:
+    """Forward pre-hooks that keep the inputs of chosen linears during one forward pass.
+
+    ``names=None`` records every linear of the layer in call order (to discover the groups)."""
+
+    def __init__(
+        self, layer: nn.Module, names: Sequence[str] | None, stop_at: str | None = None,
+        energies: Sequence[str] = (),
+    ) -> None:
+        self.calls: list[tuple[str, torch.Tensor]] = []
+        self.inputs: dict[str, torch.Tensor] = {}
+        #: per linear in ``energies``: sum over tokens of its squared output per row, bias excluded
+        self.out_sq: dict[str, torch.Tensor] = {}
+        self.handles = []
+        targets = layer_linears(layer) if names is None else {n: layer.get_submodule(n) for n in names}
+        for name, mod in targets.items():
+            def hook(module: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+                self.calls.append((name, args[0]))
+                self.inputs.setdefault(name, args[0])
+                if name == stop_at:
+                    raise _Stop
+
+            self.handles.append(mod.register_forward_pre_hook(hook))
+        for name in energies:
+            def out_hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor, name: str = name) -> None:
+                y = out.reshape(-1, out.shape[-1]).float()
+                if module.bias is not None:
+                    y = y - module.bias.float()
+                self.out_sq[name] = (y * y).sum(0)
+
+            self.handles.append(layer.get_submodule(name).register_forward_hook(out_hook))
+
+    def run(self, layer: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """Run the layer; its output, or ``None`` when stopped early."""
+        try:
+            return first(forward_layer(layer, x, kwargs))
+        except _Stop:
+            return None
+        finally:
+            for h in self.handles:
+                h.remove()
+
+
+def _batches(n: int, batch_size: int) -> list[tuple[int, int, int]]:
+    return [(b, s, min(s + batch_size, n)) for b, s in enumerate(range(0, n, batch_size))]
+
+
+def _one_pass(
+    layer: nn.Module,
+    groups: list[Group] | None,
+    streams: _Streams,
+    kw: list[dict[str, Any]],
+    needs_dense: bool,
+    batch_size: int,
+    device: torch.device,
+    model_type: str,
+) -> tuple[list[Group], dict[str, GroupStats], torch.Tensor, torch.Tensor | None]:
+    """Statistics of every group from passes of the still dense layer, all groups at once.
+
+    Returns the groups (discovered on the first batch when ``groups`` is None), their statistics by
+    group name, the dense layer's output on the pruned stream (the reference of the error report) and,
+    with a dense stream, its output on the dense stream (the next dense stream)."""
+    moments: dict[str, _Moments] = {}
+    ref_out, dense_out = [], []
+    for b, s, e in _batches(streams.pruned.shape[0], batch_size):
+        cap = _Capture(layer, None if groups is None else [g.leader for g in groups])
+        ref_out.append(cap.run(layer, streams.pruned[s:e].to(device), kw[b]).cpu())
+        if groups is None:
+            groups = [Group(name, {n: layer.get_submodule(n) for n in names})
+                      for name, names in group_calls(layer_linears(layer), cap.calls, model_type)]
+        dense_in: dict[str, torch.Tensor] = {}
+        out_sq: dict[str, torch.Tensor] = {}
+        if needs_dense and streams.dense is not None:
+            dcap = _Capture(layer, [g.leader for g in groups], energies=[n for g in groups for n in g.linears])
+            dense_out.append(dcap.run(layer, streams.dense[s:e].to(device), kw[b]).cpu())
+            dense_in, out_sq = dcap.inputs, dcap.out_sq
+        for g in groups:
+            xs = _flat(cap.inputs[g.leader])
+            m = moments.get(g.name)
+            if m is None:
+                m = moments[g.name] = _Moments(xs.shape[1], device, needs_dense, hd=False)
+            m.add(xs, _flat(dense_in[g.leader]) if g.leader in dense_in else None,
+                  {n: out_sq[n] for n in g.linears if n in out_sq})
+        del cap
+    assert groups is not None
+    stats = {name: m.stats() for name, m in moments.items()}
+    return groups, stats, torch.cat(ref_out), (torch.cat(dense_out) if dense_out else None)
+
+
+def _dense_pass(
+    layer: nn.Module, groups: list[Group], src: torch.Tensor, kw: list[dict[str, Any]], batch_size: int,
+    device: torch.device,
+) -> tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]], torch.Tensor]:
+    """One pass of the still dense ``layer`` over ``src`` that keeps every group's input, per batch, on
+    the CPU (in the activations' dtype) and its linears' squared outputs per row; returns both, per
+    batch, and the layer's outputs."""
+    cache: dict[str, list[torch.Tensor]] = {g.leader: [] for g in groups}
+    energies: list[dict[str, torch.Tensor]] = []
+    outs = []
+    for b, s, e in _batches(src.shape[0], batch_size):
+        cap = _Capture(layer, list(cache), energies=[n for g in groups for n in g.linears])
+        outs.append(cap.run(layer, src[s:e].to(device), kw[b]).cpu())
+        for name in cache:
+            x = cap.inputs[name]
+            cache[name].append(x.reshape(-1, x.shape[-1]).cpu())
+        energies.append(cap.out_sq)
+    return cache, energies, torch.cat(outs)
+
+
+def _dense_cache_bytes(groups: list[Group], src: torch.Tensor) -> int:
+    tokens = src.shape[0] * src.shape[1]
+    return tokens * sum(next(iter(g.linears.values())).in_features for g in groups) * src.element_size()
+
+
+def _group_stats_intra(
+    layer: nn.Module,
+    dense_layer: nn.Module | None,
+    group: Group,
+    streams: _Streams,
+    kw: list[dict[str, Any]],
+    needs_dense: bool,
+    batch_size: int,
+    device: torch.device,
+    dense_cache: tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None,
+) -> GroupStats:
+    """One group's statistics from the partially pruned ``layer`` (stopped at the group's first linear),
+    paired with the dense layer's input on the dense stream when ``needs_dense`` (from ``dense_cache``
+    when given, else from the dense copy stopped at the same linear)."""
+    m: _Moments | None = None
+    dense_in = streams.dense_or_pruned()
+    for b, s, e in _batches(streams.pruned.shape[0], batch_size):
+        cap = _Capture(layer, [group.leader], stop_at=group.leader)
+        cap.run(layer, streams.pruned[s:e].to(device), kw[b])
+        xs = _flat(cap.inputs[group.leader])
+        x = None
+        out_sq = None
+        if needs_dense and dense_cache is not None:
+            x = dense_cache[0][group.leader][b].to(device).float()
+            out_sq = {n: dense_cache[1][b][n] for n in group.linears}
+        elif needs_dense:
+            assert dense_layer is not None
+            dcap = _Capture(dense_layer, [group.leader], stop_at=group.leader)
+            dcap.run(dense_layer, dense_in[s:e].to(device), kw[b])
+            x = _flat(dcap.inputs[group.leader])
+        if m is None:
+            m = _Moments(xs.shape[1], device, needs_dense, hd=dense_cache is None)
+        m.add(xs, x, out_sq)
+    assert m is not None
+    return m.stats()
+
+
+def _discover(
+    layer: nn.Module, streams: _Streams, kw: list[dict[str, Any]], batch_size: int, device: torch.device,
+    model_type: str,
+) -> tuple[list[Group], torch.Tensor]:
+    """The layer's groups from its first batch; also returns that batch's output."""
+    cap = _Capture(layer, None)
+    out = cap.run(layer, streams.pruned[:batch_size].to(device), kw[0])
+    groups = [Group(name, {n: layer.get_submodule(n) for n in names})
+              for name, names in group_calls(layer_linears(layer), cap.calls, model_type)]
+    return groups, out.cpu()
+
+
+# --------------------------------------------------------------------------------------------------
+# one layer
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b) ** 2).sum() / (b**2).sum().clamp_min(1e-30))
+
+
+def _linear_report(group: Group, name: str, W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats | None) -> dict:
+    """One linear's report: sparsity and (with statistics) its relative output error on them."""
+    rep: dict[str, Any] = {"group": group.name, "shape": list(W.shape), "sparsity": sparsity_of(W_new)}
+    if stats is not None:
+        err = output_error(W, W_new, stats, name)
+        ref = float(stats.dense_energy(name, W).sum())
+        rep["rel_error"] = err / max(ref, 1e-30)
+    return rep
+
+
+def _prune_layer(
+    layer: nn.Module,
+    adapter: DecoderAdapter,
+    streams: _Streams,
+    kw: list[dict[str, Any]],
+    pruner: Pruner,
+    spec: LinearSpecs,
+    intra_layer: bool,
+    batch_size: int,
+    device: torch.device,
+    dense_cache_bytes: int = 2**31,
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Prune one decoder layer; return its report, the pruned layer's output on the pruned stream,
+    (with a dense stream) the dense layer's output on the dense stream, and the dense layer's output on
+    the pruned stream."""
+    t0 = time.perf_counter()
+    needs_dense = pruner.needs_dense and pruner.needs_stats
+    groups: list[Group] | None = adapter.pairs(layer) if pruner.structured else None
+    dense_layer: nn.Module | None = None
+    stats: dict[str, GroupStats] = {}
+    ref_out: torch.Tensor | None = None
+    dense_next: torch.Tensor | None = None
+    t_prune = t_report = 0.0
+    linear_reports: dict[str, dict[str, Any]] = {}
+
+    def report_group(group: Group, dense_w: dict[str, torch.Tensor], st: GroupStats | None, extra: dict) -> None:
+        nonlocal t_report
+        t = time.perf_counter()
+        for n, lin in group.linears.items():
+            linear_reports[n] = {**_linear_report(group, n, dense_w[n], lin.weight.data, st), **extra.get(n, {})}
+        t_report += time.perf_counter() - t
+
+    def prune(group: Group, st: GroupStats | None) -> dict[str, dict[str, Any]]:
+        nonlocal t_prune
+        t = time.perf_counter()
+        extra = pruner.prune_group(group, st, spec) or {}
+        t_prune += time.perf_counter() - t
+        for n, fields in extra.items():  # e.g. the producers of a structured pair
+            if n not in group.linears:
+                lin = layer.get_submodule(n)
+                linear_reports[n] = {"group": group.name, "shape": list(lin.weight.shape), **fields}
+        return extra
+
+    if not pruner.needs_stats:
+        if groups is None:
+            groups = [Group(name, {name: lin}) for name, lin in layer_linears(layer).items()]
+        dense_layer = copy.deepcopy(layer)
+        t_stats = time.perf_counter() - t0
+        for g in groups:
+            if pruner.touches(g):
+                dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
+                report_group(g, dense_w, None, prune(g, None))
+    elif not intra_layer:
+        groups, stats, ref_out, dense_next = _one_pass(
+            layer, groups, streams, kw, needs_dense, batch_size, device, adapter.model_type
+        )
+        t_stats = time.perf_counter() - t0
+        for g in groups:
+            if pruner.touches(g):
+                dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
+                report_group(g, dense_w, stats[g.name], prune(g, stats[g.name]))
+    else:
+        if groups is None:
+            groups, _ = _discover(layer, streams, kw, batch_size, device, adapter.model_type)
+        touched = [g for g in groups if pruner.touches(g)]
+        cache = None
+        src = streams.dense_or_pruned()
+        if needs_dense and _dense_cache_bytes(touched, src) <= dense_cache_bytes:
+            # one pass of the dense layer gives every group's dense input (and the layer's dense output)
+            inputs, energies, out = _dense_pass(layer, touched, src, kw, batch_size, device)
+            cache = (inputs, energies)
+            if streams.dense is not None:
+                dense_next = out
+            else:
+                ref_out = out
+        else:
+            dense_layer = copy.deepcopy(layer)
+        t_stats = time.perf_counter() - t0
+        for g in touched:
+            t = time.perf_counter()
+            st = _group_stats_intra(layer, dense_layer, g, streams, kw, needs_dense, batch_size, device, cache)
+            t_stats += time.perf_counter() - t
+            dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
+            report_group(g, dense_w, st, prune(g, st))
+    for g in groups:
+        if not pruner.touches(g):  # left alone: no statistics, so no error to report
+            for n, lin in g.linears.items():
+                linear_reports.setdefault(n, {"group": g.name, "shape": list(lin.weight.shape),
+                                              "sparsity": sparsity_of(lin.weight.data)})
+        for n, lin in g.producers.items():  # producers of structured pairs changed too
+            if n in linear_reports:
+                linear_reports[n]["sparsity"] = sparsity_of(lin.weight.data)
+    t = time.perf_counter()
+    pruned_next = run_layer(layer, streams.pruned, kw, batch_size, device)
+    if streams.dense is not None:  # the dense model's activations: what a dense-target method aims at
+        if dense_next is None:
+            assert dense_layer is not None
+            dense_next = run_layer(dense_layer, streams.dense, kw, batch_size, device)
+        reference = dense_next
+    else:  # the dense layer on the same (pruned-path) input
+        if ref_out is None:
+            assert dense_layer is not None
+            ref_out = run_layer(dense_layer, streams.pruned, kw, batch_size, device)
+        reference = ref_out
+    t_forward = time.perf_counter() - t
+    changed = {n for g in groups if pruner.touches(g) for n in [*g.linears, *g.producers]}
+    zeros = sum(int((lin.weight == 0).sum()) for n, lin in layer_linears(layer).items() if n in changed)
+    numel = sum(lin.weight.numel() for n, lin in layer_linears(layer).items() if n in changed)
+    report = {
+        "linears": linear_reports,
+        "groups": [list(g.linears) for g in groups if pruner.touches(g)],
+        "sparsity_measured": zeros / max(numel, 1),
+        "stats_seconds": t_stats,
+        "prune_seconds": t_prune,
+        "forward_seconds": t_forward,
+        "report_seconds": t_report,
+        "rel_output_error": _rel(pruned_next, reference),
+    }
+    return report, pruned_next, dense_next, ref_out
+
+
+# --------------------------------------------------------------------------------------------------
+# the model
+
+
+def check_spec(pruner: Pruner, spec: MaskSpec) -> None:
+    """Settings no layer can take: a pattern for a structured method or one the method refuses."""
+    if pruner.structured and spec.pattern is not None:
+        raise LeanmlError(f"{pruner.name} is structured and takes no N:M pattern; drop --pattern")
+    if spec.pattern is not None and not pruner.supports_pattern:
+        raise LeanmlError(f"{pruner.name} does not support N:M patterns")
+
+
+def _check_layers(adapter: DecoderAdapter, todo: Sequence[int], pruner: Pruner, spec: MaskSpec) -> None:
+    """Fail before any calibration pass: patterns the linears cannot take, pairs a method cannot cut."""
+    for idx in sorted(todo):
+        layer = adapter.layers()[idx]
+        if pruner.structured:
+            pruner.check_layer(adapter.pairs(layer), spec)
+            continue
+        linears = layer_linears(layer)
+        if spec.pattern is not None:
+            n, m = spec.pattern
+            bad = [f"{name} ({lin.in_features} inputs)" for name, lin in linears.items() if lin.in_features % m]
+            if bad:
+                raise LeanmlError(
+                    f"the {n}:{m} pattern needs input widths divisible by {m}; layer {idx} has {', '.join(bad[:3])}"
+                )
+        pruner.check_layer([Group(name, {name: lin}) for name, lin in linears.items()], spec)
+
+
 @torch.no_grad()
 def prune_model(
     model: nn.Module,
@@ -154,7 +513,7 @@ def prune_model(
     *,
     adapter: DecoderAdapter | None = None,
     sequential: bool = True,
-    intra_layer: bool = True,
+    intra_layer: bool | None = None,
     layers: Sequence[int] | None = None,
     batch_size: int = 8,
     checkpoint_dir: str | os.PathLike | None = None,
@@ -162,35 +521,82 @@ def prune_model(
     device: str | torch.device | None = None,
     progress: bool = True,
     finalize: bool = True,
+    sparsity_profile: str | Sequence[float] = "uniform",
+    owl: dict[str, float] | None = None,
+    dense_cache_bytes: int = 2**31,
 ) -> dict[str, Any]:
     """Prune ``model`` in place, layer by layer; return the report (per-layer and per-linear stats).
 
-    ``calib_ids``: ``(nsamples, seqlen)`` token ids. ``layers``: prune only these indices (the others
-    are forwarded unchanged). ``checkpoint_dir``: save each finished layer and the activation streams
-    there and resume from them when present (the checkpoint must match ``fingerprint``).
+    ``calib_ids``: ``(nsamples, seqlen)`` token ids. ``spec``: the mask; an open scope
+    (``MaskSpec(0.5)``) is resolved by ``pruner.resolve_spec`` (the same choice as the CLI's).
+    ``intra_layer``: ``None`` uses the method's default (``pruner.default_intra_layer``).
+    ``layers``: prune only these indices (the layers before them are forwarded unchanged; the walk ends
+    after the last one). ``device``: where each
+    layer does its work (default: where the model's first parameter is); the model's parameters stay
+    where they are. ``checkpoint_dir``: save each finished layer and the activation streams there and
+    resume from them when present (the checkpoint must match ``fingerprint``).
+    ``sparsity_profile``: ``"uniform"`` (every layer at ``spec.sparsity``), ``"owl"`` (outlier-weighted
+    layer sparsities, :mod:`leanml.prune.owl`, options in ``owl``: ``m``, ``lam``) or one sparsity per
+    decoder layer; unstructured methods only, without an N:M pattern. For unstructured masks the total
+    over all pruned linears is exact: ``round(sum_l s_l * numel_l)`` weights (see :func:`linear_specs`).
+    ``dense_cache_bytes``: with intra-layer correction and a dense target, the dense inputs of a layer's
+    groups are kept on the CPU when they fit in this many bytes (one dense pass instead of one partial
+    pass per group); larger layers fall back to the partial passes.
     """
     if calib_ids.dim() != 2:
         raise LeanmlError(f"calibration ids must be (nsamples, seqlen), got shape {tuple(calib_ids.shape)}")
-    if pruner.structured and spec.pattern is not None:
-        raise LeanmlError(f"{pruner.name} is structured and takes no N:M pattern; drop --pattern")
-    if spec.pattern is not None and not pruner.supports_pattern:
-        raise LeanmlError(f"{pruner.name} does not support N:M patterns")
+    spec = pruner.resolve_spec(spec)
+    intra_layer = pruner.resolve_intra_layer(intra_layer)
+    check_spec(pruner, spec)
+    profile_name = sparsity_profile if isinstance(sparsity_profile, str) else "custom"
+    if profile_name not in ("uniform", "owl", "custom"):
+        raise LeanmlError(f"unknown sparsity profile {sparsity_profile!r}; choose uniform or owl")
+    if profile_name != "uniform" and (spec.pattern is not None or pruner.structured):
+        raise LeanmlError(
+            f"--sparsity-profile {profile_name} sets unstructured per-layer sparsities; it does not apply to "
+            f"{'N:M patterns' if spec.pattern is not None else 'structured methods'}: use --sparsity-profile uniform"
+        )
     adapter = adapter or get_adapter(model)
     all_layers = adapter.layers()
     n_layers = len(all_layers)
     todo = set(range(n_layers)) if layers is None else set(layers)
+    if not todo:
+        raise LeanmlError("no layers to prune: pass at least one layer index")
     if not todo <= set(range(n_layers)):
         raise LeanmlError(f"layer indices must be in [0, {n_layers}), got {sorted(todo)}")
-    for idx in sorted(todo):  # settings a layer cannot take fail now, not after the calibration passes
-        pruner.check_layer(adapter.groups(all_layers[idx]), spec)
+    _check_layers(adapter, sorted(todo), pruner, spec)
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    model_device = next(model.parameters()).device
     t_start = time.perf_counter()
 
+    profile_info: dict[str, Any] = {"name": profile_name}
+    layer_sparsity: list[float] | None = None
+    if profile_name == "owl":
+        from leanml.prune.owl import owl_layer_sparsities
+
+        layer_sparsity, profile_info = owl_layer_sparsities(
+            model, calib_ids, spec.sparsity, adapter=adapter, batch_size=batch_size, device=device,
+            progress=progress, **(owl or {}),
+        )
+    elif profile_name == "custom":
+        layer_sparsity = [float(s) for s in sparsity_profile]  # type: ignore[union-attr]
+        if len(layer_sparsity) != n_layers:
+            raise LeanmlError(f"a sparsity profile needs one value per decoder layer ({n_layers}), got {len(layer_sparsity)}")
+        if not all(0.0 < s < 1.0 for s in layer_sparsity):
+            raise LeanmlError("every per-layer sparsity must be in (0, 1)")
+    per_linear = None
+    if spec.pattern is None and not pruner.structured:
+        # over all layers, so a run on a subset of layers (a rank of a layer-parallel run) gives every
+        # linear the count it gets in a run over the whole model
+        per_linear = linear_specs(adapter, range(n_layers), spec, layer_sparsity)
+    requested = {i: (spec.sparsity if layer_sparsity is None else layer_sparsity[i]) for i in todo}
+
+    keep_dense = sequential and pruner.needs_dense and pruner.needs_stats
     meta = {
+        "version": CHECKPOINT_VERSION,
         "method": pruner.name,
         "method_config": pruner.config(),
         "spec": [spec.sparsity, spec.pattern, spec.scope],
+        "profile": layer_sparsity,
         "sequential": sequential,
         "intra_layer": intra_layer,
         "layers": sorted(todo),
@@ -199,69 +605,60 @@ def prune_model(
     }
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     start_layer = 0
+    capture_seconds = 0.0
     layer_reports: list[dict[str, Any]] = []
     state_path = ckpt / "state.pt" if ckpt else None
     if state_path is not None and state_path.exists():
         state = torch.load(state_path, weights_only=False)
-        if state["fingerprint"] != _fingerprint(meta):
+        if state.get("fingerprint") != _fingerprint(meta):
             raise LeanmlError(
                 f"checkpoint in {ckpt} was made with different settings; delete it or run without --resume"
             )
         start_layer = state["next_layer"]
         layer_reports = state["reports"]
         streams = _Streams(state["pruned"], state["dense"])
-        kwargs_list = state["kwargs"]
+        kwargs = state["kwargs"]
         for i in range(start_layer):
-            _load_layer(all_layers[i], torch.load(ckpt / f"layer_{i:03d}.pt", weights_only=True))
-        if hasattr(pruner, "load_state_dict") and "pruner" in state:
+            load_layer_state(all_layers[i], torch.load(ckpt / f"layer_{i:03d}.pt", weights_only=True))
+        if "pruner" in state:
             pruner.load_state_dict(state["pruner"])
     else:
-        inps, kwargs_list = capture_layer_inputs(model, adapter, calib_ids, batch_size)
-        streams = _Streams(inps, inps.clone() if sequential else None)
+        from leanml.models.layerwise import outer_on
 
-    bar = tqdm(range(start_layer, n_layers), desc=f"prune {pruner.name}", unit="layer", disable=not progress)
+        t = time.perf_counter()
+        with outer_on(model, adapter, device):
+            inps, kwargs = capture_layer_inputs(model, adapter, calib_ids, batch_size)
+        capture_seconds = time.perf_counter() - t
+        streams = _Streams(inps, inps.clone() if keep_dense else None)
+
+    # layers after the last one to prune change nothing: the walk stops there
+    bar = tqdm(range(start_layer, max(todo) + 1), desc=f"prune {pruner.name}", unit="layer", disable=not progress)
     for idx in bar:
         layer = all_layers[idx]
-        layer.to(device)
-        kw = [_to(k, device) for k in kwargs_list]
-        dense_layer = layer
-        report = None
-        if idx in todo:
-            report, dense_layer = _prune_layer(
-                layer, adapter, streams, kw, pruner, spec, intra_layer, batch_size, device
-            )
-            report["layer"] = idx
-        # advance the streams: the pruned layer on the pruned stream, the dense copy on the dense one
-        pruned_next = _run_layer(layer, streams.pruned, kw, batch_size, device)
-        if streams.dense is not None:
-            dense_next = _run_layer(dense_layer, streams.dense, kw, batch_size, device)
-        elif report is not None:
-            dense_next = _run_layer(dense_layer, streams.pruned, kw, batch_size, device)
-        else:
-            dense_next = pruned_next
-        if report is not None:
-            err = ((pruned_next - dense_next) ** 2).sum() / (dense_next**2).sum().clamp_min(1e-30)
-            report["rel_output_error"] = float(err)
-            layer_reports.append(report)
-            bar.set_postfix(err=f"{report['rel_output_error']:.2e}")
-        # dense-input mode: every layer sees the dense model's activations
-        streams = _Streams(pruned_next, dense_next) if streams.dense is not None else _Streams(dense_next, None)
-        del dense_layer
-        layer.to(model_device)
+        kw = [to_device(k, device) for k in kwargs[idx]]
+        with layer_on(layer, device):
+            if idx in todo:
+                lspec = per_linear[idx] if per_linear is not None else spec
+                report, pruned_next, dense_next, dense_out = _prune_layer(
+                    layer, adapter, streams, kw, pruner, lspec, intra_layer, batch_size, device, dense_cache_bytes
+                )
+                report["layer"] = idx
+                report["sparsity_requested"] = requested[idx]
+                layer_reports.append(report)
+                bar.set_postfix(err=f"{report['rel_output_error']:.2e}")
+            else:
+                pruned_next = dense_out = run_layer(layer, streams.pruned, kw, batch_size, device)
+                dense_next = (run_layer(layer, streams.dense, kw, batch_size, device)
+                              if streams.dense is not None else None)
+        # dense-input mode: every layer sees the dense model's activations (here the pruned stream
+        # holds them, so the dense layer's output on it is the next input)
+        streams = _Streams(pruned_next, dense_next) if sequential else _Streams(dense_out, None)
         if ckpt is not None:
             ckpt.mkdir(parents=True, exist_ok=True)
             _atomic_save(layer.state_dict(), ckpt / f"layer_{idx:03d}.pt")
-            state = {
-                "fingerprint": _fingerprint(meta),
-                "next_layer": idx + 1,
-                "reports": layer_reports,
-                "pruned": streams.pruned,
-                "dense": streams.dense,
-                "kwargs": kwargs_list,
-            }
-            if hasattr(pruner, "state_dict"):
-                state["pruner"] = pruner.state_dict()
-            _atomic_save(state, state_path)
+            _atomic_save({"fingerprint": _fingerprint(meta), "next_layer": idx + 1, "reports": layer_reports,
+                          "pruned": streams.pruned, "dense": streams.dense, "kwargs": kwargs,
+                          "pruner": pruner.state_dict()}, state_path)
     bar.close()
     final_info = pruner.finalize(model, adapter) if finalize else {}
     return {
@@ -271,132 +668,14 @@ def prune_model(
             "batch_size": batch_size,
             "device": str(device),
             "resumed_from_layer": start_layer,
+            "dense_stream": keep_dense,
+            "capture_seconds": capture_seconds,
         },
         "method": pruner.name,
         "method_config": pruner.config(),
-        "mask": {"sparsity": spec.target_sparsity, "pattern": spec.describe(), "scope": spec.scope},
+        "mask": {"sparsity": spec.target_sparsity, "pattern": spec.describe(), "scope": spec.scope,
+                 "profile": profile_info},
         "layers": layer_reports,
         "finalize": final_info,
         "prune_seconds": time.perf_counter() - t_start,
     }
-
-
-def _load_layer(layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a checkpointed layer; a linear whose saved state has a bias it lacks (added by bias
-    compensation) gets a bias parameter first."""
-    own = layer.state_dict()
-    for key, value in state.items():
-        if key not in own and key.endswith(".bias"):
-            module = layer.get_submodule(key[: -len(".bias")])
-            if isinstance(module, nn.Linear) and module.bias is None:
-                module.bias = nn.Parameter(torch.zeros_like(value, device=module.weight.device))
-    layer.load_state_dict(state)
-
-
-def _run_layer(
-    layer: nn.Module, x: torch.Tensor, kwargs_list: list[dict[str, Any]], batch_size: int, device: torch.device
-) -> torch.Tensor:
-    outs = []
-    for b, start in enumerate(range(0, x.shape[0], batch_size)):
-        outs.append(_forward(layer, x[start : start + batch_size].to(device), kwargs_list[b]).cpu())
-    return torch.cat(outs)
-
-
-def _prune_layer(
-    layer: nn.Module,
-    adapter: DecoderAdapter,
-    streams: _Streams,
-    kwargs_list: list[dict[str, Any]],
-    pruner: Pruner,
-    spec: MaskSpec,
-    intra_layer: bool,
-    batch_size: int,
-    device: torch.device,
-) -> tuple[dict[str, Any], nn.Module]:
-    """Prune one decoder layer group by group; return its report (output error filled in by the
-    caller) and an untouched copy of the dense layer."""
-    dense_layer = copy.deepcopy(layer)
-    groups = adapter.groups(layer)
-    linear_reports: dict[str, dict[str, Any]] = {}
-    t_stats = t_prune = 0.0
-    for group in groups:
-        if not pruner.touches(group):  # left alone: no statistics, so no error to report
-            for name, lin in group.linears.items():
-                linear_reports[name] = {"group": group.name, "shape": list(lin.weight.shape),
-                                        "sparsity": sparsity_of(lin.weight.data)}
-            continue
-        t0 = time.perf_counter()
-        stats = _group_stats(
-            layer, dense_layer, group, streams, kwargs_list, pruner.needs_dense, intra_layer, batch_size, device
-        )
-        t1 = time.perf_counter()
-        dense_w = {name: lin.weight.data.clone() for name, lin in group.linears.items()}
-        extra = pruner.prune_group(group, stats, spec) or {}
-        t2 = time.perf_counter()
-        t_stats += t1 - t0
-        t_prune += t2 - t1
-        for name, lin in group.linears.items():
-            W, W_new = dense_w[name], lin.weight.data
-            err = output_error(W, W_new, stats)
-            ref = output_error(W, torch.zeros_like(W), stats) if stats.G is None else float(
-                torch.einsum("ij,jk,ik->", W.to(stats.H.dtype), stats.Hd, W.to(stats.H.dtype))
-            )
-            linear_reports[name] = {
-                "group": group.name,
-                "shape": list(W.shape),
-                "sparsity": sparsity_of(W_new),
-                "rel_error": err / max(ref, 1e-30),
-                **extra.get(name, {}),
-            }
-        for name, lin in group.producers.items():
-            if name in linear_reports:
-                linear_reports[name]["sparsity"] = sparsity_of(lin.weight.data)
-    report = {
-        "linears": linear_reports,
-        "stats_seconds": t_stats,
-        "prune_seconds": t_prune,
-        "rel_output_error": float("nan"),
-    }
-    return report, dense_layer
-
-
-def _group_stats(
-    layer: nn.Module,
-    dense_layer: nn.Module,
-    group: Group,
-    streams: _Streams,
-    kwargs_list: list[dict[str, Any]],
-    needs_dense: bool,
-    intra_layer: bool,
-    batch_size: int,
-    device: torch.device,
-) -> GroupStats:
-    first = next(iter(group.linears))
-    src_layer = layer if intra_layer else dense_layer
-    H = G = Hd = None
-    ntokens = 0
-    dense_in = streams.dense_or_pruned()
-    for b, start in enumerate(range(0, streams.pruned.shape[0], batch_size)):
-        kw = kwargs_list[b]
-        xs = _capture_group_input(src_layer, first, streams.pruned[start : start + batch_size].to(device), kw)
-        if H is None:
-            n = xs.shape[1]
-            H = torch.zeros(n, n, device=device)
-            total = torch.zeros(n, device=device)
-            if needs_dense:
-                G = torch.zeros(n, n, device=device)
-                Hd = torch.zeros(n, n, device=device)
-        H += xs.T @ xs
-        total += xs.sum(0)
-        if needs_dense:
-            same = streams.dense is None and not intra_layer
-            x = xs if same else _capture_group_input(dense_layer, first, dense_in[start : start + batch_size].to(device), kw)
-            G += x.T @ xs
-            Hd += x.T @ x
-        ntokens += xs.shape[0]
-    assert H is not None
-    H /= ntokens
-    if needs_dense:
-        G /= ntokens
-        Hd /= ntokens
-    return GroupStats(H=H, G=G, Hd=Hd, ntokens=ntokens, mean=total / ntokens)

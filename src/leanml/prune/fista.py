@@ -423,6 +423,7 @@ def fista_prune(
     tol: float = 0.0,
     L: float | None = None,
     precondition: bool = False,
+    dense_const: torch.Tensor | None = None,
 ) -> TuneResult:
     """Prune one weight matrix ``W`` (m x n) to ``spec`` with FISTAPruner.
 
@@ -433,6 +434,7 @@ def fista_prune(
     dtype if wider) and returns weights in ``W``'s dtype inside :class:`TuneResult`. ``L`` may pass
     the Lipschitz constant of the (damped) ``H`` when several linears share it. ``precondition``
     solves in diagonally rescaled variables (same minimiser, faster; see :func:`tune_lambda`).
+    ``dense_const`` may pass the per-row ``w Hd w^T`` (the dense output's mean square) instead of ``Hd``.
     """
     if lam < 0:
         raise ValueError("lambda must be >= 0")
@@ -442,9 +444,12 @@ def fista_prune(
     Wc = W.to(dtype)
     Hc = H.to(dtype)
     Gc = Hc if G is None else G.to(dtype)
-    Hdc = Hc if Hd is None else Hd.to(dtype)
     C = Wc @ Gc
-    dense_const = ((Wc @ Hdc) * Wc).sum(1)
+    if dense_const is None:
+        Hdc = Hc if Hd is None else Hd.to(dtype)
+        dense_const = ((Wc @ Hdc) * Wc).sum(1)
+    else:
+        dense_const = dense_const.to(dtype)
     Hs = Hc
     if damp > 0:
         Hs = Hc + damp * float(torch.diagonal(Hc).mean()) * torch.eye(Hc.shape[0], dtype=dtype, device=Hc.device)

@@ -14,21 +14,36 @@ from leanml.utils import LeanmlError
 class MaskSpec:
     """What the final weights must satisfy.
 
-    ``pattern`` None means unstructured at ``sparsity`` with ``scope`` "row" (every output row keeps
-    the same count) or "layer" (one threshold for the whole matrix). With ``pattern = (n, m)`` every
-    ``m`` consecutive weights along the input dimension keep their ``n`` largest scores; sparsity is
-    then ``1 - n/m``.
+    ``pattern`` None means unstructured at ``sparsity``: a matrix of ``numel`` weights loses exactly
+    ``round(sparsity * numel)`` of them, with ``scope`` "row" (the count is spread evenly over the
+    output rows: each row loses ``q`` or ``q + 1``) or "layer" (one threshold for the whole matrix).
+    With ``pattern = (n, m)`` every ``m`` consecutive weights along the input dimension keep their
+    ``n`` largest scores; sparsity is then ``1 - n/m``.
+
+    ``scope=None`` means *the pruning method's default*: the engine resolves it once through
+    :meth:`leanml.prune.base.Pruner.resolve_spec` (SparseGPT, FISTA and magnitude prune per layer,
+    Wanda per row, as in their papers). The pure mask functions, which have no method, read an
+    unresolved scope as "row".
     """
 
     sparsity: float = 0.5
     pattern: tuple[int, int] | None = None
-    scope: str = "row"
+    scope: str | None = None
 
     def __post_init__(self) -> None:
         if self.pattern is None and not (0.0 < self.sparsity < 1.0):
             raise LeanmlError(f"sparsity must be in (0, 1), got {self.sparsity}; e.g. --sparsity 0.5")
-        if self.scope not in ("row", "layer"):
+        if self.scope not in ("row", "layer", None):
             raise LeanmlError(f"mask scope must be 'row' or 'layer', got {self.scope!r}")
+
+    @property
+    def row_scope(self) -> bool:
+        """Whether an unstructured mask spreads its count over rows (also for an unresolved scope)."""
+        return self.scope != "layer"
+
+    def with_sparsity(self, sparsity: float) -> MaskSpec:
+        """The same pattern and scope at another sparsity."""
+        return MaskSpec(sparsity=sparsity, pattern=self.pattern, scope=self.scope)
 
     @property
     def target_sparsity(self) -> float:
@@ -57,11 +72,41 @@ def parse_pattern(text: str | None) -> tuple[int, int] | None:
     return n, m
 
 
+def prune_count(spec: MaskSpec, numel: int) -> int:
+    """How many of ``numel`` weights an unstructured ``spec`` removes: ``round(sparsity * numel)``."""
+    return int(round(spec.sparsity * numel))
+
+
+def row_quotas(rows: int, cols: int, spec: MaskSpec) -> torch.Tensor:
+    """Per output row, how many weights a row-scope mask removes: the matrix count
+    :func:`prune_count` spread evenly (the first ``count % rows`` rows remove one more)."""
+    q, r = divmod(prune_count(spec, rows * cols), rows)
+    quotas = torch.full((rows,), q, dtype=torch.long)
+    quotas[:r] += 1
+    return quotas
+
+
+def prune_lowest_per_row(scores: torch.Tensor, quotas: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the ``quotas[r]`` lowest scores of each row ``r`` (ties: lower column first)."""
+    rows, cols = scores.shape
+    quotas = quotas.to(scores.device)
+    prune = torch.zeros_like(scores, dtype=torch.bool)
+    if int(quotas.max()) == 0:
+        return prune
+    if bool((quotas == quotas[0]).all()):
+        idx = scores.topk(int(quotas[0]), dim=1, largest=False).indices
+        return prune.scatter_(1, idx, True)
+    order = scores.argsort(dim=1, stable=True)
+    ranks_ok = torch.arange(cols, device=scores.device).unsqueeze(0) < quotas.unsqueeze(1)
+    return prune.scatter_(1, order, ranks_ok)
+
+
 def keep_mask(scores: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
     """Boolean mask of the weights to KEEP, choosing the largest ``scores`` under ``spec``.
 
-    Exact: per row keeps ``n_in - round(sparsity * n_in)`` weights; per layer keeps
-    ``numel - round(sparsity * numel)``; N:M keeps exactly ``n`` of every ``m``.
+    Exact: unstructured masks remove ``round(sparsity * numel)`` weights (per row: spread as
+    :func:`row_quotas`; per layer: the lowest scores of the matrix); N:M keeps exactly ``n`` of every
+    ``m``.
     """
     if scores.dim() != 2:
         raise ValueError(f"scores must be 2-D (out, in), got shape {tuple(scores.shape)}")
@@ -74,14 +119,9 @@ def keep_mask(scores: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
         idx = blocks.topk(n, dim=-1).indices
         mask = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, idx, True)
         return mask.reshape(rows, cols)
-    if spec.scope == "row":
-        n_prune = int(round(spec.sparsity * cols))
-        mask = torch.ones_like(scores, dtype=torch.bool)
-        if n_prune:
-            idx = scores.topk(n_prune, dim=1, largest=False).indices
-            mask.scatter_(1, idx, False)
-        return mask
-    n_prune = int(round(spec.sparsity * scores.numel()))
+    if spec.row_scope:
+        return ~prune_lowest_per_row(scores, row_quotas(rows, cols, spec))
+    n_prune = prune_count(spec, scores.numel())
     mask = torch.ones(scores.numel(), dtype=torch.bool, device=scores.device)
     if n_prune:
         idx = scores.flatten().topk(n_prune, largest=False).indices

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from leanml.models.adapters import get_adapter
+from leanml.models.layout import get_adapter
+from leanml.models.surgery import load_layer_state
 from leanml.prune.base import Pruner
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec
@@ -58,7 +59,9 @@ def prune_distributed(
     Returns the merged report on rank 0 (its ``model`` then holds every pruned layer) and ``None`` on
     the other ranks. ``engine_kwargs`` go to :func:`leanml.prune.engine.prune_model`; ``sequential``
     is forced to ``False`` (dense inputs: the condition for independent layers) and recorded.
-    ``checkpoint_dir`` gets one sub-directory per rank.
+    ``checkpoint_dir`` gets one sub-directory per rank. Without a process group this function creates
+    one and destroys it at the end; a program that prunes several times in one process should call
+    ``dist.init_process_group`` once itself (re-creating gloo groups in one process can hang).
     """
     rank, world_size, local_rank = world()
     created = False
@@ -104,6 +107,7 @@ def prune_distributed(
             "layers": {i: {k: v.detach().cpu() for k, v in layers_all[i].state_dict().items()} for i in mine},
             "reports": report["layers"],
             "seconds": report["prune_seconds"],
+            "pruner": pruner.state_dict(),
         }
         gathered: list[Any] | None = [None] * world_size if rank == 0 else None
         dist.gather_object(payload, gathered, dst=0)
@@ -114,11 +118,12 @@ def prune_distributed(
         layer_reports: list[dict[str, Any]] = []
         for part in gathered:
             for i, state in part["layers"].items():
-                layers_all[i].load_state_dict(state)
+                load_layer_state(layers_all[i], state)  # keeps biases added by bias compensation (FLAP)
             for rep in part["reports"]:
                 rep["rank"] = part["rank"]
                 layer_reports.append(rep)
         layer_reports.sort(key=lambda r: r["layer"])
+        pruner.load_state_dict(pruner.merge_states([part["pruner"] for part in gathered]))
         final_info = pruner.finalize(model, adapter)
         report["engine"]["sequential"] = False
         report["engine"]["requested_sequential"] = bool(requested_sequential)

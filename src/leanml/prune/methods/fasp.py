@@ -18,7 +18,7 @@ method                    unit score                                consumer upd
 Attention units follow grouped-query attention: one unit is one value dimension of one key/value
 head, feeding one output-projection column in each query head of its group (the adapter's
 ``StructUnits``). Attention keeps its stock shapes: its pruned dimensions stay exact zeros in the saved
-model (see :mod:`leanml.prune.structured`).
+model (see :mod:`leanml.models.surgery`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from leanml.models import surgery
 from leanml.prune import fasp as core
-from leanml.prune import structured
 from leanml.prune.base import Group, GroupStats, Pruner
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
@@ -122,7 +122,7 @@ class StructuredPairPruner(Pruner):
         if missing:
             raise LeanmlError(f"{self.name}: this architecture has no known pair map for {', '.join(sorted(missing))}")
         for g in pairs:
-            core.num_kept(int(g.units.columns.shape[0]), spec.sparsity, self.multiple)
+            core.num_kept(g.units.n_units, spec.sparsity, self.multiple)
 
     def touches(self, group: Group) -> bool:
         """Only the selected structured pairs (``attn_out``, ``mlp_out``) are pruned."""
@@ -134,6 +134,11 @@ class StructuredPairPruner(Pruner):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._bias_params_added = int(state.get("bias_params_added", 0))
+
+    @staticmethod
+    def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """Ranks prune disjoint layers: the biases they added add up."""
+        return {"bias_params_added": sum(int(s.get("bias_params_added", 0)) for s in states)}
 
     def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
         """Prune the units of a structured pair group; other groups are left untouched."""
@@ -154,7 +159,6 @@ class StructuredPairPruner(Pruner):
         pruned = core.complement(kept, n_units)
         keep_cols = core.unit_columns(units.columns, kept)
         prune_cols = core.unit_columns(units.columns, pruned)
-        prune_rows = units.rows[pruned.to(units.rows.device)].flatten()
         W_new, bias_delta = self.update(W, stats, keep_cols.to(W.device), prune_cols.to(W.device))
         with torch.no_grad():
             consumer.weight.copy_(W_new)
@@ -163,10 +167,11 @@ class StructuredPairPruner(Pruner):
                     consumer.bias = nn.Parameter(torch.zeros(consumer.out_features, dtype=W.dtype, device=W.device))
                     self._bias_params_added += consumer.out_features
                 consumer.bias.add_(bias_delta.to(W.dtype))
-            for prod in group.producers.values():
-                prod.weight[prune_rows.to(prod.weight.device)] = 0
+            for pname, prod in group.producers.items():
+                rows = units.rows[pname][pruned.to(units.rows[pname].device)].flatten().to(prod.weight.device)
+                prod.weight[rows] = 0
                 if prod.bias is not None:
-                    prod.bias[prune_rows.to(prod.bias.device)] = 0
+                    prod.bias[rows] = 0
         frac = 1.0 - keep / n_units
         info = {"pair": units.kind, "units": n_units, "units_kept": keep, "structured_sparsity": frac}
         report = {cname: dict(info, role="consumer")}
@@ -179,16 +184,16 @@ class StructuredPairPruner(Pruner):
 
         Returns parameter counts before pruning and after, the new MLP width and live units per layer.
         """
-        before = structured.count_parameters(model) - self._bias_params_added
-        flags = structured.ensure_bias_format(model, adapter)
+        before = surgery.count_parameters(model) - self._bias_params_added
+        flags = surgery.ensure_bias_format(model, adapter)
         mlp = {"intermediate_size": None, "live_units": []}
         if self.shrink:
-            mlp = structured.shrink_mlp(model, adapter)
-        after = structured.count_parameters(model)
+            mlp = surgery.shrink_mlp(model, adapter)
+        after = surgery.count_parameters(model)
         return {
             "params_before": before,
             "params_after": after,
-            "nonzero_params_after": structured.count_nonzero(model),
+            "nonzero_params_after": surgery.count_nonzero(model),
             "intermediate_size": mlp["intermediate_size"],
             "mlp_live_units": mlp["live_units"],
             "bias_flags_enabled": flags,
@@ -205,6 +210,7 @@ def _to_device(stats: GroupStats, device: torch.device) -> GroupStats:
         Hd=None if stats.Hd is None else stats.Hd.to(device),
         ntokens=stats.ntokens,
         mean=None if stats.mean is None else stats.mean.to(device),
+        out_sq=None if stats.out_sq is None else {k: v.to(device) for k, v in stats.out_sq.items()},
     )
 
 
@@ -264,11 +270,24 @@ class MagnitudeStructuredPruner(StructuredPairPruner):
 class FlapPruner(StructuredPairPruner):
     """FLAP-style: fluctuation score ``Var(X_j) ||W_:,j||^2`` and bias compensation.
 
-    Uses the per-column input mean ``stats.mean`` accumulated by the engine. On LLaMA the compensated consumers gain a bias; :meth:`finalize` turns on the
-    config's bias flag so the stock classes load it.
+    Uses the per-column input mean ``stats.mean`` accumulated by the engine. Consumers without a bias
+    gain one; :meth:`finalize` turns on the family's bias flag (LLaMA's ``attention_bias`` /
+    ``mlp_bias``) so the stock classes load it. Families whose stock layers cannot hold that bias are
+    refused before calibration.
     """
 
     name: ClassVar[str] = "flap"
+
+    def check_layer(self, groups: list[Group], spec: MaskSpec) -> None:
+        """Also refuse pairs whose consumer cannot carry the compensation bias in the stock format."""
+        super().check_layer(groups, spec)
+        for g in groups:
+            if self.touches(g) and not g.consumer_bias_ok:
+                other = [p for p, name in PAIRS.items() if name != g.name]
+                raise LeanmlError(
+                    f"flap adds a bias to {g.leader}, which this architecture's stock layers cannot hold; "
+                    f"use fasp or wanda-sp, or --fasp-pairs {other[0]}"
+                )
 
     @staticmethod
     def _mean(stats: GroupStats) -> torch.Tensor:

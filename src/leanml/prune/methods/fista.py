@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from leanml.prune.base import Group, GroupStats, Pruner
+from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
 from leanml.prune.fista import fista_prune, power_iteration
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
@@ -161,7 +161,7 @@ class FistaPruner(Pruner):
             "precondition": self.precondition,
         }
 
-    def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
+    def prune_group(self, group: Group, stats: GroupStats, spec: LinearSpecs) -> dict[str, dict[str, Any]]:
         """Prune every linear of the group; L (power iteration on H) is computed once per group."""
         H = stats.H.to(torch.promote_types(stats.H.dtype, torch.float32))
         Hs = H
@@ -176,13 +176,15 @@ class FistaPruner(Pruner):
         out: dict[str, dict[str, Any]] = {}
         for name, lin in group.linears.items():
             W = lin.weight.data
-            start = warm_start_weights(self.warm_start, W, stats, spec, shared)
+            lspec = linear_spec(spec, name)
+            start = warm_start_weights(self.warm_start, W, stats, lspec, shared)
             res = fista_prune(
                 W,
                 H,
-                spec,
+                lspec,
                 G=stats.G,
                 Hd=stats.Hd,
+                dense_const=stats.out_sq[name] if stats.out_sq and name in stats.out_sq else None,
                 W_start=start,
                 lam=self.lam,
                 rounds=self.rounds,

@@ -1,15 +1,16 @@
-"""Physical shrinking after structured pruning of interlinked pairs.
+"""Changing a model's modules and config so that it stays loadable by the stock classes.
 
-Structured methods (:mod:`leanml.prune.methods.fasp`) prune a unit by setting its producer rows (and
-biases) and its consumer columns to exact zeros. This module turns that into smaller modules:
+Structured methods prune a unit by setting its producer rows (and biases) and its consumer columns to
+exact zeros. This module turns that into smaller modules and a matching config:
 
 - :func:`shrink_mlp` rebuilds every MLP pair with only the live units as new ``nn.Linear`` modules
-  and writes the new width into the config key ``adapter.intermediate_size_key``, so the saved model
-  loads with plain ``AutoModelForCausalLM.from_pretrained`` and has fewer parameters. All layers share
-  one width (the config has one): a layer with fewer live units keeps some zero units as padding,
-  which is exact.
-- :func:`ensure_bias_format` makes biases added by bias compensation loadable by the stock classes
-  (e.g. LLaMA's ``mlp_bias`` / ``attention_bias`` flags, with zero biases on the other linears).
+  (fused producers keep their parts contiguous) and writes the new width into the config key
+  ``adapter.intermediate_size_key``, so the saved model loads with plain
+  ``AutoModelForCausalLM.from_pretrained`` and has fewer parameters. All layers share one width (the
+  config has one): a layer with fewer live units keeps some zero units as padding, which is exact.
+- :func:`ensure_bias_format` makes biases added by bias compensation loadable (turns on the family's
+  bias flag and gives every linear the flag covers a zero bias).
+- :func:`load_layer_state` loads a saved decoder-layer state that may hold biases the fresh layer lacks.
 
 Attention pairs keep their shapes (stock attention modules need one head dimension): pruned value
 rows and output-projection columns stay exact zeros. :func:`live_units` finds them again from the
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from leanml.prune.base import Group
+from leanml.models.layout import DecoderAdapter, Group
 
 
 def live_units(group: Group) -> torch.Tensor:
@@ -34,9 +35,10 @@ def live_units(group: Group) -> torch.Tensor:
     """
     assert group.units is not None and len(group.linears) == 1
     consumer = next(iter(group.linears.values()))
-    cols, rows = group.units.columns, group.units.rows
+    cols = group.units.columns
     dead = (consumer.weight.detach()[:, cols.flatten()] == 0).all(dim=0).reshape(cols.shape).all(dim=1)
-    for prod in group.producers.values():
+    for name, prod in group.producers.items():
+        rows = group.units.rows[name]
         w = prod.weight.detach()[rows.flatten()]
         dead &= (w == 0).all(dim=1).reshape(rows.shape).all(dim=1)
         if prod.bias is not None:
@@ -45,7 +47,7 @@ def live_units(group: Group) -> torch.Tensor:
 
 
 def select_rows(linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:
-    """A new ``nn.Linear`` with only the output ``rows`` of ``linear``."""
+    """A new ``nn.Linear`` with only the output ``rows`` of ``linear`` (in that order)."""
     w = linear.weight.detach()
     new = nn.Linear(linear.in_features, rows.numel(), bias=linear.bias is not None, device=w.device, dtype=w.dtype)
     with torch.no_grad():
@@ -95,14 +97,25 @@ def count_nonzero(model: nn.Module) -> int:
     return total
 
 
-def _pair_group(adapter: Any, layer: nn.Module, name: str) -> Group | None:
-    for group in adapter.groups(layer):
-        if group.name == name and group.units is not None:
-            return group
-    return None
+def _mlp_pair(adapter: DecoderAdapter, layer: nn.Module) -> Group | None:
+    if adapter.mlp_out is None:
+        return None
+    return next(g for g in adapter.pairs(layer) if g.name == "mlp_out")
 
 
-def shrink_mlp(model: nn.Module, adapter: Any) -> dict[str, Any]:
+def cut_mlp(layer: nn.Module, group: Group, live: torch.Tensor) -> None:
+    """Keep only the MLP units ``live`` (sorted) of one layer's MLP pair: new producer and consumer
+    modules; fused producers keep their parts contiguous (all gate rows, then all up rows)."""
+    assert group.units is not None
+    cols = group.units.columns[live].flatten()
+    for name, prod in group.producers.items():
+        rows = group.units.rows[name][live].T.flatten()  # segment-major: parts stay contiguous
+        replace_module(layer, name, select_rows(prod, rows))
+    for name, cons in group.linears.items():
+        replace_module(layer, name, select_columns(cons, cols))
+
+
+def shrink_mlp(model: nn.Module, adapter: DecoderAdapter) -> dict[str, Any]:
     """Physically remove pruned MLP units of every layer; update the config's MLP width.
 
     Returns ``{"intermediate_size": new width, "live_units": [per layer]}``. A model without pruned
@@ -111,61 +124,57 @@ def shrink_mlp(model: nn.Module, adapter: Any) -> dict[str, Any]:
     layers = adapter.layers()
     plans = []
     for layer in layers:
-        group = _pair_group(adapter, layer, "mlp_out")
+        group = _mlp_pair(adapter, layer)
         if group is None:
             return {"intermediate_size": None, "live_units": []}
         plans.append((group, live_units(group)))
     width = max(int(live.numel()) for _, live in plans)
-    old = int(plans[0][0].units.columns.shape[0]) if plans else 0
+    old = plans[0][0].units.n_units if plans else 0
     if not plans or width == old:
         return {"intermediate_size": old, "live_units": [int(lv.numel()) for _, lv in plans]}
     for layer, (group, live) in zip(layers, plans):
-        n = int(group.units.columns.shape[0])
         if live.numel() < width:  # pad with dead units so every layer has the config's width
-            dead = torch.ones(n, dtype=torch.bool)
+            dead = torch.ones(group.units.n_units, dtype=torch.bool)
             dead[live] = False
             pad = dead.nonzero().flatten()[: width - live.numel()]
             live = torch.cat([live, pad]).sort().values
-        rows = group.units.rows[live].flatten()
-        cols = group.units.columns[live].flatten()
-        for name, prod in group.producers.items():
-            replace_module(layer, name, select_rows(prod, rows))
-        for name, cons in group.linears.items():
-            replace_module(layer, name, select_columns(cons, cols))
+        cut_mlp(layer, group, live)
     setattr(model.config, adapter.intermediate_size_key, width)
     return {"intermediate_size": width, "live_units": [int(lv.numel()) for _, lv in plans]}
 
 
-#: config flag -> (pair group whose consumer may gain a bias, groups whose linears the flag covers)
-_BIAS_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "mlp_bias": ("mlp_out", ("mlp_in", "mlp_out")),
-    "attention_bias": ("attn_out", ("attn_in", "attn_out")),
-}
+def ensure_bias_format(model: nn.Module, adapter: DecoderAdapter) -> list[str]:
+    """Make biases added to linears (bias compensation) part of the stock format.
 
-
-def ensure_bias_format(model: nn.Module, adapter: Any) -> list[str]:
-    """Make biases added to consumers (bias compensation) part of the stock format.
-
-    For configs with a bias flag (LLaMA's ``mlp_bias`` / ``attention_bias``) that is off while some
-    consumer now has a bias: turn the flag on and give every linear the flag covers a bias (zeros where
-    there was none, which is exact). Returns the flags turned on.
+    For every bias flag of the family that is off while a linear it covers now has a bias: turn the
+    flag on and give every linear the flag covers a bias (zeros where there was none, which is exact).
+    Returns the flags turned on.
     """
     turned_on = []
-    for flag, (pair, covered) in _BIAS_FLAGS.items():
+    layers = adapter.layers()
+    for flag, names in adapter.bias_flags.items():
         if getattr(model.config, flag, None) is not False:
             continue
-        layers = adapter.layers()
-        if not any((g := _pair_group(adapter, layer, pair)) and next(iter(g.linears.values())).bias is not None
-                   for layer in layers):
+        if not any(layer.get_submodule(n).bias is not None for layer in layers for n in names):
             continue
         for layer in layers:
-            for group in adapter.groups(layer):
-                if group.name not in covered:
-                    continue
-                for lin in group.linears.values():
-                    if lin.bias is None:
-                        w = lin.weight
-                        lin.bias = nn.Parameter(torch.zeros(lin.out_features, dtype=w.dtype, device=w.device))
+            for n in names:
+                lin = layer.get_submodule(n)
+                if lin.bias is None:
+                    w = lin.weight
+                    lin.bias = nn.Parameter(torch.zeros(lin.out_features, dtype=w.dtype, device=w.device))
         setattr(model.config, flag, True)
         turned_on.append(flag)
     return turned_on
+
+
+def load_layer_state(layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a decoder layer's saved state; a linear whose saved state has a bias it lacks (added by bias
+    compensation) gets a bias parameter first."""
+    own = layer.state_dict()
+    for key, value in state.items():
+        if key not in own and key.endswith(".bias"):
+            module = layer.get_submodule(key[: -len(".bias")])
+            if isinstance(module, nn.Linear) and module.bias is None:
+                module.bias = nn.Parameter(torch.zeros_like(value, device=module.weight.device))
+    layer.load_state_dict(state)
