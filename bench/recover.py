@@ -117,7 +117,8 @@ def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
     args = ["prune", "--model", DENSE, *PRUNED[name][2], "--no-eval", "--out", str(out)]
     seconds = None
     if not (out / "report.json").exists():
-        seconds = run_logged(leanml_cmd(*args), s["threads"])
+        resume = ["--resume"] if out.with_name(out.name + ".ckpt").exists() else []  # a killed chunk continues
+        seconds = run_logged(leanml_cmd(*args, *resume), s["threads"])
     rep = json.loads((out / "report.json").read_text())
     return {"command": "leanml " + " ".join(args), "seconds": seconds, "prune_seconds": rep.get("prune_seconds"),
             "measured_sparsity": rep.get("measured_sparsity"), "params_after": rep["model"]["params_after"],
