@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import time
 
 # Each module provides ``run_demo(fast: bool) -> None`` and prints its own short table.
 DEMO_PARTS = [
@@ -12,6 +13,14 @@ DEMO_PARTS = [
     "leanml.ctr.demo",
     "leanml.features.demo",
 ]
+
+# Where each part's full benchmark lives (the demo is a short tour; these are the measured comparisons).
+FULL_BENCH = {
+    "prune": "bench/results/prune.md, prune_fista.md, fasp.md, arch.md, recover.md",
+    "memory": "bench/results/memory.md",
+    "ctr": "bench/results/ctr.md",
+    "features": "bench/results/features.md",
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,9 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    took: list[tuple[str, float]] = []
     for name in DEMO_PARTS:
-        if args.only and name.split(".")[-2] != args.only:
+        part = name.split(".")[-2]
+        if args.only and part != args.only:
             continue
-        module = importlib.import_module(name)
-        module.run_demo()
+        t0 = time.perf_counter()
+        importlib.import_module(name).run_demo()
+        took.append((part, time.perf_counter() - t0))
+        print(f"[{part}] took {took[-1][1]:.0f} s; full benchmark: {FULL_BENCH[part]}")
+    print("\ndemo parts: " + ", ".join(f"{p} {s:.0f} s" for p, s in took) +
+          f"; total {sum(s for _, s in took):.0f} s. Docs per system: docs/*.md; benchmarks: bench/*.py.")
     return 0
