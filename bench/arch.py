@@ -46,6 +46,7 @@ from leanml.utils import machine_info, machine_line, write_json  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "prune.md"
+README = ROOT / "README.md"
 METHODS = ["magnitude", "wanda", "sparsegpt", "fista", "fasp"]
 #: (method, pattern) runs: 50 % unstructured for every unstructured method, 2:4 for the two that users
 #: run most with it, 25 % structured (MLP units and attention value dimensions) for FASP
@@ -204,16 +205,26 @@ def render(data: dict[str, Any]) -> tuple[str, str]:
     return page, coverage
 
 
-def write_doc_table(coverage: str) -> None:
-    """Replace the text between the bench:arch markers of docs/prune.md (if the page has them)."""
-    if not DOC.exists():
+def _replace_between_markers(path: Path, body: str) -> None:
+    """Replace the text between the bench:arch markers of ``path`` (if the page has them)."""
+    if not path.exists():
         return
-    text = DOC.read_text()
+    text = path.read_text()
     start, end = "<!-- bench:arch:start -->", "<!-- bench:arch:end -->"
     if start in text and end in text:
         pre, rest = text.split(start, 1)
         _, post = rest.split(end, 1)
-        DOC.write_text(f"{pre}{start}\n{coverage}\n{end}{post}")
+        path.write_text(f"{pre}{start}\n{body}\n{end}{post}")
+
+
+def write_doc_table(coverage: str) -> None:
+    """The coverage section into docs/prune.md, and its table and summary (no prose) into the README."""
+    _replace_between_markers(DOC, coverage)
+    lines = coverage.splitlines()
+    compact = [ln for ln in lines if ln.startswith("|")] + [""] + [ln for ln in lines if ln.startswith(("Families", "Largest"))]
+    machine = next((line for line in coverage.splitlines() if line.startswith("Machine:")), "").rstrip()
+    _replace_between_markers(README, "\n".join([*compact, "", f"{machine} Full records: "
+                                                 "[bench/results/arch.md](bench/results/arch.md)."]))
 
 
 def main() -> int:

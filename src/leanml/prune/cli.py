@@ -104,7 +104,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_common(e)
-    e.add_argument("--data", default="shakespeare", help="corpus (shakespeare, a .txt file, wikitext2, ptb, c4)")
+    e.add_argument("--data", default="shakespeare", help="corpus (shakespeare, reviews, a .txt file, wikitext2, ptb, c4)")
     e.add_argument("--max-windows", type=int, default=None, help="evaluate the first N windows only")
     e.add_argument("--json", default=None, help="where to write the JSON result (default runs/eval-*.json)")
     e.set_defaults(func=run_eval)
