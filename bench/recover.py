@@ -302,7 +302,12 @@ def _missing_row(chunks: dict[str, Any], model: str, method: str, pattern: str, 
              f"{pruned['sparsity']:.4f}" if pruned else "not run", "not run",
              f"{pruned['params'] / 1e6:.2f} M (pruned)" if pruned else "-",
              ppl("dense"), ppl(rec_name("dense", teacher)), ppl(model),
-             "not run", "not run", "not run", "not run", "not run", "-"]
+             "not run", "not run"]
+    train = chunks.get(f"train:{model}:{teacher}")  # a recovery trained but not yet evaluated shows its run
+    mib = 2**20
+    cells += ([f"{train['peak_bytes'] / mib:.0f}", fmt(train["budget_bytes"] and train["budget_bytes"] / mib, ".0f"),
+               f"{train['train_seconds']:.0f}", fmt(train["median_step_s"])] if train else
+              ["not run", "not run", "not run", "-"])
     return "| " + " | ".join(cells) + " |"
 
 
