@@ -391,9 +391,13 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
             vals = []
             for m in models:
                 r = next((r for r in records if r["model"] == m and r["teacher"] == teacher and r["corpus"] == corpus), None)
-                vals.append(100 * r["gap_closed"] if r and r["gap_closed"] is not None else 0.0)
+                vals.append(100 * r["gap_closed"] if r and r["gap_closed"] is not None else float("nan"))
             xs = [i + (j - 0.5) * width for i in range(len(models))]
             ax.bar(xs, vals, width, label="with dense teacher" if teacher == "dense" else "no teacher")
+            for x, v in zip(xs, vals):
+                if v != v:  # no measurement: say so instead of drawing a zero
+                    ax.text(x, 1, "not run", rotation=90, ha="center", va="bottom", fontsize=7, color="grey")
+        ax.set_xlim(-0.6, len(models) - 0.4)  # also where every bar of a side is missing
         ax.axhline(100 * TARGET_GAP, color="k", ls="--", lw=0.8, label=f"target {TARGET_GAP:.0%}")
         ax.set_xticks(range(len(models)), [PRUNED[m][1] + ("\n(FASP)" if PRUNED[m][0] == "fasp" else "\n(SparseGPT)")
                                            for m in models], fontsize=8)
