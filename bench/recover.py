@@ -115,12 +115,13 @@ def model_path(key: str) -> str:
 def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
     out = work_dir() / name
     args = ["prune", "--model", DENSE, *PRUNED[name][2], "--no-eval", "--out", str(out)]
-    seconds = None
+    seconds, resume = None, []
     if not (out / "report.json").exists():
         resume = ["--resume"] if out.with_name(out.name + ".ckpt").exists() else []  # a killed chunk continues
         seconds = run_logged(leanml_cmd(*args, *resume), s["threads"])
     rep = json.loads((out / "report.json").read_text())
     return {"command": "leanml " + " ".join(args), "seconds": seconds, "prune_seconds": rep.get("prune_seconds"),
+            "resumed": bool(seconds is not None and resume),  # prune_seconds then covers the resumed part only
             "measured_sparsity": rep.get("measured_sparsity"), "params_after": rep["model"]["params_after"],
             "params_before": rep["model"]["params_before"]}
 
@@ -154,6 +155,7 @@ def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
         "replans": len(rep.get("replans") or []), "max_rss_bytes": mem["max_rss_bytes"],
         "loss_first": rep["loss_first"], "loss_last10": rep["loss_last10"],
         "tokens_seen": rep["data"]["tokens_seen"], "resumed_from_step": rep["resumed_from_step"],
+        "measured_steps": len(mem.get("measured_steps") or []),
     }
 
 
@@ -234,32 +236,43 @@ def build_records(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def targets(records: list[dict[str, Any]], data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each ``met`` True / False from the records, or None ("not run") where no
+    measurement exists."""
     out = []
     exact = [r for r in records if r["corpus"] == "hamlet"]
     bad = [f"{r['model']}/{r['teacher']}: {r['sparsity_in']:.6f} -> {r['sparsity_out']:.6f}" for r in exact
            if r["sparsity_out"] != r["sparsity_in"]]
     out.append({"target": "sparsity_out == sparsity_in exactly (measured zeros of the saved models)",
-                "met": bool(exact) and not bad,
-                "detail": "; ".join(bad) if bad else f"{len(exact)} recovered models, all equal"})
+                "met": (not bad) if exact else None,
+                "detail": "; ".join(bad) if bad else
+                ", ".join(f"{r['model']}/{r['teacher']} {r['sparsity_out']:.6f}" for r in exact) + " (in == out)"
+                if exact else "no recovered model evaluated"})
     for model in TARGET_METHODS:
         for teacher in TEACHERS:
             rs = [r for r in records if r["model"] == model and r["teacher"] == teacher]
+            target = (f"{model} ({'with' if teacher == 'dense' else 'without'} teacher) closes >= "
+                      f"{TARGET_GAP:.0%} of the gap on both corpora")
             if len(rs) < len(CORPORA):
+                need = ["eval:dense", f"eval:{model}", f"train:{model}:{teacher}", f"eval:{rec_name(model, teacher)}",
+                        f"train:dense:{teacher}", f"eval:{rec_name('dense', teacher)}"]
+                missing = [c for c in need if c not in data["chunks"]]
+                out.append({"target": target, "met": None, "detail": "missing chunks: " + ", ".join(missing)})
                 continue
-            detail = ", ".join(f"{r['corpus']} {r['gap_closed']:.1%}" for r in rs)
-            out.append({"target": f"{model} ({'with' if teacher == 'dense' else 'without'} teacher) closes >= "
-                                  f"{TARGET_GAP:.0%} of the gap on both corpora",
-                        "met": all(r["gap_closed"] is not None and r["gap_closed"] >= TARGET_GAP for r in rs),
-                        "detail": detail})
+            detail = ", ".join(f"{r['corpus']} {fmt(r['gap_closed'], '.1%')}" for r in rs)
+            out.append({"target": target, "detail": detail,
+                        "met": all(r["gap_closed"] is not None and r["gap_closed"] >= TARGET_GAP for r in rs)})
     runs = [(k, c) for k, c in data["chunks"].items() if k.startswith("train:") and c.get("budget_bytes")]
     over = [f"{k}: {c['peak_bytes'] / 2**20:.0f} > {c['budget_bytes'] / 2**20:.0f} MiB" for k, c in runs
             if c["peak_bytes"] > c["budget_bytes"]]
-    worst = max((c["peak_bytes"] / c["budget_bytes"] for _, c in runs), default=None)
+    detail = "; ".join(over) if over else ", ".join(
+        f"{k[6:]} {c['peak_bytes'] / 2**20:.1f} / {c['budget_bytes'] / 2**20:.1f} MiB" for k, c in runs)
     out.append({"target": "peak activation memory within the Adacc budget (every run)",
-                "met": bool(runs) and not over,
-                "detail": "; ".join(over) if over else
-                f"{len(runs)} runs, largest peak / budget = {worst:.3f}" if worst else "no runs"})
+                "met": (not over) if runs else None, "detail": detail or "no training run"})
     return out
+
+
+def verdict(met: bool | None) -> str:
+    return "not run" if met is None else "met" if met else "missed"
 
 
 # ----------------------------------------------------------------------------------------- render
@@ -267,6 +280,35 @@ def fmt(v: Any, spec: str = ".2f") -> str:
     if v is None:
         return "-"
     return format(v, spec)
+
+
+def _record_row(r: dict[str, Any]) -> str:
+    mib = 2**20
+    return (f"| {r['method']} | {r['pattern']} | {r['teacher']} | {r['corpus']} | {r['sparsity_in']:.4f} "
+            f"| {r['sparsity_out']:.4f} | {r['params'] / 1e6:.2f} M | {r['ppl_dense']:.2f} | {r['ppl_dense_ft']:.2f} "
+            f"| {r['ppl_pruned']:.2f} | {r['ppl_recovered']:.2f} | {fmt(r['gap_closed'], '.1%')} "
+            f"| {r['peak_bytes'] / mib:.0f} | {fmt(r['budget_bytes'] and r['budget_bytes'] / mib, '.0f')} "
+            f"| {r['seconds']:.0f} | {fmt(r['median_step_s'])} |")
+
+
+def _missing_row(chunks: dict[str, Any], model: str, method: str, pattern: str, teacher: str, corpus: str) -> str:
+    """A configuration whose chunks are not all done: the measured parts, "not run" for the rest."""
+    def ppl(key: str) -> str:
+        c = chunks.get(f"eval:{key}")
+        return f"{c['ppl'][corpus]:.2f}" if c else "not run"
+
+    pruned = chunks.get(f"eval:{model}")
+    cells = [method, pattern, teacher, corpus,
+             f"{pruned['sparsity']:.4f}" if pruned else "not run", "not run",
+             f"{pruned['params'] / 1e6:.2f} M (pruned)" if pruned else "-",
+             ppl("dense"), ppl(rec_name("dense", teacher)), ppl(model),
+             "not run", "not run"]
+    train = chunks.get(f"train:{model}:{teacher}")  # a recovery trained but not yet evaluated shows its run
+    mib = 2**20
+    cells += ([f"{train['peak_bytes'] / mib:.0f}", fmt(train["budget_bytes"] and train["budget_bytes"] / mib, ".0f"),
+               f"{train['train_seconds']:.0f}", fmt(train["median_step_s"])] if train else
+              ["not run", "not run", "not run", "-"])
+    return "| " + " | ".join(cells) + " |"
 
 
 def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: list[dict[str, Any]]) -> str:
@@ -298,19 +340,22 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
         "| ppl pruned | ppl recovered | gap closed | peak MiB | budget MiB | train s | s/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in records:
-        lines.append(
-            f"| {r['method']} | {r['pattern']} | {r['teacher']} | {r['corpus']} | {r['sparsity_in']:.4f} "
-            f"| {r['sparsity_out']:.4f} | {r['params'] / 1e6:.2f} M | {r['ppl_dense']:.2f} | {r['ppl_dense_ft']:.2f} "
-            f"| {r['ppl_pruned']:.2f} | {r['ppl_recovered']:.2f} | {fmt(r['gap_closed'], '.1%')} "
-            f"| {r['peak_bytes'] / mib:.0f} | {fmt(r['budget_bytes'] and r['budget_bytes'] / mib, '.0f')} "
-            f"| {r['seconds']:.0f} | {fmt(r['median_step_s'])} |")
+    for model, (method, pattern, _) in PRUNED.items():
+        for teacher in TEACHERS:
+            for corpus in CORPORA:
+                r = next((r for r in records if (r["model"], r["teacher"], r["corpus"]) == (model, teacher, corpus)),
+                         None)
+                lines.append(_record_row(r) if r else _missing_row(chunks, model, method, pattern, teacher, corpus))
     lines += ["", "Training runs (the dense rows are the fine-tuned references):", "",
               "| run | sparsity in | sparsity out | peak MiB | unoptimized MiB | budget MiB | within | loss first "
-              "| loss last 10 | train s | teacher s | CPU s | load | plan |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for key, c in chunks.items():
+              "| loss last 10 | train s | teacher s | CPU s | load | metered steps | plan |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in all_chunks():
         if not key.startswith("train:"):
+            continue
+        c = chunks.get(key)
+        if c is None:
+            lines.append(f"| {key[6:]} | " + " | ".join(["not run"] + ["-"] * 13) + " |")
             continue
         plan = ", ".join(f"{k} {v}" for k, v in (c.get("plan") or {}).items() if v)
         lines.append(
@@ -318,10 +363,15 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
             f"| {fmt(c['unoptimized_peak_bytes'] and c['unoptimized_peak_bytes'] / mib, '.0f')} "
             f"| {fmt(c['budget_bytes'] and c['budget_bytes'] / mib, '.0f')} | {c['within_budget']} "
             f"| {c['loss_first']:.3f} | {c['loss_last10']:.3f} | {c['train_seconds']:.0f} | {c['teacher_seconds']:.0f} "
-            f"| {c['train_cpu_seconds']:.0f} | {c['load_before'][0]:.2f} | {plan} |")
+            f"| {c['train_cpu_seconds']:.0f} | {c['load_before'][0]:.2f} | {fmt(c.get('measured_steps'), 'd')} "
+            f"| {plan} |")
     lines += ["", "## Targets", ""]
     for t in tgts:
-        lines.append(f"- {t['target']}: **{'met' if t['met'] else 'missed'}** ({t['detail']})")
+        lines.append(f"- {t['target']}: **{verdict(t['met'])}** ({t['detail']})")
+    done = [c for c in all_chunks() if c in chunks]
+    missing = [c for c in all_chunks() if c not in chunks]
+    lines += ["", f"Chunks done ({len(done)}/{len(all_chunks())}): {', '.join(done) or 'none'}.",
+              "", f"Not run: {', '.join(missing) or 'none'}."]
     return "\n".join(lines) + "\n"
 
 
@@ -341,9 +391,13 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
             vals = []
             for m in models:
                 r = next((r for r in records if r["model"] == m and r["teacher"] == teacher and r["corpus"] == corpus), None)
-                vals.append(100 * r["gap_closed"] if r and r["gap_closed"] is not None else 0.0)
+                vals.append(100 * r["gap_closed"] if r and r["gap_closed"] is not None else float("nan"))
             xs = [i + (j - 0.5) * width for i in range(len(models))]
             ax.bar(xs, vals, width, label="with dense teacher" if teacher == "dense" else "no teacher")
+            for x, v in zip(xs, vals):
+                if v != v:  # no measurement: say so instead of drawing a zero
+                    ax.text(x, 1, "not run", rotation=90, ha="center", va="bottom", fontsize=7, color="grey")
+        ax.set_xlim(-0.6, len(models) - 0.4)  # also where every bar of a side is missing
         ax.axhline(100 * TARGET_GAP, color="k", ls="--", lw=0.8, label=f"target {TARGET_GAP:.0%}")
         ax.set_xticks(range(len(models)), [PRUNED[m][1] + ("\n(FASP)" if PRUNED[m][0] == "fasp" else "\n(SparseGPT)")
                                            for m in models], fontsize=8)
@@ -369,7 +423,7 @@ def render(data: dict[str, Any], out: Path) -> None:
         tmp.write_text("# Recovery fine-tuning of pruned SmolLM2-135M under an Adacc budget\n\n" + body)
     if records:
         plot(records, out / "recover.png")
-    if DOC.exists():
+    if DOC.exists() and out.resolve() == RESULTS.resolve():  # a scratch --out leaves the docs alone
         text = DOC.read_text()
         start, end = "<!-- bench:recover:start -->", "<!-- bench:recover:end -->"
         if start in text and end in text:

@@ -26,8 +26,9 @@ def text(n_sentences: int = 1500, seed: int = 0) -> str:
     return "\n".join(out)
 
 
-def tiny_tokenizer(vocab: int = 300):
-    """A byte-level BPE tokenizer trained on :func:`text`, as a Hugging Face fast tokenizer."""
+def tiny_tokenizer(vocab: int = 300, corpus: str | None = None):
+    """A byte-level BPE tokenizer trained on ``corpus`` (default :func:`text`), as a Hugging Face fast
+    tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -36,7 +37,7 @@ def tiny_tokenizer(vocab: int = 300):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([text()], trainer)
+    tok.train_from_iterator([corpus if corpus is not None else text()], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 

@@ -58,3 +58,18 @@ def test_callback_refuses_a_model_without_zeros(tmp_path):
     callback = KeepMasksCallback()
     with pytest.raises(LeanmlError, match="no pruned weights"):
         callback.on_train_begin(None, None, None, model=tiny_llama())
+
+
+def test_callback_refuses_chance_zeros_like_leanml_recover():
+    from builders import tiny_llama
+
+    model = tiny_llama()
+    _, lin = next(iter(masked_linears(model)))
+    with torch.no_grad():
+        lin.weight[0, :5] = 0.0  # a dense checkpoint's few exact zeros: far under 1 % of the linear weights
+    with pytest.raises(LeanmlError, match="no pruned weights"):
+        KeepMasksCallback().on_train_begin(None, None, None, model=model)
+    lenient = KeepMasksCallback(require=False)
+    lenient.on_train_begin(None, None, None, model=model)  # keeps whatever zeros there are
+    assert lenient.keeper.fraction() > 0
+    lenient.keeper.detach()

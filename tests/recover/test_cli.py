@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from builders import tiny_llama
 from leanml.cli import main
+from leanml.models import load_model
+from leanml.models.compressed import is_compressed_dir
 from leanml.recover.masks import linear_sparsity, masked_linears
 from recover.helpers import save_dir, text, tiny_tokenizer
 
@@ -68,6 +70,23 @@ def test_prune_2_4_then_recover_with_the_source_teacher(work, tmp_path, capsys):
     assert main(_recover_args(work, out, tmp_path / "again", "--memory", "none", "--no-eval")) == 0
 
 
+def test_compressed_bfloat16_input_keeps_its_dtype_and_format(work, tmp_path, capsys):
+    pruned = _prune(work, "sgpt50-bf16-compressed", "--method", "sparsegpt", "--sparsity", "0.5",
+                    "--dtype", "bfloat16", "--save-format", "compressed")
+    out = tmp_path / "rec"
+    assert main(_recover_args(work, pruned, out, "--memory", "none", "--no-eval", "--save-format", "compressed")) == 0
+    assert is_compressed_dir(out) and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    before, _ = load_model(str(pruned), dtype="bfloat16")
+    after, _ = load_model(str(out), dtype="bfloat16")
+    assert linear_sparsity(after) == linear_sparsity(before) == pytest.approx(0.5)
+    for (name, a), (_, b) in zip(masked_linears(after), masked_linears(before)):
+        assert torch.equal(a.weight == 0, b.weight == 0) and not torch.equal(a.weight, b.weight), name
+    report = json.loads((out / "report.json").read_text())
+    assert report["save"]["format"] == "compressed" and report["save"]["dtype"] == "bfloat16"
+    assert report["save"]["compressed_bytes"] < 0.7 * report["save"]["dense_bytes"]  # 50 % values + a bitmask
+    assert "(compressed, bfloat16)" in capsys.readouterr().out
+
+
 def test_fasp_model_recovers_at_its_smaller_size(work, tmp_path):
     pruned = _prune(work, "fasp30", "--method", "fasp", "--sparsity", "0.3")
     out = tmp_path / "rec"
@@ -84,7 +103,14 @@ def test_bad_input_is_one_line_and_writes_nothing(work, tmp_path, capsys):
     pruned = _prune(work, "sgpt24", "--method", "sparsegpt", "--pattern", "2:4")
     other = tiny_tokenizer(vocab=280)
     save_dir(tiny_llama(vocab=len(other)), other, tmp_path / "other-vocab")
+    swapped = tiny_tokenizer(corpus=" ".join(w[::-1] for w in text().split()))  # same size, other tokens
+    assert len(swapped) == len(tiny_tokenizer())
+    save_dir(tiny_llama(vocab=len(swapped)), swapped, tmp_path / "other-tokens")
     cases = [
+        (_recover_args(work, pruned, tmp_path / "o8", "--teacher", str(tmp_path / "other-tokens")),
+         "another tokenizer"),
+        (_recover_args(work, pruned, tmp_path / "o9", "--memory", "checkpoint", "--memory-budget", "0.5"),
+         "--memory-budget"),
         (_recover_args(work, work / "dense", tmp_path / "o1"), "no pruned weights"),
         (_recover_args(work, pruned, tmp_path / "o2", "--teacher", str(tmp_path / "other-vocab")), "logits per token"),
         (_recover_args(work, pruned, tmp_path / "o3", "--memory-budget", "0.05"), "smallest feasible plan"),
@@ -97,7 +123,7 @@ def test_bad_input_is_one_line_and_writes_nothing(work, tmp_path, capsys):
         assert main(args) == 2, message
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("leanml: error: ") and message in err[-1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-vocab"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-tokens", "other-vocab"]
 
 
 def test_a_killed_run_resumes_to_the_uninterrupted_result(work, tmp_path):

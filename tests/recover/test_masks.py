@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from builders import tiny_llama, tiny_opt_biased
-from leanml.recover.masks import MaskKeeper, dead_rows, linear_sparsity, masked_linears, nm_violations
+from leanml.recover.masks import (
+    MaskKeeper,
+    cast_keeping_zeros,
+    cast_tensor_keeping_zeros,
+    dead_rows,
+    linear_sparsity,
+    masked_linears,
+    nm_violations,
+)
 from recover.helpers import prune_magnitude
 
 
@@ -85,3 +93,21 @@ def test_dead_rows_keep_their_bias_at_zero():
     opt.step()
     keeper.enforce()
     assert not fc1.bias[:5].any() and fc1.bias[5:].ne(0).all()
+
+
+def test_casting_down_keeps_exactly_the_zeros():
+    w = torch.tensor([[0.0, 1e-9, -1e-9, 0.5], [0.0, -0.0, 2e-8, 1.0]])
+    cast, raised = cast_tensor_keeping_zeros(w, torch.float16)
+    assert raised == 3 and cast.dtype == torch.float16  # 1e-9 and 2e-8 underflow in float16
+    assert torch.equal(cast == 0, w == 0)
+    assert cast[0, 1] == torch.finfo(torch.float16).tiny and cast[0, 2] == -torch.finfo(torch.float16).tiny
+    assert cast[0, 3] == 0.5 and cast[1, 3] == 1.0  # representable entries are a plain cast
+    assert cast_tensor_keeping_zeros(w, torch.bfloat16)[1] == 0  # bfloat16 has float32's range
+    model = prune_magnitude(tiny_llama())
+    with torch.no_grad():
+        next(masked_linears(model))[1].weight[0, :].mul_(1e-6)  # row 0 below float16's range
+    zeros = {n: lin.weight.detach() == 0 for n, lin in masked_linears(model)}
+    assert cast_keeping_zeros(model, torch.float16) > 0
+    assert all(lin.weight.dtype == torch.float16 and torch.equal(lin.weight == 0, zeros[n])
+               for n, lin in masked_linears(model))
+    assert model.lm_head.weight.dtype == torch.float16

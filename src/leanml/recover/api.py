@@ -21,6 +21,8 @@ Memory: ``none`` (keep every activation), ``checkpoint`` / ``sac`` (every decode
 (:class:`leanml.memory.Adacc` planned on the first batch with this objective, so the teacher's targets
 count in its budget). Every ``measure_every`` steps, and on the step after each Adacc re-plan, the
 step runs inside an :class:`~leanml.memory.ActivationMeter`; the report gives the largest peak seen.
+An Adacc that meters every step itself (``measure_steps``) is read instead (``step_peaks``), so the
+two meters never nest.
 
 Resumption: with ``checkpoint_dir``, the model, optimizer, schedule, RNG, logs and the perplexities
 before training are saved every ``checkpoint_every`` steps (atomically); a later call with the same
@@ -152,6 +154,7 @@ class _Memory:
         self.cuda_peak: int | None = None
         self.measured_steps: list[int] = []
         self._plans_seen = 0
+        self.adacc_measures = False  # Adacc meters every step itself (then ours would shadow its meter)
 
     def setup(self, x: torch.Tensor) -> None:
         model, cfg = self.model, self.cfg
@@ -162,6 +165,7 @@ class _Memory:
             self.budget_bytes = float(record.budget_bytes)
             self.unoptimized_peak = int(self.adacc.profile.peak_bytes) if self.adacc.profile else None
             self._plans_seen = len(self.adacc.history)
+            self.adacc_measures = bool(getattr(self.adacc, "measure_steps", False))
             return
         if cfg.memory != "none":  # the unoptimized peak of this step, measured before the strategy goes in
             self.unoptimized_peak = self.measure_once(x)
@@ -175,6 +179,8 @@ class _Memory:
         return meter.peak
 
     def wants_measure(self, step: int) -> bool:
+        if self.adacc_measures:
+            return False
         replanned = self.adacc is not None and len(self.adacc.history) > self._plans_seen
         return replanned or step % self.cfg.measure_every == 0 or not self.measured_steps
 
@@ -186,8 +192,17 @@ class _Memory:
         if self.adacc is not None:
             self._plans_seen = len(self.adacc.history)
 
-    def after_step(self) -> list[str]:
-        return self.adacc.step() if self.adacc is not None else []
+    def after_step(self, step: int) -> list[str]:
+        if self.adacc is None:
+            return []
+        reasons = self.adacc.step()
+        if self.adacc_measures and self.adacc.step_peaks:  # the step's peak, as Adacc measured it
+            self.peak = max(self.peak, int(self.adacc.step_peaks[-1]))
+            cuda = getattr(self.adacc, "step_cuda_peaks", None)
+            if cuda:
+                self.cuda_peak = max(self.cuda_peak or 0, int(cuda[-1]))
+            self.measured_steps.append(step)
+        return reasons
 
     def close(self) -> None:
         if self.applied is not None:
@@ -358,7 +373,7 @@ def recover(
             step_s = time.perf_counter() - t0
             if meter is not None:
                 memory.record(step, meter)
-            reasons = memory.after_step()
+            reasons = memory.after_step(step)
             objective.clear()
             if reasons:
                 replans.append({"step": step + 1, "reasons": reasons})

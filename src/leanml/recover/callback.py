@@ -22,6 +22,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from leanml.recover.masks import MaskKeeper
+from leanml.recover.source import MIN_UNDECLARED
 from leanml.utils import LeanmlError
 
 
@@ -42,9 +43,13 @@ class KeepMasksCallback(TrainerCallback):
             if model is None:
                 raise LeanmlError("KeepMasksCallback got no model from the trainer; pass masks=MaskKeeper(...)")
             self.keeper = MaskKeeper.from_zeros(model)
+            # a dense checkpoint holds a few exact zeros by chance: the same threshold as `leanml recover`
+            if self.require and self.keeper.fraction() < MIN_UNDECLARED:
+                raise LeanmlError(f"the model has no pruned weights ({self.keeper.fraction():.2%} exact zeros in its "
+                                  f"linear layers) to keep; train a pruned model, or use require=False")
         if self.require and len(self.keeper) == 0:
-            raise LeanmlError("the model has no pruned weights (no exact zeros in its linear layers) to keep; "
-                              "train a pruned model, or use require=False")
+            raise LeanmlError("the mask is empty: no weight to keep at zero; pass a non-empty MaskKeeper "
+                              "or use require=False")
         self.keeper.attach()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -18,6 +18,7 @@ EPILOG = """examples:
   leanml recover --model out/sgpt24 --teacher smollm2-135m --kd-weight 0.5 --out out/sgpt24-kd
   leanml recover --model out/fasp30 --teacher source --memory checkpoint --out out/fasp30-rec
   leanml recover --model smollm2-135m --no-mask --steps 200 --out out/dense-ft   # the dense reference
+  leanml recover --model out/sgpt50 --save-format compressed --dtype bfloat16 --out out/sgpt50-rec-small
   leanml recover ... --resume        # continue a killed run from its last checkpoint (DIR.ckpt)
 
 the mask:
@@ -34,14 +35,22 @@ distillation:
   the input was pruned from (its report.json). Its forward counts in the step time, its targets in the
   activation peak and Adacc's budget.
 
---memory-budget is a fraction of the unoptimized activation peak of one step (0.5), bytes, or a size
-(2GB). Writes DIR (model + tokenizer that from_pretrained loads, report.json, losses.csv) atomically;
-checkpoints go to DIR.ckpt every --checkpoint-every steps and are removed when DIR is written.
+--memory-budget (--memory adacc only; default 0.5) is a fraction of the unoptimized activation peak of
+one step, bytes, or a size (2GB); a budget below the smallest feasible plan is refused before training.
+
+output: DIR (model + tokenizer, report.json, losses.csv), written atomically. Training keeps float32
+weights and optimizer state; the model is saved in --dtype (default: the input's dtype; a kept weight
+too small for float16 is stored as its smallest normal number, so the zeros stay exactly the input's), as
+plain safetensors that from_pretrained loads, or with --save-format compressed in the compressed-tensors
+sparse-bitmask format (what leanml prune --save-format compressed writes; leanml loads it back).
+Checkpoints go to DIR.ckpt every --checkpoint-every steps and are removed when DIR is written.
 """
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``recover`` subcommand."""
+    from leanml.models import DTYPES, SAVE_FORMATS
+
     p = sub.add_parser(
         "recover",
         help="fine-tune a pruned model keeping its sparsity, with optional distillation, under a memory budget",
@@ -64,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
     p.add_argument("--memory", choices=["none", "checkpoint", "sac", "adacc"], default="adacc",
                    help="training-memory strategy")
-    p.add_argument("--memory-budget", default="0.5", help="Adacc budget: fraction of the unoptimized peak, bytes, or a size")
+    p.add_argument("--memory-budget", default=None,
+                   help="Adacc budget: fraction of the unoptimized peak, bytes, or a size (default 0.5)")
     p.add_argument("--max-error", type=float, default=0.05, help="Adacc: cap on the relative error of lossy compressors")
     p.add_argument("--kd-weight", type=float, default=0.5, help="weight of the distillation term, in [0, 1]")
     p.add_argument("--kd-temperature", type=float, default=1.0, help="distillation temperature")
@@ -80,6 +90,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="batch order seed")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--out", required=True, help="output directory (appears only when complete)")
+    p.add_argument("--save-format", choices=list(SAVE_FORMATS), default="safetensors",
+                   help="safetensors (default; plain from_pretrained loads it) or compressed "
+                        "(compressed-tensors sparse-bitmask: a 50%% model is about half the size on disk)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="dtype of the saved model (default: the input's); training is float32")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.set_defaults(func=run)
 
@@ -102,21 +117,49 @@ def _check_seqlen(model: Any, seqlen: int, flag: str) -> None:
         raise LeanmlError(f"{flag} {seqlen} is above the model's maximum of {limit} tokens")
 
 
+def _input_dtype(spec: str) -> str:
+    """The dtype a model directory was saved in (its config.json), else float32."""
+    from leanml.models import DTYPES
+
+    config = Path(spec).expanduser() / "config.json"
+    if config.is_file():
+        import json
+
+        raw = json.loads(config.read_text())
+        name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
+        if name in DTYPES:
+            return name
+    return "float32"
+
+
+def _check_save_format(fmt: str) -> None:
+    if fmt == "compressed":
+        import importlib.util
+
+        if importlib.util.find_spec("compressed_tensors") is None:
+            raise LeanmlError("--save-format compressed needs the compressed-tensors package: "
+                              "pip install 'compressed-tensors==0.13.0', or use --save-format safetensors")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``leanml recover``."""
     from leanml.data.text import load_text, token_windows
-    from leanml.models import count_parameters, load_model, save_model
+    from leanml.models import count_parameters, decoder_linear_names, load_model, parse_dtype, save_model
     from leanml.recover.api import RecoverConfig, recover
-    from leanml.recover.masks import MaskKeeper
+    from leanml.recover.masks import MaskKeeper, cast_keeping_zeros
     from leanml.recover.source import check_masks, check_teacher, declaration, parse_nm, read_report
     from leanml.utils import atomic_dir, check_output_dir, machine_info, write_json
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     # cheap checks first: nothing is loaded or written before the input is known to be good
+    if args.memory_budget is not None and args.memory != "adacc":
+        raise LeanmlError(f"--memory-budget sets Adacc's budget; --memory {args.memory} takes none: "
+                          f"drop --memory-budget or use --memory adacc")
+    budget = args.memory_budget if args.memory_budget is not None else "0.5"
     cfg = RecoverConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
         min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        memory=args.memory, budget=args.memory_budget, max_error=args.max_error, kd_weight=args.kd_weight,
+        memory=args.memory, budget=budget, max_error=args.max_error, kd_weight=args.kd_weight,
         temperature=args.kd_temperature, keep_masks=not args.no_mask, seed=args.seed,
         checkpoint_every=args.checkpoint_every,
     )
@@ -124,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if args.no_mask and args.pattern:
         raise LeanmlError("--no-mask trains every weight, so --pattern cannot be kept; drop one of them")
     parse_nm(args.pattern)
+    _check_save_format(args.save_format)
     out = check_output_dir(args.out, args.overwrite)
     ckpt = out.with_name(out.name + ".ckpt")
     if ckpt.exists() and not args.resume:
@@ -133,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         raise LeanmlError(f"--eval-windows must be at least 1, got {args.eval_windows}")
     device = _device(args.device)
 
-    model, tokenizer = load_model(args.model)
+    save_dtype = args.dtype or _input_dtype(args.model)
+    model, tokenizer = load_model(args.model)  # float32: training keeps float32 weights and optimizer state
     report_in = read_report(args.model)
     decl = declaration(report_in, args.pattern)
     mask_info: dict[str, Any] = {"source": None, **decl.to_json()}
@@ -185,13 +230,21 @@ def run(args: argparse.Namespace) -> int:
         "recover_config": result["config"],
         "machine": machine_info(),
     }
+    dtype = parse_dtype(save_dtype)
+    if dtype != next(model.parameters()).dtype:
+        underflow = cast_keeping_zeros(model, dtype)
+        report["save_cast"] = {"dtype": save_dtype, "kept_weights_raised_from_underflow": underflow}
+    sparse = [n for n in decoder_linear_names(model) if bool((model.get_submodule(n).weight == 0).any())]
+    structure = "2:4" if mask_info.get("pattern") == "2:4" and not args.no_mask else "unstructured"
     with atomic_dir(out, overwrite=args.overwrite) as tmp:
         model.config.use_cache = True
-        save_model(model, tokenizer, tmp)
+        sizes = save_model(model, tokenizer, tmp, args.save_format, sparse, result["sparsity"]["out"], structure)
+        report["save"] = {"format": args.save_format, "dtype": save_dtype, **(sizes or {}),
+                          "weights_bytes": sum(f.stat().st_size for f in tmp.glob("*.safetensors"))}
         write_json(tmp / "report.json", report)
         _write_losses(tmp / "losses.csv", result["losses"])
     shutil.rmtree(ckpt, ignore_errors=True)
-    _print_summary(args, result, out)
+    _print_summary(args, result, out, report["save"])
     return 0
 
 
@@ -204,7 +257,7 @@ def _write_losses(path: Path, log: dict[str, list]) -> None:
             w.writerow([i + 1, *("" if v is None else f"{v:.6g}" for v in row)])
 
 
-def _print_summary(args: argparse.Namespace, result: dict[str, Any], out: Path) -> None:
+def _print_summary(args: argparse.Namespace, result: dict[str, Any], out: Path, save: dict[str, Any]) -> None:
     mib = 2**20
     sp, mem, tm = result["sparsity"], result["memory"], result["timings"]
     print(f"sparsity {sp['in']:.4f} -> {sp['out']:.4f}" + (" (kept exactly)" if sp["kept_exactly"] else ""))
@@ -217,4 +270,5 @@ def _print_summary(args: argparse.Namespace, result: dict[str, Any], out: Path) 
           + (f" (unoptimized {mem['unoptimized_peak_bytes'] / mib:.1f} MiB)" if mem["unoptimized_peak_bytes"] else "")
           + (f", budget {budget / mib:.1f} MiB, {'within' if mem['within_budget'] else 'OVER'}" if budget else ""))
     print(f"loss {result['loss_first']:.4f} -> {result['loss_last10']:.4f} (mean of last 10); "
-          f"{args.steps} steps in {tm['train_seconds']:.1f} s (median {tm['median_step_s']:.2f} s/step) -> {out}")
+          f"{args.steps} steps in {tm['train_seconds']:.1f} s (median {tm['median_step_s']:.2f} s/step)")
+    print(f"saved {save['weights_bytes'] / mib:.1f} MiB ({save['format']}, {save['dtype']}) -> {out}")

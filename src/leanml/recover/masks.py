@@ -74,6 +74,31 @@ def linear_sparsity(model: nn.Module) -> float:
     return zeros / max(total, 1)
 
 
+def cast_tensor_keeping_zeros(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``weight`` cast to ``dtype`` with exactly its zeros: an entry that is non-zero but underflows to
+    zero in ``dtype`` becomes the smallest normal number of ``dtype`` with its sign. Returns the cast
+    tensor and how many entries were raised so."""
+    out = weight.detach().to(dtype)
+    lost = (out == 0) & (weight.detach() != 0)
+    n = int(lost.sum())
+    if n:
+        tiny = torch.finfo(dtype).tiny
+        out = torch.where(lost, torch.sign(weight.detach()).to(dtype) * tiny, out)
+    return out, n
+
+
+def cast_keeping_zeros(model: nn.Module, dtype: torch.dtype) -> int:
+    """Cast ``model`` to ``dtype`` in place keeping the zeros of :func:`masked_linears` exactly (see
+    :func:`cast_tensor_keeping_zeros`); returns the number of kept weights raised from underflow."""
+    raised = 0
+    for _, lin in masked_linears(model):
+        cast, n = cast_tensor_keeping_zeros(lin.weight, dtype)
+        lin.weight.data = cast
+        raised += n
+    model.to(dtype)  # everything else
+    return raised
+
+
 # ---------------------------------------------------------------------------- the keeper
 @dataclass
 class LinearMask:
