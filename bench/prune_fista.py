@@ -79,7 +79,7 @@ def run_one(
     model = copy.deepcopy(dense)
     pruner = SparseGPTPruner() if method == "sparsegpt" else FistaPruner(**(fista_kwargs or {}))
     nm = parse_pattern(pattern)
-    spec = MaskSpec(0.5, nm, type(pruner).default_scope)
+    spec = MaskSpec(0.5, nm)  # the scope is left to the method (the engine resolves it)
     # the engine stops after the last layer it prunes: pruning the first n layers costs n layers
     subset = None if n_layers is None else list(range(n_layers))
     t0 = time.perf_counter()

@@ -62,7 +62,6 @@ def run(method: str, mode: str, args: argparse.Namespace, model, calib) -> dict[
     name, *opts = method.split("+")  # e.g. fista+iters=5+rounds=1+refine=10
     options = {k: type_of(v) for k, v in (o.split("=") for o in opts)}
     pruner = pruner_class(name)(**options)
-    scope = getattr(pruner, "default_scope", "row")
     kwargs: dict[str, Any] = {"batch_size": args.batch_size, "progress": False}
     if mode != "default":
         kwargs["intra_layer"] = mode == "intra"
@@ -71,7 +70,7 @@ def run(method: str, mode: str, args: argparse.Namespace, model, calib) -> dict[
     m = copy.deepcopy(model)
     load = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), time.process_time()
-    report = prune_model(m, calib, pruner, MaskSpec(0.5, None, scope), **kwargs)
+    report = prune_model(m, calib, pruner, MaskSpec(0.5), **kwargs)  # the method's own scope
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     layers = report["layers"]
     phases = {
@@ -96,6 +95,9 @@ def run(method: str, mode: str, args: argparse.Namespace, model, calib) -> dict[
         "intra_layer": report["engine"].get("intra_layer"), "layers_pruned": len(layers),
         "nsamples": args.nsamples, "seqlen": args.seqlen, "batch_size": args.batch_size,
         "wall_s": wall, "cpu_s": cpu, **{f"{k}_s": v for k, v in phases.items()},
+        # quality: each pruned layer's relative output error against the dense model (the engine's report)
+        "rel_output_errors": [lay["rel_output_error"] for lay in layers],
+        "rel_output_error_mean": sum(lay["rel_output_error"] for lay in layers) / max(len(layers), 1),
         "threads": torch.get_num_threads(), "load_before": load, "load_after": os.getloadavg()[0],
         "command": "python bench/prune_speed.py " + " ".join(sys.argv[1:]),
     }
@@ -149,6 +151,134 @@ def run_torchrun(method: str, args: argparse.Namespace) -> dict[str, Any]:
             "load_after": os.getloadavg()[0], "command": "python bench/prune_speed.py " + " ".join(sys.argv[1:])}
 
 
+# --------------------------------------------------------------------------------------------------
+# solver study: FISTA settings at the operator level, fit on calibration windows, error on the val split
+
+
+def _layer_stats(args: argparse.Namespace, model, tok) -> dict[str, Any]:
+    """Statistics of every group of decoder layer ``--study-layer`` after SparseGPT (50 %, its defaults)
+    pruned the layers before it on the calibration windows: ``fit`` from those windows, ``val`` from
+    the first ``--study-val`` windows of the validation split (two held-out plays). Per group: ``H``
+    (pruned-path input), ``G`` (dense x pruned-path), ``Hd`` (dense input), averaged over tokens.
+    Cached under the leanml cache directory."""
+    import copy
+
+    from leanml.data.text import calibration_windows, load_text, token_windows
+    from leanml.models.layout import discover_groups, get_adapter
+    from leanml.prune.engine import prune_model
+    from leanml.prune.masks import MaskSpec
+    from leanml.prune.methods import pruner_class
+    from leanml.utils import cache_dir
+
+    layer = args.study_layer
+    path = cache_dir() / "bench" / f"solver_stats_l{layer}_{args.nsamples}x{args.seqlen}_val{args.study_val}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    calib = calibration_windows(tok, "shakespeare", args.nsamples, args.seqlen, 0)
+    val = token_windows(tok, load_text("shakespeare", "val"), args.seqlen)[: args.study_val]
+    dense = copy.deepcopy(model)
+    del get_adapter(dense).layers()[layer + 1 :]  # nothing after the studied layer is needed
+    pruned = copy.deepcopy(dense)
+    prune_model(pruned, calib, pruner_class("sparsegpt")(), MaskSpec(0.5), layers=list(range(layer)),
+                batch_size=args.batch_size, progress=False)
+    studied = get_adapter(dense).layers()[layer]
+    groups = discover_groups(studied, lambda: dense(input_ids=calib[:1]), "llama")
+    out: dict[str, Any] = {"layer": layer, "weights": {n: lin.weight.data.clone() for g in groups
+                                                       for n, lin in g.linears.items()},
+                           "groups": [list(g.linears) for g in groups]}
+    for split, ids in (("fit", calib), ("val", val)):
+        acc: dict[str, dict[str, torch.Tensor]] = {}
+        box: dict[str, dict[str, torch.Tensor]] = {"pruned": {}, "dense": {}}
+        hooks = []
+        for m, key in ((pruned, "pruned"), (dense, "dense")):
+            lay = get_adapter(m).layers()[layer]
+            for g in groups:
+                name = next(iter(g.linears))
+                hooks.append(lay.get_submodule(name).register_forward_pre_hook(
+                    lambda _m, a, d=box[key], n=name: d.__setitem__(n, a[0].reshape(-1, a[0].shape[-1]).float())))
+        with torch.no_grad():
+            for start in range(0, len(ids), args.batch_size):
+                for m in (pruned, dense):
+                    m(input_ids=ids[start : start + args.batch_size], use_cache=False)
+                for name, xs in box["pruned"].items():
+                    x = box["dense"][name]
+                    a = acc.setdefault(name, {"H": 0.0, "G": 0.0, "Hd": 0.0, "n": 0})
+                    a["H"] = a["H"] + xs.T @ xs
+                    a["G"] = a["G"] + x.T @ xs
+                    a["Hd"] = a["Hd"] + x.T @ x
+                    a["n"] += xs.shape[0]
+        for h in hooks:
+            h.remove()
+        out[split] = {name: {k: a[k] / a["n"] for k in ("H", "G", "Hd")} | {"ntokens": a["n"]} for name, a in acc.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, path)
+    return out
+
+
+def solver_study(args: argparse.Namespace, model, tok) -> list[dict[str, Any]]:
+    """Each ``--study-variants`` entry (``method+key=value+...``) prunes every linear of the studied layer
+    from the fit statistics; records the relative output error on fit and val statistics and the CPU
+    seconds of the solve (one process, ``--threads`` threads)."""
+    from torch import nn
+
+    from leanml.prune.base import Group, GroupStats
+    from leanml.prune.fista import row_output_errors
+    from leanml.prune.masks import MaskSpec
+    from leanml.prune.methods import pruner_class
+
+    st = _layer_stats(args, model, tok)
+    records = []
+    for variant in args.study_variants.split(","):
+        name, *opts = variant.split("+")
+        pruner = pruner_class(name)(**{k: type_of(v) for k, v in (o.split("=") for o in opts)})
+        spec = pruner.resolve_spec(MaskSpec(0.5) if args.study_pattern is None else MaskSpec(pattern=args.study_pattern))
+        fit_e = val_e = fit_d = val_d = 0.0
+        cpu = wall = 0.0
+        per: dict[str, dict[str, float]] = {}
+        for names in st["groups"]:
+            leader = names[0]
+            linears = {}
+            for n in names:
+                W = st["weights"][n]
+                lin = nn.Linear(W.shape[1], W.shape[0], bias=False)
+                lin.weight.data.copy_(W)
+                linears[n] = lin
+            f = st["fit"][leader]
+            stats = GroupStats(H=f["H"], G=f["G"], Hd=None, ntokens=f["ntokens"], mean=None,
+                               out_sq={n: ((st["weights"][n] @ f["Hd"]) * st["weights"][n]).sum(1) for n in names})
+            if not pruner.needs_dense:
+                stats = GroupStats(H=f["H"], ntokens=f["ntokens"])
+            t0, c0 = time.perf_counter(), time.process_time()
+            pruner.prune_group(Group(leader, linears), stats, spec)
+            wall += time.perf_counter() - t0
+            cpu += time.process_time() - c0
+            for n in names:
+                W, Wn = st["weights"][n], linears[n].weight.data
+                errs = {}
+                for split in ("fit", "val"):
+                    s_ = st[split][leader]
+                    dc = ((W @ s_["Hd"]) * W).sum(1)
+                    errs[split] = (float(row_output_errors(Wn, s_["H"], W @ s_["G"], dc).sum()), float(dc.sum()))
+                per[n] = {"fit": errs["fit"][0] / errs["fit"][1], "val": errs["val"][0] / errs["val"][1],
+                          "sparsity": float((Wn == 0).float().mean())}
+                fit_e += errs["fit"][0]
+                fit_d += errs["fit"][1]
+                val_e += errs["val"][0]
+                val_d += errs["val"][1]
+        rec = {"kind": "solver", "variant": variant, "method_config": pruner.config(), "layer": st["layer"],
+               "pattern": args.study_pattern and f"{args.study_pattern[0]}:{args.study_pattern[1]}",
+               "nsamples": args.nsamples, "seqlen": args.seqlen, "val_windows": args.study_val,
+               "fit_rel_error": fit_e / fit_d, "val_rel_error": val_e / val_d,
+               "mean_val_rel_error": sum(p["val"] for p in per.values()) / len(per),
+               "per_linear": per, "solve_wall_s": wall, "solve_cpu_s": cpu, "threads": torch.get_num_threads(),
+               "load": os.getloadavg()[0], "rev": args.rev or _git_rev(),
+               "command": "python bench/prune_speed.py " + " ".join(sys.argv[1:])}
+        print(f"{variant:50s} fit {rec['fit_rel_error']:.5f} val {rec['val_rel_error']:.5f} "
+              f"mean val {rec['mean_val_rel_error']:.5f} cpu {cpu:.1f}s wall {wall:.1f}s", flush=True)
+        records.append(rec)
+    return records
+
+
 def key(r: dict[str, Any]) -> tuple:
     return (r["code"], r["method"], r["mode"], r["layers_pruned"], r["nsamples"], r["seqlen"], r.get("eval_split"))
 
@@ -162,20 +292,69 @@ def render(records: list[dict[str, Any]]) -> str:
              f"Machine: {machine_line()}. SmolLM2-135M, 50 % unstructured, calibration windows of 512 tokens "
              "from the Shakespeare calibration plays (seed 0); every run alone under the CPU lock. Seconds are "
              "wall time per phase summed over the pruned layers; `cpu s` is the process's CPU time (all threads). "
-             "`before` is the engine before this change (its `forward` and `report` time is inside `other`).", "",
+             "`before` is the committed engine a change was measured against (`--code before`, the revision in "
+             "brackets; the oldest reports have no `forward`/`report` split: that time is inside `other`).", "",
              "Commands: " + "; ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in recs)) + ".", "",
              "`val ppl`: perplexity of the pruned model on the whole validation split (two held-out plays, "
-             "never used for calibration or testing), where measured.", "",
+             "never used for calibration or testing), where measured. `rel err`: the pruned layers' relative "
+             "output error against the dense model (the engine's `rel_output_error`), mean over layers, where "
+             "recorded.", "",
              "| code | method | mode | layers | calibration | wall s | cpu s | " + " | ".join(PHASES) +
-             " | val ppl | threads | load |", "|---|---|---|---:|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---|"]
+             " | rel err | val ppl | threads | load |",
+             "|---|---|---|---:|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|---|"]
     for r in recs:
         mode = r["mode"] + ("" if r["mode"] != "default" else f" ({'intra' if r['intra_layer'] else 'one-pass'})")
         lines.append(f"| {r['code']} ({r['rev']}) | {r['method']} | {mode} | {r['layers_pruned']} | "
                      f"{r['nsamples']} x {r['seqlen']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
                      + " | ".join("-" if r[p + "_s"] is None else f"{r[p + '_s']:.1f}" for p in PHASES)
+                     + (f" | {r['rel_output_error_mean']:.4f}" if "rel_output_error_mean" in r else " | -")
                      + (f" | {r['ppl']:.2f}" if "ppl" in r else " | -")
                      + f" | {r['threads']} | {r['load_before']:.1f} / {r['load_after']:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+SOLVER_JSON = RESULTS / "prune_speed_solver.json"
+
+
+def _solver_key(r: dict[str, Any]) -> tuple:
+    return (r["variant"], r["layer"], r["pattern"], r["nsamples"], r["seqlen"], r["val_windows"])
+
+
+def render_solver(records: list[dict[str, Any]]) -> str:
+    from leanml.utils import machine_line
+
+    recs = sorted(records, key=lambda r: (r["layer"], r["pattern"] or "", r["variant"]))
+    lines = ["# FISTA solver settings at the operator level (`bench/prune_speed.py --solver-study`)", "",
+             f"Machine: {machine_line()}. SmolLM2-135M: the layers before the studied one pruned by SparseGPT (50 %); "
+             "every linear of the studied layer pruned from statistics of the calibration windows (fit); the error "
+             "is the relative output error against the dense model, `sum ||W* x* - W x||^2 / sum ||W x||^2` over the "
+             "layer's linears, on the fit windows and on the first windows of the validation split (two held-out "
+             "plays, never used for calibration or testing). Solve seconds: the solver alone, one process.", "",
+             "Commands: " + "; ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in recs)) + ".", "",
+             "| layer | pattern | calibration | val windows | variant | fit error | val error | mean val error "
+             "(per linear) | solve cpu s | solve wall s | threads | load |",
+             "|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in recs:
+        lines.append(f"| {r['layer']} | {r['pattern'] or '50%'} | {r['nsamples']} x {r['seqlen']} | {r['val_windows']} | "
+                     f"`{r['variant']}` | {r['fit_rel_error']:.5f} | {r['val_rel_error']:.5f} | "
+                     f"{r['mean_val_rel_error']:.5f} | {r['solve_cpu_s']:.1f} | {r['solve_wall_s']:.1f} | "
+                     f"{r['threads']} | {r['load']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main_solver_study(args: argparse.Namespace) -> int:
+    from leanml.utils import write_json
+
+    records = json.loads(SOLVER_JSON.read_text()) if SOLVER_JSON.exists() else []
+    if not args.render_only:
+        from leanml.models import load_model
+
+        model, tok = load_model("smollm2-135m")
+        for rec in solver_study(args, model, tok):
+            records = [r for r in records if _solver_key(r) != _solver_key(rec)] + [rec]
+            write_json(SOLVER_JSON, records)
+    (RESULTS / "prune_speed_solver.md").write_text(render_solver(records))
+    return 0
 
 
 def main() -> int:
@@ -193,9 +372,22 @@ def main() -> int:
                     help="also measure perplexity on this Shakespeare split (val: two held-out plays)")
     ap.add_argument("--torchrun", type=int, default=0,
                     help="run each method layer-parallel with this many processes through the CLI instead")
+    ap.add_argument("--solver-study", action="store_true",
+                    help="operator-level study of solver settings on one layer (fit: calibration, error: val split)")
+    ap.add_argument("--study-layer", type=int, default=5, help="decoder layer of the solver study (default 5)")
+    ap.add_argument("--study-val", type=int, default=32, help="val-split windows of the solver study (default 32)")
+    ap.add_argument("--study-variants", default="sparsegpt,fista",
+                    help="comma list of method+key=value+... (e.g. fista+refine=10+refine_method=cg)")
+    ap.add_argument("--study-pattern", default=None, help="N:M pattern of the solver study (default 50 %% unstructured)")
     ap.add_argument("--render-only", action="store_true")
     args = ap.parse_args()
+    if args.study_pattern:
+        from leanml.prune.masks import parse_pattern
+
+        args.study_pattern = parse_pattern(args.study_pattern)
     torch.set_num_threads(args.threads)
+    if args.solver_study:
+        return main_solver_study(args)
     path = RESULTS / "prune_speed.json"
     records = json.loads(path.read_text()) if path.exists() else []
     if not args.render_only:

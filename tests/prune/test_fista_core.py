@@ -15,6 +15,7 @@ from leanml.prune.fista import (
     hard_threshold,
     lasso_objective,
     power_iteration,
+    refine_cg_on_mask,
     refine_on_mask,
     row_output_errors,
     soft_threshold,
@@ -194,6 +195,39 @@ def test_fista_prune_beats_magnitude_and_is_exact(pattern, scope):
     lam_layer = fista_prune(W.float(), H.float(), spec, lambda_scope="layer")
     assert lam_layer.lam.unique().numel() == 1
     assert sparsity_of(lam_layer.W) == pytest.approx(0.5)
+
+
+def test_refine_cg_on_mask_matches_least_squares_on_support():
+    """Conjugate gradients reach the least-squares refit on the support in at most |support| steps."""
+    X, W, H, C = _problem(n=16)
+    mask = hard_threshold(W, MaskSpec(0.5)) != 0
+    R = refine_cg_on_mask(W, mask, H, C, iters=8)  # 8 kept weights per row
+    for i in range(W.shape[0]):
+        idx = mask[i].nonzero().squeeze(1)
+        ref = torch.linalg.lstsq(X[:, idx], X @ W[i]).solution
+        assert torch.allclose(R[i, idx], ref, atol=1e-7)
+        assert (R[i, ~mask[i]] == 0).all()
+    # fewer steps: never worse than the start on the support
+    start = W * mask
+    few = refine_cg_on_mask(W, mask, H, C, iters=2)
+    assert (lasso_objective(few, H, C, 0.0) <= lasso_objective(start, H, C, 0.0) + 1e-12).all()
+
+
+@pytest.mark.parametrize("refine_method", ["apg", "cg"])
+def test_fista_prune_from_cross_product_equals_from_G(refine_method):
+    """Giving ``C = W G`` (what the engine accumulates from dense outputs) instead of ``G`` changes nothing."""
+    X, W, H, _ = _problem(n=32, m=6)
+    g = torch.Generator().manual_seed(3)
+    Xp = X + 0.1 * torch.randn(X.shape, generator=g, dtype=X.dtype)
+    Hp, G = Xp.T @ Xp / len(X), X.T @ Xp / len(X)
+    const = ((W @ H) * W).sum(1)
+    kw = dict(rounds=2, iters=10, refine_iters=5, dense_const=const, precondition=True, refine_method=refine_method)
+    a = fista_prune(W, Hp, MaskSpec(0.5), G=G, **kw)
+    b = fista_prune(W, Hp, MaskSpec(0.5), C=W @ G, **kw)
+    torch.testing.assert_close(a.W, b.W)
+    torch.testing.assert_close(a.error, b.error)
+    direct = ((Xp @ b.W.T - X @ W.T) ** 2).mean(0)
+    torch.testing.assert_close(b.error, direct)
 
 
 def test_preconditioned_tuning_solves_the_same_problem():

@@ -155,3 +155,14 @@ def test_one_sweep_over_a_group_equals_separate_sweeps(specs):
     together = sparsegpt_prune_many(Ws, H, specs, blocksize=8)
     for W, spec, got in zip(Ws, specs, together):
         torch.testing.assert_close(got, sparsegpt_prune(W, H, spec, blocksize=8), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,k", [(torch.float32, 0), (torch.float32, 1), (torch.float32, 500),
+                                     (torch.float64, 999), (torch.float32, 1000), (torch.float16, 300)])
+def test_lowest_indices_are_exactly_the_k_smallest(dtype, k):
+    from leanml.prune.masks import lowest_indices
+
+    v = torch.randn(1000, generator=torch.Generator().manual_seed(k)).to(dtype)
+    idx = lowest_indices(v, k)
+    assert idx.dtype == torch.long and idx.numel() == k and idx.unique().numel() == k
+    assert torch.equal(torch.sort(v[idx]).values, torch.sort(v).values[:k])

@@ -18,6 +18,9 @@ Notation (per group, n = input features of the group's linears):
 - ``Hd = mean over tokens of x  x^T``   (n x n); only when ``needs_dense``. When the engine runs the
   dense layer's linears anyway it records instead, per linear, ``out_sq = diag(W Hd W^T)``: the mean
   squared dense output of each row (bias excluded), which is all a method needs from ``Hd``.
+- ``C = W G`` per linear: for methods with ``accepts_cross``, the engine accumulates it directly from
+  the dense outputs ``y = W x`` (``mean of y x*^T``) instead of ``G`` when the group's outputs are
+  narrower than its input (an MLP down projection), which costs less.
 
 so for a dense weight W and a candidate W*, the mean squared output error against the dense layer is
 ``tr(W* H W*^T) - 2 tr(W G W*^T) + tr(W Hd W^T)`` (see :func:`output_error`).
@@ -59,6 +62,16 @@ class GroupStats:
     mean: torch.Tensor | None = None
     #: per linear name, ``diag(W Hd W^T)``: the mean squared dense output per row (bias excluded)
     out_sq: dict[str, torch.Tensor] | None = None
+    #: per linear name, ``C = W G`` (mean of ``y x*^T`` with ``y`` the dense output, bias excluded),
+    #: given instead of ``G`` to methods with ``accepts_cross`` when that is cheaper
+    C: dict[str, torch.Tensor] | None = None
+
+    def cross(self, name: str, W: torch.Tensor) -> torch.Tensor | None:
+        """``C = W G`` of linear ``name`` (dense weight ``W``): from ``C`` when given, else from ``G``;
+        ``None`` when there is no dense/pruned distinction."""
+        if self.C is not None and name in self.C:
+            return self.C[name].to(self.H.dtype)
+        return None if self.G is None else W.to(self.H.dtype) @ self.G
 
     def dense_energy(self, name: str, W: torch.Tensor) -> torch.Tensor:
         """Per output row of linear ``name`` (dense weight ``W``), ``w Hd w^T``: the dense output's mean
@@ -75,15 +88,16 @@ class GroupStats:
 
 
 def output_error(W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats, name: str | None = None) -> float:
-    """Mean over tokens of ``||W_new x* - W x||^2`` (needs ``G`` and ``Hd`` or ``out_sq[name]``; without
-    ``G`` it uses ``x = x*``)."""
+    """Mean over tokens of ``||W_new x* - W x||^2`` (needs ``G`` or ``C[name]``, and ``Hd`` or
+    ``out_sq[name]``; without either cross statistic it uses ``x = x*``)."""
     W = W.to(stats.H.dtype)
     W_new = W_new.to(stats.H.dtype)
-    if stats.G is None:
+    C = stats.cross(name or "", W)
+    if C is None:
         D = W_new - W
         return float(torch.einsum("ij,jk,ik->", D, stats.H, D))
     t1 = torch.einsum("ij,jk,ik->", W_new, stats.H, W_new)
-    t2 = torch.einsum("ij,jk,ik->", W, stats.G, W_new)
+    t2 = (C * W_new).sum()
     t3 = stats.dense_energy(name or "", W).sum()
     return float(t1 - 2 * t2 + t3)
 
@@ -105,6 +119,9 @@ class Pruner:
     needs_stats: ClassVar[bool] = True
     structured: ClassVar[bool] = False
     supports_pattern: ClassVar[bool] = True
+    #: the method reads the cross statistics only through :meth:`GroupStats.cross` (so the engine may
+    #: give ``C`` per linear instead of ``G``)
+    accepts_cross: ClassVar[bool] = False
     default_scope: ClassVar[str] = "row"
     default_intra_layer: ClassVar[bool] = True
 

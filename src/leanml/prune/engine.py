@@ -33,12 +33,13 @@ Embeddings and ``lm_head`` are never touched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from leanml.models.layerwise import (
     first,
     forward_layer,
     layer_on,
+    patched_forward,
     run_layer,
     to_device,
 )
@@ -62,6 +64,9 @@ from leanml.prune.masks import MaskSpec, sparsity_of
 from leanml.utils import LeanmlError, atomic_file
 
 ENGINE_READY = True
+#: with intra-layer correction, reuse the outputs of a layer's finished parts in its later passes
+#: (identical results; a switch for the test that checks it)
+REUSE_FINISHED_PARTS = True
 #: bumped when the checkpoint layout changes, so an old checkpoint is refused instead of misread
 CHECKPOINT_VERSION = 2
 
@@ -129,18 +134,25 @@ def linear_specs(
 class _Moments:
     """Running sums of one group's input statistics on ``device``.
 
-    ``dense``: also the cross moment ``G`` and the dense target's energy: ``Hd`` (n x n), or, when the
-    dense outputs of the group's linears are given (``out_sq``), only their squared norms per row."""
+    ``dense``: also the cross moment and the dense target's energy. The cross moment is ``G`` (n x n),
+    or, with ``cross="C"``, per linear ``C = W G`` accumulated from the dense outputs ``y`` of the
+    linear (``y x*^T``; cheaper when the linears' outputs are narrower than their input). The energy is
+    ``Hd`` (n x n), or, when the dense outputs of the group's linears are given (``out_sq``), only
+    their squared norms per row."""
 
-    def __init__(self, n: int, device: torch.device, dense: bool, hd: bool = True) -> None:
+    def __init__(self, n: int, device: torch.device, dense: bool, hd: bool = True, cross: str = "G") -> None:
         self.H = torch.zeros(n, n, device=device)
         self.total = torch.zeros(n, device=device)
-        self.G = torch.zeros(n, n, device=device) if dense else None
+        self.G = torch.zeros(n, n, device=device) if dense and cross == "G" else None
+        self.C: dict[str, torch.Tensor] = {}
         self.Hd = torch.zeros(n, n, device=device) if dense and hd else None
         self.out_sq: dict[str, torch.Tensor] = {}
         self.ntokens = 0
 
-    def add(self, xs: torch.Tensor, x: torch.Tensor | None, out_sq: dict[str, torch.Tensor] | None = None) -> None:
+    def add(
+        self, xs: torch.Tensor, x: torch.Tensor | None, out_sq: dict[str, torch.Tensor] | None = None,
+        ys: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.H.addmm_(xs.T, xs)
         self.total += xs.sum(0)
         if self.G is not None:
@@ -152,6 +164,11 @@ class _Moments:
                     self.Hd.copy_(self.H)  # dense input = pruned-path input
                 else:
                     self.Hd.addmm_(x.T, x)
+        for name, y in (ys or {}).items():
+            if name in self.C:
+                self.C[name].addmm_(y.T, xs)
+            else:
+                self.C[name] = y.T @ xs
         for name, v in (out_sq or {}).items():
             self.out_sq[name] = self.out_sq[name] + v if name in self.out_sq else v
         self.ntokens += xs.shape[0]
@@ -165,6 +182,7 @@ class _Moments:
             ntokens=self.ntokens,
             mean=self.total / n,
             out_sq={k: v / n for k, v in self.out_sq.items()} or None,
+            C={k: v / n for k, v in self.C.items()} or None,
         )
 
 
@@ -179,12 +197,15 @@ class _Capture:
 
     def __init__(
         self, layer: nn.Module, names: Sequence[str] | None, stop_at: str | None = None,
-        energies: Sequence[str] = (),
+        energies: Sequence[str] = (), keep_outputs: Sequence[str] = (),
     ) -> None:
         self.calls: list[tuple[str, torch.Tensor]] = []
         self.inputs: dict[str, torch.Tensor] = {}
         #: per linear in ``energies``: sum over tokens of its squared output per row, bias excluded
         self.out_sq: dict[str, torch.Tensor] = {}
+        #: per linear in ``keep_outputs`` (a subset of ``energies``): its outputs, bias excluded
+        self.outputs: dict[str, torch.Tensor] = {}
+        keep = set(keep_outputs)
         self.handles = []
         targets = layer_linears(layer) if names is None else {n: layer.get_submodule(n) for n in names}
         for name, mod in targets.items():
@@ -201,6 +222,8 @@ class _Capture:
                 if module.bias is not None:
                     y = y - module.bias.float()
                 self.out_sq[name] = (y * y).sum(0)
+                if name in keep:
+                    self.outputs[name] = y
 
             self.handles.append(layer.get_submodule(name).register_forward_hook(out_hook))
 
@@ -263,27 +286,138 @@ def _one_pass(
 
 def _dense_pass(
     layer: nn.Module, groups: list[Group], src: torch.Tensor, kw: list[dict[str, Any]], batch_size: int,
-    device: torch.device,
+    device: torch.device, by_output: set[str] = frozenset(),
 ) -> tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]], torch.Tensor]:
-    """One pass of the still dense ``layer`` over ``src`` that keeps every group's input, per batch, on
-    the CPU (in the activations' dtype) and its linears' squared outputs per row; returns both, per
-    batch, and the layer's outputs."""
-    cache: dict[str, list[torch.Tensor]] = {g.leader: [] for g in groups}
+    """One pass of the still dense ``layer`` over ``src`` that keeps, per batch and on the CPU, every
+    group's input (for the groups named in ``by_output``: the outputs of its linears, bias excluded,
+    under ``"out:" + name``) and its linears' squared outputs per row; returns both, per batch, and
+    the layer's outputs."""
+    leaders = [g.leader for g in groups if g.name not in by_output]
+    outputs = [n for g in groups if g.name in by_output for n in g.linears]
+    cache: dict[str, list[torch.Tensor]] = {n: [] for n in leaders + [_OUT + n for n in outputs]}
     energies: list[dict[str, torch.Tensor]] = []
     outs = []
     for b, s, e in _batches(src.shape[0], batch_size):
-        cap = _Capture(layer, list(cache), energies=[n for g in groups for n in g.linears])
+        cap = _Capture(layer, leaders, energies=[n for g in groups for n in g.linears], keep_outputs=outputs)
         outs.append(cap.run(layer, src[s:e].to(device), kw[b]).cpu())
-        for name in cache:
+        for name in leaders:
             x = cap.inputs[name]
             cache[name].append(x.reshape(-1, x.shape[-1]).cpu())
+        for name in outputs:
+            cache[_OUT + name].append(cap.outputs[name].cpu())
         energies.append(cap.out_sq)
     return cache, energies, torch.cat(outs)
 
 
-def _dense_cache_bytes(groups: list[Group], src: torch.Tensor) -> int:
+_OUT = "out:"
+
+
+def _by_output(groups: list[Group]) -> set[str]:
+    """Groups whose cross statistics are cheaper from their linears' dense outputs (``C = y x*^T`` per
+    linear) than from their dense input (``G = x x*^T``): total output width below the input width."""
+    out = set()
+    for g in groups:
+        n = next(iter(g.linears.values())).in_features
+        if not g.producers and sum(lin.out_features for lin in g.linears.values()) < n:
+            out.add(g.name)
+    return out
+
+
+def _dense_cache_bytes(groups: list[Group], src: torch.Tensor, by_output: set[str] = frozenset()) -> int:
     tokens = src.shape[0] * src.shape[1]
-    return tokens * sum(next(iter(g.linears.values())).in_features for g in groups) * src.element_size()
+    width = sum(sum(lin.out_features for lin in g.linears.values()) if g.name in by_output
+                else next(iter(g.linears.values())).in_features for g in groups)
+    return tokens * width * 4
+
+
+def _clone(obj: Any, device: torch.device | None = None) -> Any:
+    """A copy of ``obj`` with every tensor inside cloned (and moved to ``device`` when given)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to(device, copy=True) if device is not None else obj.detach().clone()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_clone(o, device) for o in obj)
+    return obj
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+class _FinishedParts:
+    """Outputs of a layer's finished parts, reused by the later intra-layer passes of that layer.
+
+    A *part* is a direct child of the decoder layer that holds linears (LLaMA: ``self_attn``, ``mlp``;
+    OPT: ``self_attn``, ``fc1``, ``fc2``). With intra-layer correction the layer runs from its input
+    once per group. Once no linear of a part is still to be pruned, its output no longer changes (the
+    groups are pruned in forward order, so everything that runs before it is final too): the first pass
+    that runs it completely records its output per batch (on the CPU), and the later passes and the
+    final forward return a copy instead of computing it. The results are identical to recomputing
+    (tested). A part called more than once per forward is never reused; recording stops at
+    ``budget`` bytes."""
+
+    def __init__(self, layer: nn.Module, pending: set[str], budget: int) -> None:
+        self.parts = {name: {f"{name}.{n}" if n else name for n, m in child.named_modules() if isinstance(m, nn.Linear)}
+                      for name, child in layer.named_children()}
+        self.parts = {k: v for k, v in self.parts.items() if v}
+        self.modules = dict(layer.named_children())
+        self.pending = set(pending)
+        self.budget = budget
+        self.outputs: dict[str, list[Any]] = {}
+        self._recording: dict[str, list[Any]] = {}
+        self._refused: set[str] = set()
+
+    def pruned(self, names: Sequence[str]) -> None:
+        """``names`` are final from now on."""
+        self.pending -= set(names)
+
+    def _final(self) -> list[str]:
+        return [p for p, lins in self.parts.items() if not lins & self.pending and p not in self.outputs
+                and p not in self._refused]
+
+    @contextlib.contextmanager
+    def batch(self, b: int, device: torch.device, record: bool = True) -> Iterator[None]:
+        """During one batch's forward: reuse the recorded parts and (``record``) record the newly
+        finished ones."""
+        handles = []
+        with contextlib.ExitStack() as stack:
+            for name, outs in self.outputs.items():
+                stack.enter_context(patched_forward(self.modules[name],
+                                                    lambda *a, _o=outs[b], **k: _clone(_o, device)))
+            for name in self._final() if record else []:
+                rec = self._recording.setdefault(name, [])
+                calls = [0]
+
+                def hook(module: nn.Module, args: Any, out: Any, rec: list[Any] = rec, calls: list[int] = calls) -> None:
+                    calls[0] += 1
+                    if calls[0] == 1:
+                        rec.append(_clone(out, torch.device("cpu")))
+
+                handles.append(self.modules[name].register_forward_hook(hook))
+                stack.callback(self._check_calls, name, calls, b)
+            try:
+                yield
+            finally:
+                for h in handles:
+                    h.remove()
+
+    def _check_calls(self, name: str, calls: list[int], b: int) -> None:
+        if calls[0] > 1:
+            self._refused.add(name)
+        if calls[0] != 1 or len(self._recording.get(name, ())) != b + 1:
+            self._recording.pop(name, None)
+
+    def end_pass(self, n_batches: int) -> None:
+        """After a pass over all batches: keep the parts recorded for every batch (within the budget)."""
+        for name, outs in list(self._recording.items()):
+            size = sum(_nbytes(o) for o in outs)
+            if len(outs) == n_batches and size <= self.budget:
+                self.outputs[name] = outs
+                self.budget -= size
+        self._recording.clear()
 
 
 def _group_stats_intra(
@@ -296,20 +430,28 @@ def _group_stats_intra(
     batch_size: int,
     device: torch.device,
     dense_cache: tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None,
+    finished: _FinishedParts | None = None,
 ) -> GroupStats:
     """One group's statistics from the partially pruned ``layer`` (stopped at the group's first linear),
     paired with the dense layer's input on the dense stream when ``needs_dense`` (from ``dense_cache``
-    when given, else from the dense copy stopped at the same linear)."""
+    when given, else from the dense copy stopped at the same linear). ``finished`` reuses the outputs
+    of the layer's finished parts."""
     m: _Moments | None = None
     dense_in = streams.dense_or_pruned()
-    for b, s, e in _batches(streams.pruned.shape[0], batch_size):
+    batches = _batches(streams.pruned.shape[0], batch_size)
+    for b, s, e in batches:
         cap = _Capture(layer, [group.leader], stop_at=group.leader)
-        cap.run(layer, streams.pruned[s:e].to(device), kw[b])
+        with finished.batch(b, device) if finished is not None else contextlib.nullcontext():
+            cap.run(layer, streams.pruned[s:e].to(device), kw[b])
         xs = _flat(cap.inputs[group.leader])
         x = None
         out_sq = None
+        ys = None
         if needs_dense and dense_cache is not None:
-            x = dense_cache[0][group.leader][b].to(device).float()
+            if group.leader in dense_cache[0]:
+                x = dense_cache[0][group.leader][b].to(device).float()
+            else:  # cached by output: C = y x*^T per linear
+                ys = {n: dense_cache[0][_OUT + n][b].to(device) for n in group.linears}
             out_sq = {n: dense_cache[1][b][n] for n in group.linears}
         elif needs_dense:
             assert dense_layer is not None
@@ -317,10 +459,26 @@ def _group_stats_intra(
             dcap.run(dense_layer, dense_in[s:e].to(device), kw[b])
             x = _flat(dcap.inputs[group.leader])
         if m is None:
-            m = _Moments(xs.shape[1], device, needs_dense, hd=dense_cache is None)
-        m.add(xs, x, out_sq)
+            m = _Moments(xs.shape[1], device, needs_dense, hd=dense_cache is None, cross="C" if ys else "G")
+        m.add(xs, x, out_sq, ys)
     assert m is not None
+    if finished is not None:
+        finished.end_pass(len(batches))
     return m.stats()
+
+
+def _run_pruned(
+    layer: nn.Module, x: torch.Tensor, kw: list[dict[str, Any]], batch_size: int, device: torch.device,
+    finished: _FinishedParts | None,
+) -> torch.Tensor:
+    """The pruned layer on ``x`` (what the next layer reads), reusing finished parts' outputs."""
+    if finished is None or not finished.outputs:
+        return run_layer(layer, x, kw, batch_size, device)
+    outs = []
+    for b, s, e in _batches(x.shape[0], batch_size):
+        with finished.batch(b, device, record=False):
+            outs.append(first(forward_layer(layer, x[s:e].to(device), kw[b])).cpu())
+    return torch.cat(outs)
 
 
 def _discover(
@@ -377,6 +535,7 @@ def _prune_layer(
     dense_next: torch.Tensor | None = None
     t_prune = t_report = 0.0
     linear_reports: dict[str, dict[str, Any]] = {}
+    finished: _FinishedParts | None = None
 
     def report_group(group: Group, dense_w: dict[str, torch.Tensor], st: GroupStats | None, extra: dict) -> None:
         nonlocal t_report
@@ -420,9 +579,11 @@ def _prune_layer(
         touched = [g for g in groups if pruner.touches(g)]
         cache = None
         src = streams.dense_or_pruned()
-        if needs_dense and _dense_cache_bytes(touched, src) <= dense_cache_bytes:
-            # one pass of the dense layer gives every group's dense input (and the layer's dense output)
-            inputs, energies, out = _dense_pass(layer, touched, src, kw, batch_size, device)
+        by_output = _by_output(touched) if pruner.accepts_cross else set()
+        if needs_dense and _dense_cache_bytes(touched, src, by_output) <= dense_cache_bytes:
+            # one pass of the dense layer gives every group's dense input or outputs (and the layer's
+            # dense output)
+            inputs, energies, out = _dense_pass(layer, touched, src, kw, batch_size, device, by_output)
             cache = (inputs, energies)
             if streams.dense is not None:
                 dense_next = out
@@ -430,13 +591,20 @@ def _prune_layer(
                 ref_out = out
         else:
             dense_layer = copy.deepcopy(layer)
+        used = _dense_cache_bytes(touched, src, by_output) if cache is not None else 0
+        if REUSE_FINISHED_PARTS:
+            finished = _FinishedParts(layer, {n for g in touched for n in [*g.linears, *g.producers]},
+                                      dense_cache_bytes - used)
         t_stats = time.perf_counter() - t0
         for g in touched:
             t = time.perf_counter()
-            st = _group_stats_intra(layer, dense_layer, g, streams, kw, needs_dense, batch_size, device, cache)
+            st = _group_stats_intra(layer, dense_layer, g, streams, kw, needs_dense, batch_size, device, cache,
+                                    finished)
             t_stats += time.perf_counter() - t
             dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
             report_group(g, dense_w, st, prune(g, st))
+            if finished is not None:
+                finished.pruned([*g.linears, *g.producers])
     for g in groups:
         if not pruner.touches(g):  # left alone: no statistics, so no error to report
             for n, lin in g.linears.items():
@@ -446,7 +614,7 @@ def _prune_layer(
             if n in linear_reports:
                 linear_reports[n]["sparsity"] = sparsity_of(lin.weight.data)
     t = time.perf_counter()
-    pruned_next = run_layer(layer, streams.pruned, kw, batch_size, device)
+    pruned_next = _run_pruned(layer, streams.pruned, kw, batch_size, device, finished)
     if streams.dense is not None:  # the dense model's activations: what a dense-target method aims at
         if dense_next is None:
             assert dense_layer is not None

@@ -32,6 +32,9 @@ import torch
 
 from leanml.prune.masks import MaskSpec, keep_mask
 
+#: ways to refit the kept weights after a hard threshold: accelerated projected gradient, conjugate gradients
+REFINE_METHODS = ("apg", "cg")
+
 
 def power_iteration(H: torch.Tensor, iters: int = 100, tol: float = 1e-6, seed: int = 0) -> float:
     """Largest eigenvalue of the symmetric positive semi-definite matrix ``H`` by power iteration.
@@ -60,8 +63,10 @@ def power_iteration(H: torch.Tensor, iters: int = 100, tol: float = 1e-6, seed: 
 
 
 def soft_threshold(X: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
-    """``sign(x) * max(|x| - tau, 0)`` elementwise; ``tau`` is a scalar or broadcasts (e.g. (m, 1))."""
-    return torch.sign(X) * torch.clamp(X.abs() - tau, min=0.0)
+    """``sign(x) * max(|x| - tau, 0)`` elementwise; ``tau`` (>= 0) is a scalar or broadcasts (e.g. (m, 1)).
+
+    Computed as ``x - clamp(x, -tau, tau)``: the same values in two passes over ``x``."""
+    return X - X.clamp(-tau, tau)
 
 
 def hard_threshold(W: torch.Tensor, spec: MaskSpec, scores: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,6 +122,17 @@ def _as_row_lambda(lam: torch.Tensor | float, m: int, like: torch.Tensor) -> tor
     return lam_t.reshape(m, 1)
 
 
+def _vdot(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Per-row dot products ``(A * B).sum(1)`` without the temporary."""
+    return torch.linalg.vecdot(A, B, dim=1)
+
+
+def _l1(W: torch.Tensor, col_weights: torch.Tensor | None) -> torch.Tensor:
+    """Per-row ``sum_j u_j |w_j|`` (``u = 1`` when ``col_weights`` is None; else shape (1, n) or (n,))."""
+    absW = W.abs()
+    return absW.sum(1) if col_weights is None else absW @ col_weights.reshape(-1)
+
+
 def lasso_objective(
     W: torch.Tensor,
     H: torch.Tensor,
@@ -133,8 +149,7 @@ def lasso_objective(
     if WH is None:
         WH = W @ H
     lam_r = _as_row_lambda(lam, W.shape[0], W).reshape(-1)
-    absW = W.abs() if col_weights is None else W.abs() * col_weights
-    return 0.5 * (WH * W).sum(1) - (C * W).sum(1) + lam_r * absW.sum(1)
+    return 0.5 * _vdot(WH, W) - _vdot(C, W) + lam_r * _l1(W, col_weights)
 
 
 def row_output_errors(
@@ -142,12 +157,12 @@ def row_output_errors(
 ) -> torch.Tensor:
     """Per-row mean squared output error ``||w* X* - w X||^2 / N`` (shape (m,), clamped at 0).
 
-    ``dense_const`` is the per-row ``w Hd w^T`` (the dense output energy), ``C = W G``.
+    ``dense_const`` is the per-row ``w Hd w^T`` (the dense output energy), ``C = W G``; ``WH`` may pass
+    a precomputed ``W_new @ H``.
     """
     if WH is None:
         WH = W_new @ H
-    err = (WH * W_new).sum(1) - 2.0 * (C * W_new).sum(1) + dense_const
-    return err.clamp_min(0.0)
+    return (_vdot(WH, W_new) - 2.0 * _vdot(C, W_new) + dense_const).clamp_min(0.0)
 
 
 @dataclass
@@ -159,6 +174,27 @@ class FistaResult:
     iters: int = 0
     restarts: int = 0
     row_objective: torch.Tensor | None = None
+    #: ``W @ H`` of the returned iterate (saves the caller a product)
+    WH: torch.Tensor | None = None
+
+
+def _momentum(t: torch.Tensor, bad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FISTA's ``t_{k+1}`` and ``beta = (t_k - 1) / t_{k+1}`` per row; restarted rows get ``t = 1``,
+    ``beta = 0``."""
+    t_next = (1.0 + torch.sqrt(1.0 + 4.0 * t * t)) / 2.0
+    beta = (t - 1.0) / t_next
+    if bad is not None:
+        badc = bad.unsqueeze(1)
+        beta = beta.masked_fill(badc, 0.0)
+        t_next = t_next.masked_fill(badc, 1.0)
+    return t_next, beta
+
+
+def _keep_rows(bad: torch.Tensor, new: list[torch.Tensor], old: list[torch.Tensor]) -> None:
+    """Rows flagged ``bad`` of each tensor in ``new`` take their values from ``old`` (in place)."""
+    idx = bad.nonzero().squeeze(1)
+    for a, b in zip(new, old):
+        a.index_copy_(0, idx, b.index_select(0, idx))
 
 
 def fista_solve(
@@ -172,6 +208,7 @@ def fista_solve(
     restart: bool = True,
     track: bool = True,
     col_weights: torch.Tensor | None = None,
+    W0H: torch.Tensor | None = None,
 ) -> FistaResult:
     """Minimise ``1/2 tr(W H W^T) - tr(C W^T) + sum_rows lambda_r ||w_r||_1`` by FISTA, all rows at once.
 
@@ -179,9 +216,10 @@ def fista_solve(
     With ``restart`` (default) a row whose objective would rise keeps its previous iterate and its
     momentum is reset (``t = 1``), so the next step is a plain proximal-gradient step from there: the
     per-row objective never rises. One ``n x n`` product per iteration (``Y H`` is carried as a linear
-    combination of ``W_k H``). Stops after ``iters`` iterations or when the relative change
-    ``||W_k - W_{k-1}||_F / ||W_{k-1}||_F`` falls below ``tol``. ``col_weights`` (n,) turns the
-    penalty into the weighted ``lambda_r sum_j u_j |w_rj|`` (used by the diagonal preconditioner).
+    combination of ``W_k H``); ``W0H`` may pass ``W0 @ H``, and the result carries ``W @ H``. Stops
+    after ``iters`` iterations or when the relative change ``||W_k - W_{k-1}||_F / ||W_{k-1}||_F`` falls
+    below ``tol``. ``col_weights`` (n,) turns the penalty into the weighted ``lambda_r sum_j u_j |w_rj|``
+    (used by the diagonal preconditioner).
     """
     m, n = C.shape
     if H.shape != (n, n):
@@ -195,41 +233,42 @@ def fista_solve(
     if L <= 0.0:
         # H == 0: the smooth part is linear, the minimiser is unbounded unless C == 0; keep the start
         return FistaResult(W=W_prev, objective=[], iters=0)
-    WH_prev = W_prev @ H
-    u = None if col_weights is None else col_weights.to(C.dtype).reshape(1, n)
-    F_prev = lasso_objective(W_prev, H, C, lam_r, WH_prev, u)
+    WH_prev = W_prev @ H if W0H is None else W0H.to(C.dtype)
+    u = None if col_weights is None else col_weights.to(C.dtype).reshape(-1)
+    lam_v = lam_r.reshape(-1)
+    F_prev = 0.5 * _vdot(WH_prev, W_prev) - _vdot(C, W_prev) + lam_v * _l1(W_prev, u)
     history = [float(F_prev.sum())] if track else []
     Y, YH = W_prev, WH_prev
     t = torch.ones(m, 1, dtype=C.dtype, device=C.device)
-    tau = lam_r / L if u is None else (lam_r / L) * u
+    tau = lam_r / L if u is None else (lam_r / L) * u.reshape(1, n)
     restarts = 0
     done = 0
     for k in range(iters):
-        Z = soft_threshold(Y - (YH - C) / L, tau)
+        V = torch.add(Y, YH - C, alpha=-1.0 / L)  # gradient step
+        Z = soft_threshold(V, tau)
+        del V
         ZH = Z @ H
-        F = lasso_objective(Z, H, C, lam_r, ZH, u)
+        F = 0.5 * _vdot(ZH, Z) - _vdot(C, Z) + lam_v * _l1(Z, u)
+        bad = None
         if restart:
-            bad = F > F_prev
-            restarts += int(bad.sum())
-            badc = bad.unsqueeze(1)
-            Z = torch.where(badc, W_prev, Z)
-            ZH = torch.where(badc, WH_prev, ZH)
-            F = torch.where(bad, F_prev, F)
-        t_next = (1.0 + torch.sqrt(1.0 + 4.0 * t * t)) / 2.0
-        beta = (t - 1.0) / t_next
-        if restart:
-            beta = torch.where(badc, torch.zeros_like(beta), beta)
-            t_next = torch.where(badc, torch.ones_like(t_next), t_next)
-        Y = Z + beta * (Z - W_prev)
-        YH = ZH + beta * (ZH - WH_prev)
-        change = float((Z - W_prev).norm()) / max(float(W_prev.norm()), 1e-30)
+            up = F > F_prev
+            nbad = int(up.sum())
+            if nbad:
+                restarts += nbad
+                bad = up
+                _keep_rows(bad, [Z, ZH], [W_prev, WH_prev])
+                F = torch.where(bad, F_prev, F)
+        t_next, beta = _momentum(t, bad)
+        change = float((Z - W_prev).norm()) / max(float(W_prev.norm()), 1e-30) if tol > 0.0 else 1.0
+        Y = torch.lerp(Z, W_prev, -beta)  # Z + beta (Z - W_prev)
+        YH = torch.lerp(ZH, WH_prev, -beta)
         W_prev, WH_prev, F_prev, t = Z, ZH, F, t_next
         done = k + 1
         if track:
             history.append(float(F.sum()))
         if tol > 0.0 and change < tol:
             break
-    return FistaResult(W=W_prev, objective=history, iters=done, restarts=restarts, row_objective=F_prev)
+    return FistaResult(W=W_prev, objective=history, iters=done, restarts=restarts, row_objective=F_prev, WH=WH_prev)
 
 
 def refine_on_mask(
@@ -240,29 +279,85 @@ def refine_on_mask(
     Accelerated projected gradient (the projection zeroes the pruned weights) with a per-row
     function-value restart, so the output error of every row never rises; starts at ``W``.
     """
-    W = W * mask
+    return _refine(W, mask, H, C, L, iters)[0]
+
+
+def _refine(
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, L: float, iters: int,
+    WH: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`refine_on_mask` that also returns ``W @ H`` of the result; ``WH`` may pass the product of
+    the start (``W``, already zero off ``mask``)."""
+    keep = mask.to(W.dtype)
+    if WH is None:
+        W = W * keep
+        WH = W @ H
     if iters <= 0 or L <= 0.0:
-        return W
-    zero = torch.zeros(W.shape[0], dtype=W.dtype, device=W.device)
-    res_W, WH = W, W @ H
-    F_prev = lasso_objective(W, H, C, zero, WH)
+        return W, WH
+    res_W = W
+    F_prev = 0.5 * _vdot(WH, W) - _vdot(C, W)
     Y, YH = W, WH
     t = torch.ones(W.shape[0], 1, dtype=W.dtype, device=W.device)
     for _ in range(iters):
-        Z = (Y - (YH - C) / L) * mask
+        Z = torch.add(Y, YH - C, alpha=-1.0 / L).mul_(keep)
         ZH = Z @ H
-        F = lasso_objective(Z, H, C, zero, ZH)
-        bad = (F > F_prev).unsqueeze(1)
-        Z = torch.where(bad, res_W, Z)
-        ZH = torch.where(bad, WH, ZH)
-        F = torch.where(bad.squeeze(1), F_prev, F)
-        t_next = (1.0 + torch.sqrt(1.0 + 4.0 * t * t)) / 2.0
-        beta = torch.where(bad, torch.zeros_like(t), (t - 1.0) / t_next)
-        t_next = torch.where(bad, torch.ones_like(t_next), t_next)
-        Y = Z + beta * (Z - res_W)
-        YH = ZH + beta * (ZH - WH)
+        F = 0.5 * _vdot(ZH, Z) - _vdot(C, Z)
+        up = F > F_prev
+        bad = None
+        if bool(up.any()):
+            bad = up
+            _keep_rows(bad, [Z, ZH], [res_W, WH])
+            F = torch.where(bad, F_prev, F)
+        t_next, beta = _momentum(t, bad)
+        Y = torch.lerp(Z, res_W, -beta)
+        YH = torch.lerp(ZH, WH, -beta)
         res_W, WH, F_prev, t = Z, ZH, F, t_next
-    return res_W
+    return res_W, WH
+
+
+def refine_cg_on_mask(W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, iters: int) -> torch.Tensor:
+    """:func:`refine_on_mask` by conjugate gradients: the same least-squares refit of the kept weights.
+
+    Every row runs its own conjugate-gradient recursion on its support (all rows at once, one
+    ``n x n`` product per iteration). In exact arithmetic the objective of every row falls at each
+    step and reaches the minimum on the support after at most ``|support|`` steps; a row whose
+    objective ends above its start (rounding) keeps its start."""
+    return _refine_cg(W, mask, H, C, iters)[0]
+
+
+def _refine_cg(
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, iters: int,
+    WH: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`refine_cg_on_mask` that also returns ``W @ H`` of the result; ``WH`` may pass the product
+    of the start (``W``, already zero off ``mask``)."""
+    keep = mask.to(W.dtype)
+    if WH is None:
+        W = W * keep
+        WH = W @ H
+    if iters <= 0:
+        return W, WH
+    F0 = 0.5 * _vdot(WH, W) - _vdot(C, W)
+    X, XH = W.clone(), WH.clone()
+    R = (C - WH).mul_(keep)  # minus the gradient, on the support
+    P = R.clone()
+    rr = _vdot(R, R)
+    for _ in range(iters):
+        Q = P @ H
+        pq = _vdot(P, Q)
+        alpha = torch.where(pq > 0, rr / pq.clamp_min(1e-30), torch.zeros_like(pq)).unsqueeze(1)
+        X.add_(alpha * P)
+        XH.add_(alpha * Q)
+        R.sub_(Q.mul_(keep).mul_(alpha))
+        rr_new = _vdot(R, R)
+        beta = torch.where(rr > 0, rr_new / rr.clamp_min(1e-30), torch.zeros_like(rr)).unsqueeze(1)
+        P = torch.addcmul(R, beta, P)
+        rr = rr_new
+    F = 0.5 * _vdot(XH, X) - _vdot(C, X)
+    worse = F > F0
+    if bool(worse.any()):
+        _keep_rows(worse, [X, XH], [W, WH])
+    return X, XH
 
 
 @dataclass
@@ -295,6 +390,7 @@ def tune_lambda(
     refine_iters: int = 0,
     tol: float = 0.0,
     precondition: bool = False,
+    refine_method: str = "apg",
 ) -> TuneResult:
     """T rounds of FISTA + hard threshold, keeping the sparse solution of least output error.
 
@@ -319,8 +415,12 @@ def tune_lambda(
     """
     if lambda_scope not in ("row", "layer"):
         raise ValueError("lambda_scope must be 'row' or 'layer'")
+    if refine_method not in REFINE_METHODS:
+        raise ValueError(f"refine_method must be one of {REFINE_METHODS}")
     m = W.shape[0]
     Hs = H if H_solve is None else H_solve
+    #: products with the solver's matrix serve for the errors too (no damping)
+    shared = Hs is H
     if L is None:
         L = power_iteration(Hs) * 1.001
     d = None
@@ -331,10 +431,22 @@ def tune_lambda(
         Cp = C / d.unsqueeze(0)
         Lp = power_iteration(Hp) * 1.001
 
-    def _refine(Wr: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if d is None:
-            return refine_on_mask(Wr, mask, Hs, C, L, refine_iters)
-        return refine_on_mask(Wr * d, mask, Hp, Cp, Lp, refine_iters) / d
+    # Products are carried in the original variables: ``X @ Hs``. In the rescaled ones (V = W D,
+    # Hp = D^-1 Hs D^-1) the product V @ Hp equals (W @ Hs) / d.
+    def _refit(Wr: torch.Tensor, mask: torch.Tensor, WrH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if refine_method == "cg":
+            if d is None:
+                return _refine_cg(Wr, mask, Hs, C, refine_iters, WrH)
+            V, VH = _refine_cg(Wr * d, mask, Hp, Cp, refine_iters, WrH / d)
+        else:
+            if d is None:
+                return _refine(Wr, mask, Hs, C, L, refine_iters, WrH)
+            V, VH = _refine(Wr * d, mask, Hp, Cp, Lp, refine_iters, WrH / d)
+        return V / d, VH * d
+
+    def _errors(Wx: torch.Tensor, WxH: torch.Tensor) -> torch.Tensor:
+        return row_output_errors(Wx, H, C, dense_const, WxH if shared else None)
+
     lam = _as_row_lambda(lam0, m, C).reshape(-1).clone()
     if lambda_scope == "layer":
         lam = lam.mean().expand(m).clone()
@@ -342,33 +454,40 @@ def tune_lambda(
     hi = torch.full_like(lam, float("inf"))
     start = (W if W_start is None else W_start).to(C.dtype)
 
-    start_mask = keep_mask(prune_scores(start, start @ Hs - C), spec)
+    startH = start @ Hs
+    start_mask = keep_mask(prune_scores(start, startH - C), spec)
     best_sparse = start * start_mask
+    sparseH = best_sparse @ Hs
     if refine_iters > 0:
-        best_sparse = _refine(best_sparse, start_mask)
-    best_err = row_output_errors(best_sparse, H, C, dense_const)
+        best_sparse, sparseH = _refit(best_sparse, start_mask, sparseH)
+    best_err = _errors(best_sparse, sparseH)
     start_err = best_err.clone()
-    best_iterate = start.clone()
+    best_iterate, best_iterateH = start.clone(), startH
     history: list[dict[str, Any]] = []
     layer_choice = spec.scope == "layer" and spec.pattern is None
     for r in range(rounds):
         if d is None:
-            res = fista_solve(Hs, C, lam, W0=best_iterate, L=L, iters=iters, tol=tol, track=False)
-            Wf = res.W
+            res = fista_solve(Hs, C, lam, W0=best_iterate, L=L, iters=iters, tol=tol, track=False,
+                              W0H=best_iterateH)
+            Wf, WfH = res.W, res.WH
         else:
-            res = fista_solve(
-                Hp, Cp, lam, W0=best_iterate * d, L=Lp, iters=iters, tol=tol, track=False, col_weights=1.0 / d
-            )
-            Wf = res.W / d
-        mask = keep_mask(prune_scores(Wf, Wf @ Hs - C), spec)
+            res = fista_solve(Hp, Cp, lam, W0=best_iterate * d, L=Lp, iters=iters, tol=tol, track=False,
+                              col_weights=1.0 / d, W0H=best_iterateH / d)
+            Wf, WfH = res.W / d, res.WH * d
+        mask = keep_mask(prune_scores(Wf, WfH - C), spec)
         Wr = Wf * mask
+        WrH = Wr @ Hs
         D = Wr - Wf
-        e_round = row_output_errors(D, H, torch.zeros_like(C), torch.zeros_like(dense_const)).sqrt()
+        # rounding error ||(W_round - W_fista) X*||, from the two products at hand
+        DH = (WrH - WfH) if shared else D @ H
+        e_round = _vdot(DH, D).clamp_min(0.0).sqrt()
+        del DH, D
         if refine_iters > 0:
-            Wr = _refine(Wr, mask)
+            Wr, WrH = _refit(Wr, mask, WrH)
+            err = _errors(Wr, WrH)
         else:
             Wr = fill_kept_zeros(Wr, mask, H, C, dense_const)
-        err = row_output_errors(Wr, H, C, dense_const)
+            err = row_output_errors(Wr, H, C, dense_const)
         e_total = err.sqrt()
         if layer_choice or lambda_scope == "layer":
             better = torch.full_like(err, bool(err.sum() < best_err.sum()), dtype=torch.bool)
@@ -377,6 +496,7 @@ def tune_lambda(
         bc = better.unsqueeze(1)
         best_sparse = torch.where(bc, Wr, best_sparse)
         best_iterate = torch.where(bc, Wf, best_iterate)
+        best_iterateH = torch.where(bc, WfH, best_iterateH)
         best_err = torch.where(better, err, best_err)
         if lambda_scope == "layer":
             ratio_l = float(e_round.pow(2).sum().sqrt()) / max(float(e_total.pow(2).sum().sqrt()), 1e-30)
@@ -424,6 +544,8 @@ def fista_prune(
     L: float | None = None,
     precondition: bool = False,
     dense_const: torch.Tensor | None = None,
+    refine_method: str = "apg",
+    C: torch.Tensor | None = None,
 ) -> TuneResult:
     """Prune one weight matrix ``W`` (m x n) to ``spec`` with FISTAPruner.
 
@@ -434,7 +556,8 @@ def fista_prune(
     dtype if wider) and returns weights in ``W``'s dtype inside :class:`TuneResult`. ``L`` may pass
     the Lipschitz constant of the (damped) ``H`` when several linears share it. ``precondition``
     solves in diagonally rescaled variables (same minimiser, faster; see :func:`tune_lambda`).
-    ``dense_const`` may pass the per-row ``w Hd w^T`` (the dense output's mean square) instead of ``Hd``.
+    ``dense_const`` may pass the per-row ``w Hd w^T`` (the dense output's mean square) instead of ``Hd``,
+    and ``C`` the product ``W G`` instead of ``G``.
     """
     if lam < 0:
         raise ValueError("lambda must be >= 0")
@@ -443,8 +566,10 @@ def fista_prune(
     dtype = torch.promote_types(H.dtype, torch.float32)
     Wc = W.to(dtype)
     Hc = H.to(dtype)
-    Gc = Hc if G is None else G.to(dtype)
-    C = Wc @ Gc
+    if C is None:
+        C = Wc @ (Hc if G is None else G.to(dtype))
+    else:
+        C = C.to(dtype)
     if dense_const is None:
         Hdc = Hc if Hd is None else Hd.to(dtype)
         dense_const = ((Wc @ Hdc) * Wc).sum(1)
@@ -476,6 +601,7 @@ def fista_prune(
         refine_iters=refine_iters,
         tol=tol,
         precondition=precondition,
+        refine_method=refine_method,
     )
     res.W = res.W.to(W.dtype)
     return res

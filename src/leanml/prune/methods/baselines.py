@@ -16,7 +16,14 @@ from typing import Any, ClassVar
 import torch
 
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
-from leanml.prune.masks import MaskSpec, keep_mask, prune_count, prune_lowest_per_row, row_quotas
+from leanml.prune.masks import (
+    MaskSpec,
+    keep_mask,
+    lowest_indices,
+    prune_count,
+    prune_lowest_per_row,
+    row_quotas,
+)
 from leanml.utils import LeanmlError
 
 
@@ -172,7 +179,7 @@ def _block_prune_mask(
     total = prune_count(spec, rows * cols)
     k = int(round(total * i2 / cols)) - int(round(total * i1 / cols))
     if k:
-        prune.view(-1)[scores.reshape(-1).topk(k, largest=False).indices] = True
+        prune.view(-1)[lowest_indices(scores.reshape(-1), k)] = True
     return prune
 
 

@@ -9,13 +9,14 @@ hard-thresholds to the exact target. The numeric work lives in :mod:`leanml.prun
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 from typing import Any, ClassVar
 
 import torch
 
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
-from leanml.prune.fista import fista_prune, power_iteration
+from leanml.prune.fista import REFINE_METHODS, fista_prune, power_iteration
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
 
@@ -50,6 +51,7 @@ class FistaPruner(Pruner):
 
     name: ClassVar[str] = "fista"
     needs_dense: ClassVar[bool] = True
+    accepts_cross: ClassVar[bool] = True
     default_scope: ClassVar[str] = "layer"
 
     def __init__(
@@ -64,6 +66,7 @@ class FistaPruner(Pruner):
         refine: int = 20,
         tol: float = 0.0,
         precondition: bool = True,
+        refine_method: str = "apg",
     ) -> None:
         if not (math.isfinite(lam) and lam >= 0):
             raise LeanmlError(f"--fista-lambda must be a finite number >= 0, got {lam}")
@@ -83,6 +86,8 @@ class FistaPruner(Pruner):
             raise LeanmlError(f"--fista-refine must be >= 0, got {refine}")
         if not (math.isfinite(tol) and tol >= 0):
             raise LeanmlError(f"--fista-tol must be a finite number >= 0, got {tol}")
+        if refine_method not in REFINE_METHODS:
+            raise LeanmlError(f"unknown --fista-refine-method {refine_method!r}; choose one of: {', '.join(REFINE_METHODS)}")
         if lam == 0 and rounds > 1:
             raise LeanmlError("--fista-lambda 0 cannot be tuned by bisection; give a positive value or --fista-rounds 1")
         self.lam = lam
@@ -95,37 +100,47 @@ class FistaPruner(Pruner):
         self.refine = refine
         self.tol = tol
         self.precondition = precondition
+        self.refine_method = refine_method
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        # the defaults are the constructor's: the CLI and the Python API cannot drift apart
+        d = {k: v.default for k, v in inspect.signature(cls.__init__).parameters.items() if k != "self"}
         g = parser.add_argument_group("fista (FISTAPruner)")
         g.add_argument(
-            "--fista-lambda", type=float, default=1e-3,
-            help="initial l1 weight, relative to each row's zeroing lambda max|W G| (default 1e-3)",
+            "--fista-lambda", type=float, default=d["lam"],
+            help="initial l1 weight, relative to each row's zeroing lambda max|W G| (default %(default)s)",
         )  # fmt: skip
-        g.add_argument("--fista-iters", type=int, default=20, help="K: FISTA iterations per round (default 20)")
-        g.add_argument("--fista-rounds", type=int, default=3, help="T: lambda-tuning rounds (default 3)")
+        g.add_argument("--fista-iters", type=int, default=d["iters"],
+                       help="K: FISTA iterations per round (default %(default)s)")
+        g.add_argument("--fista-rounds", type=int, default=d["rounds"], help="T: lambda-tuning rounds (default %(default)s)")
         g.add_argument(
-            "--fista-xi", type=float, default=0.3,
-            help="xi: lambda rises while E_round/E_total exceeds it, else falls (default 0.3)",
-        )  # fmt: skip
-        g.add_argument(
-            "--fista-warm-start", default="sparsegpt", choices=WARM_STARTS,
-            help="start point of FISTA (default sparsegpt)",
+            "--fista-xi", type=float, default=d["xi"],
+            help="xi: lambda rises while E_round/E_total exceeds it, else falls (default %(default)s)",
         )  # fmt: skip
         g.add_argument(
-            "--fista-lambda-scope", default="row", choices=("row", "layer"),
-            help="one lambda per output row or one per linear (default row)",
+            "--fista-warm-start", default=d["warm_start"], choices=WARM_STARTS,
+            help="start point of FISTA (default %(default)s)",
         )  # fmt: skip
-        g.add_argument("--fista-damp", type=float, default=0.0, help="damping of H, fraction of mean diag (default 0)")
         g.add_argument(
-            "--fista-refine", type=int, default=20,
+            "--fista-lambda-scope", default=d["lambda_scope"], choices=("row", "layer"),
+            help="one lambda per output row or one per linear (default %(default)s)",
+        )  # fmt: skip
+        g.add_argument("--fista-damp", type=float, default=d["damp"],
+                       help="damping of H, fraction of mean diag (default %(default)s)")
+        g.add_argument(
+            "--fista-refine", type=int, default=d["refine"],
             help="least-squares refit iterations of the kept weights after each hard threshold "
-            "(default 20; 0 = the paper's procedure)",
+            "(default %(default)s; 0 = the paper's procedure)",
         )  # fmt: skip
         g.add_argument(
-            "--fista-tol", type=float, default=0.0,
-            help="stop a FISTA run early when the relative change falls below this (default 0: run K)",
+            "--fista-refine-method", default=d["refine_method"], choices=REFINE_METHODS,
+            help="how the kept weights are refit: cg (conjugate gradients, per row on its support) or apg "
+            "(accelerated projected gradient) (default %(default)s)",
+        )  # fmt: skip
+        g.add_argument(
+            "--fista-tol", type=float, default=d["tol"],
+            help="stop a FISTA run early when the relative change falls below this (default %(default)s: run K)",
         )  # fmt: skip
         g.add_argument(
             "--fista-no-precondition", action="store_true",
@@ -145,6 +160,7 @@ class FistaPruner(Pruner):
             refine=args.fista_refine,
             tol=args.fista_tol,
             precondition=not args.fista_no_precondition,
+            refine_method=args.fista_refine_method,
         )
 
     def config(self) -> dict[str, Any]:
@@ -159,6 +175,7 @@ class FistaPruner(Pruner):
             "refine": self.refine,
             "tol": self.tol,
             "precondition": self.precondition,
+            "refine_method": self.refine_method,
         }
 
     def prune_group(self, group: Group, stats: GroupStats, spec: LinearSpecs) -> dict[str, dict[str, Any]]:
@@ -183,6 +200,7 @@ class FistaPruner(Pruner):
                 H,
                 lspec,
                 G=stats.G,
+                C=stats.C[name] if stats.C and name in stats.C else None,
                 Hd=stats.Hd,
                 dense_const=stats.out_sq[name] if stats.out_sq and name in stats.out_sq else None,
                 W_start=start,
@@ -196,6 +214,7 @@ class FistaPruner(Pruner):
                 tol=self.tol,
                 L=L,
                 precondition=self.precondition,
+                refine_method=self.refine_method,
             )
             lin.weight.data.copy_(res.W.to(W.dtype))
             err, start_err = float(res.error.sum()), float(res.start_error.sum())
