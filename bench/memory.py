@@ -51,6 +51,7 @@ MIB = 2**20
 SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True, use_cache=False)
 COMPILE_BLOCK_BUDGETS = (1.0, 0.5, 0.25, 0.0)
+REPEATS, MIN_TIMED, LOSS_SEEDS = 3, 10, 3  # the protocol the targets are read against
 
 # (strategy, budget, compile_blocks)
 ALL = [("none", 1.0, False), ("checkpoint", 1.0, False), ("sac", 1.0, False),
@@ -124,7 +125,7 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
     model.train()
     windows = text_windows(tok, spec["seqlen"], vocab if spec["model"] == "small" else None)
     steps = spec["warmup"] + spec["timed"]
-    data = batches(windows, spec["batch"], steps, seed=seed if section == "loss" else repeat)
+    data = batches(windows, spec["batch"], steps + 1, seed=seed if section == "loss" else repeat)
     plan = [p for p in spec["plan"] if (only is None or label(*p) in only)
             and (part == "all" or label(*p) in PARTS[part])]
     base = lm_unoptimized_peak(model, data[0])
@@ -162,11 +163,14 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
         if runner.adacc is not None and runner.adacc.profile is not None:
             profiles.setdefault(cb, runner.adacc.profile)
         runners.append(runner)
-    for i, x in enumerate(tqdm(data, desc=f"{section}: interleaved steps")):
+    for i, x in enumerate(tqdm(data[:steps], desc=f"{section}: interleaved steps")):
         k = i % max(1, len(runners))
         for runner in runners[k:] + runners[:k]:
             runner.step(x)
     load_after = os.getloadavg()
+    if section != "loss":  # one more, untimed step each under the allocator's own accounting
+        for runner in tqdm(runners, desc=f"{section}: allocator peaks"):
+            runner.allocator_step(data[steps])
     common = {"section": section, "repeat": repeat, "part": part, "seed": seed, "model": spec["model"],
               "dtype": spec["dtype"],
               "batch_size": spec["batch"], "seqlen": spec["seqlen"], "threads": threads, "lr": lr,
@@ -235,6 +239,8 @@ def aggregate(records: list[dict[str, Any]], section: str) -> list[dict[str, Any
             "step_cpu_s": statistics.median(r["step_cpu_s"] for r in rs),
             "within_run_spread": statistics.median(r["spread"] for r in rs),
             "peak_bytes": max(r["peak_bytes"] for r in rs),
+            "allocator_peak_bytes": max((r["allocator_peak_bytes"] for r in rs if r.get("allocator_peak_bytes")),
+                                        default=None),
             "unoptimized_peak_bytes": first["unoptimized_peak_bytes"],
             "budget_bytes": first.get("budget_bytes"),
             "timed_steps": sum(len(r["step_peaks"]) - r["warmup"] for r in rs),
@@ -242,6 +248,7 @@ def aggregate(records: list[dict[str, Any]], section: str) -> list[dict[str, Any
                                   if first.get("steps_over_budget") is not None else None),
             "peak_measured_every_step": all(r["peak_measured_every_step"] for r in rs),
             "setup_s": statistics.median(r["setup_s"] for r in rs),
+            "profile_peak_bytes": max((r["profile_peak_bytes"] for r in rs if r.get("profile_peak_bytes")), default=None),
             "replan_s": sum(r["replan_s"] for r in rs),
             "final_loss": statistics.median(r["final_loss"] for r in rs),
             "plan": first.get("plan"),
@@ -261,10 +268,14 @@ def _med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})"
 
 
+def _mib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / MIB:.0f}"
+
+
 def table(aggs: list[dict[str, Any]]) -> list[str]:
-    rows = ["| strategy | peak MiB | peak / unopt. | steps over budget | median step s | tokens/s (median) | "
-            "tokens/s min-max | vs checkpoint | vs compile, same budget | setup s | plan |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| strategy | peak MiB | peak / unopt. | steps over budget | allocator peak MiB | median step s | "
+            "tokens/s (median) | tokens/s min-max | vs checkpoint | vs compile, same budget | setup s | plan |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in aggs:
         over = "-" if a["steps_over_budget"] is None else f"{a['steps_over_budget']}/{a['timed_steps']}"
         plan = ""
@@ -272,7 +283,7 @@ def table(aggs: list[dict[str, Any]]) -> list[str]:
             plan = ", ".join(f"{k} {v}" for k, v in a["plan"]["summary"].items() if v)
         rows.append(
             f"| {a['label']} | {a['peak_bytes'] / MIB:.1f} | {a['peak_bytes'] / a['unoptimized_peak_bytes']:.0%} | "
-            f"{over} | {a['step_s']:.3f} | {a['tokens_s']:.0f} | {a['tokens_s_min']:.0f}-{a['tokens_s_max']:.0f} | "
+            f"{over} | {_mib(a['allocator_peak_bytes'])} | {a['step_s']:.3f} | {a['tokens_s']:.0f} | {a['tokens_s_min']:.0f}-{a['tokens_s_max']:.0f} | "
             f"{_med(a['vs_checkpoint'])} | {_med(a.get('vs_compile_same_budget', []))} | {a['setup_s']:.0f} | {plan} |")
     return rows
 
@@ -292,11 +303,35 @@ def ratio_in_repeats(records: list[dict[str, Any]], section: str, a: str, b: str
     return out
 
 
+def coverage(records: list[dict[str, Any]], section: str) -> list[str]:
+    """What the records hold against the protocol (every strategy, REPEATS repeats, MIN_TIMED timed steps,
+    a bf16 run, LOSS_SEEDS loss seeds), so a target read from fewer runs says so."""
+    recs = [r for r in records if r["section"] == section and not r.get("error")]
+    runs = {lab: sorted({(r["repeat"], r.get("part", "all")) for r in recs if r["label"] == lab})
+            for lab in dict.fromkeys(r["label"] for r in recs)}
+    want = [label(*p) for p in SECTIONS[section]["plan"]]
+    missing = [lab for lab in want if lab not in runs]
+    reps = sorted({len({rep for rep, _ in v}) for v in runs.values()})
+    timed = min((r["steps"] - r["warmup"] for r in recs), default=0)
+    full = not missing and reps == [REPEATS] and timed >= MIN_TIMED
+    lines = [f"- Protocol: {len(runs)}/{len(want)} strategies measured"
+             + (f" (never run: {', '.join(missing)})" if missing else "")
+             + f", {'/'.join(map(str, reps)) or 0} repeat(s) each of {REPEATS} asked, at least {timed} timed steps "
+             f"per strategy ({MIN_TIMED} asked): {'complete' if full else '**incomplete**: the met/missed verdicts below rest on fewer runs than asked'}."]
+    bf16 = [r for r in records if r["section"] == "bf16" and not r.get("error")]
+    lines.append(f"- bf16 run: {len(bf16)} strategies recorded" if bf16 else "- bf16 run: **not run** (no records).")
+    seeds = sorted({r["seed"] for r in records if r["section"] == "loss" and not r.get("error")})
+    if len(seeds) < LOSS_SEEDS:
+        lines.append(f"- Loss within 1% after 200 steps: **not measured** ({len(seeds)}/{LOSS_SEEDS} seeds recorded).")
+    return lines
+
+
 def targets(records: list[dict[str, Any]], aggs: list[dict[str, Any]], section: str) -> list[str]:
     """The issue's targets on SmolLM2, checked against the measured records."""
     lines = ["## Targets (SmolLM2-135M)", ""]
     if not aggs:
         return lines + ["- no SmolLM2 records yet", ""]
+    lines += coverage(records, section)
     compile_aggs = sorted([a for a in aggs if a["strategy"] == "compile"], key=lambda a: a["budget_fraction"])
     ck = next((a for a in aggs if a["label"] == "checkpoint"), None)
     for frac, need_compile, need_ck in ((0.25, 1.10, None), (0.5, 1.0, 1.15)):
@@ -324,6 +359,12 @@ def targets(records: list[dict[str, Any]], aggs: list[dict[str, Any]], section: 
                 f"- {frac:.0%} budget: {best['label']} (the faster Adacc variant) ran {_med(rs)} the tokens/s of "
                 f"{comp['label']} (peaks {best['peak_bytes'] / MIB:.0f} vs {comp['peak_bytes'] / MIB:.0f} MiB); "
                 f"target >= {need_compile:.2f}x: {'met' if med >= need_compile else '**missed**'}.")
+        alloc = [(a["label"], a["allocator_peak_bytes"]) for a in (best, same, comp) if a is not None
+                 and a.get("allocator_peak_bytes")]
+        if alloc:
+            lines.append(f"- {frac:.0%} budget, allocator peaks of one extra step (gradients and compiled kernels' "
+                         "workspace included): " + ", ".join(f"{lab} {b / MIB:.0f} MiB" for lab, b in
+                                                            dict(alloc).items()) + ".")
         if need_ck and ck:
             rs = ratio_in_repeats(records, section, best["label"], "checkpoint")
             med = statistics.median(rs) if rs else float("nan")
@@ -339,6 +380,19 @@ def targets(records: list[dict[str, Any]], aggs: list[dict[str, Any]], section: 
         lines.append(f"- Measured peak <= budget, {kind} runs: {steps - over}/{steps} timed steps "
                      f"(largest peak/budget {worst:.3f}; {what})"
                      + (f": {'met' if over == 0 else '**missed**'}." if kind == "adacc" else "."))
+    recs = [r for r in records if r["section"] == section and r["strategy"] == "adacc" and not r.get("error")]
+    cuda = [(p, b) for r in recs if r.get("cuda_step_peaks") for p, b in zip(r["cuda_step_peaks"][r["warmup"]:],
+                                                                           r["step_budget_bytes"][r["warmup"]:])]
+    lines.append(f"- CUDA max_memory_allocated per timed step: {sum(p <= b for p, b in cuda)}/{len(cuda)} within "
+                 "budget (allocator bytes: activations and gradients)." if cuda else
+                 "- CUDA max_memory_allocated per step: not measured (no GPU on the machine that ran these records).")
+    prof = [a for a in aggs if a["strategy"] == "adacc" and a.get("profile_peak_bytes")]
+    if prof:
+        worst = max(prof, key=lambda a: a["profile_peak_bytes"] / a["budget_bytes"])
+        ok = sum(a["profile_peak_bytes"] <= a["budget_bytes"] for a in prof)
+        lines.append(f"- Profiling never above the budget: {ok}/{len(prof)} Adacc runs profiled within their budget "
+                     f"(largest profile peak / budget {worst['profile_peak_bytes'] / worst['budget_bytes']:.2f}, "
+                     f"{worst['label']}): {'met' if ok == len(prof) else '**missed**'}.")
     return lines
 
 
@@ -419,7 +473,9 @@ def section_header(records: list[dict[str, Any]], section: str, title: str) -> l
             f"1-minute load average during the runs {min(loads):.1f}-{max(loads):.1f}", ""]
 
 
-def render(payload: dict[str, Any], out: Path, doc: Path | None = DOC) -> None:
+def render(payload: dict[str, Any], out: Path, doc: Path | None = None) -> None:
+    """Write ``out``/memory.md and .png from the payload, and the tables into ``doc`` between its
+    bench markers (main() passes docs/memory.md only when ``out`` is bench/results)."""
     records = payload["records"]
     smol = aggregate(records, "smollm2")
     lines = ["# Training memory: Adacc vs checkpointing and torch.compile's activation budget", "",
@@ -432,7 +488,10 @@ def render(payload: dict[str, Any], out: Path, doc: Path | None = DOC) -> None:
              "repeats). `compile@X` is torch.compile with activation_memory_budget = X (its own scale: X of the "
              "runtime-optimal saved set; its recomputation workspace inside fused kernels is invisible to the meter "
              "on CPU). `adacc+compile@X`: Adacc whose MILP may also run layers as compiled blocks "
-             f"(compiler budgets {', '.join(f'{b:g}' for b in COMPILE_BLOCK_BUDGETS)}).", ""]
+             f"(compiler budgets {', '.join(f'{b:g}' for b in COMPILE_BLOCK_BUDGETS)}). `allocator peak`: one extra, "
+             "untimed step per strategy after the timed ones, the peak of every byte the allocator handed out above the "
+             "step's start (torch profiler allocation events on CPU, max_memory_allocated on CUDA): activations, "
+             "gradients and optimizer state alike, and the workspace inside compiled kernels the meter cannot see.", ""]
     summary = section_header(records, "smollm2", "Headline") + table(smol) + [""] if smol else []
     lines += summary
     tgt = targets(records, smol, "smollm2") + [""]
@@ -478,8 +537,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "memory.json"
+    doc = DOC if out.resolve() == RESULTS else None  # a run elsewhere (a trial) leaves the docs alone
     if args.render_only:
-        render(json.loads(path.read_text()), out)
+        render(json.loads(path.read_text()), out, doc)
         return 0
     if args.section is None:
         ap.error("pass --section (or --render-only)")
@@ -494,7 +554,7 @@ def main() -> int:
             "cpu_seconds": time.process_time() - c0, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     payload = merge(path, records, meta)
     write_json(path, payload)
-    render(payload, out)
+    render(payload, out, doc)
     return 0
 
 

@@ -63,3 +63,9 @@ def test_train_cli_bad_args(tiny_dir: Path, tmp_path: Path, capsys: pytest.Captu
     assert "at least 1" in capsys.readouterr().err
     assert main(["train", "--model", str(tiny_dir), "--memory-budget", "lots", "--out", str(tmp_path / "z")]) == 2
     assert "cannot read memory budget" in capsys.readouterr().err
+    assert main(["train", "--model", str(tiny_dir), "--memory", "checkpoint", "--compile-blocks",
+                 "--out", str(tmp_path / "w")]) == 2
+    assert "option of --memory adacc" in capsys.readouterr().err
+    assert main(["train", "--model", str(tiny_dir), "--compile-blocks", "1,2", "--out", str(tmp_path / "v")]) == 2
+    assert "compiler budgets in [0, 1]" in capsys.readouterr().err
+    assert not any((tmp_path / d).exists() for d in "yzwv")

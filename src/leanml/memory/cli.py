@@ -12,6 +12,7 @@ from leanml.utils import LeanmlError, atomic_dir, machine_info, write_json
 EPILOG = """examples:
   leanml train --model smollm2-135m --data shakespeare --memory adacc --memory-budget 0.5
   leanml train --model smollm2-135m --memory adacc --memory-budget 0.25 --compile-blocks
+  leanml train --model smollm2-135m --memory adacc --memory-budget 0.25 --compile-blocks 1,0.5,0.25,0
   leanml train --model smollm2-135m --dtype bfloat16 --memory adacc --memory-budget 0.5
   leanml train --model smollm2-135m --batch-size 2 --seqlen 128 --steps 20 --memory checkpoint
   leanml train --model ./my-llama --memory adacc --memory-budget 2GB --out out/ft --save
@@ -46,8 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--memory", choices=["none", "checkpoint", "sac", "compile", "adacc"], default="adacc")
-    p.add_argument("--compile-blocks", action="store_true",
-                   help="adacc: also offer each layer as a compiled block (torch.compile; minutes of compile time)")
+    p.add_argument("--compile-blocks", nargs="?", const="1,0.5,0", default=None, metavar="BUDGETS",
+                   help="adacc: also offer each layer as a compiled block (torch.compile; minutes of compile time) at "
+                   "these recomputation budgets of the compiler (comma-separated, default 1,0.5,0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weights and activations dtype")
     p.add_argument("--memory-budget", default="0.5", help="fraction of the unoptimized peak, bytes, or a size like 2GB")
@@ -60,26 +62,44 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def parse_compile_budgets(spec: str | None) -> tuple[float, ...]:
+    """``"1,0.5,0"`` -> ``(1.0, 0.5, 0.0)``; None -> ``()`` (no compiled blocks). Raises
+    :class:`LeanmlError` on anything but comma-separated numbers in [0, 1]."""
+    if spec is None:
+        return ()
+    try:
+        budgets = tuple(float(b) for b in spec.split(","))
+    except ValueError:
+        budgets = ()
+    if not budgets or not all(0.0 <= b <= 1.0 for b in budgets):
+        raise LeanmlError(f"--compile-blocks takes comma-separated compiler budgets in [0, 1] (like 1,0.5,0), got {spec!r}")
+    return budgets
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``leanml train``."""
     import torch
 
     from leanml.data.text import load_text, token_windows
     from leanml.memory.train import TrainConfig, run_training
-    from leanml.models import load_model, save_model
+    from leanml.models import check_dtype, load_model, save_model
     from leanml.utils import check_output_dir, default_device
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     cfg = TrainConfig(strategy=args.memory, budget=args.memory_budget, batch_size=args.batch_size,
                       steps=args.steps, lr=args.lr, seed=args.seed, max_error=args.max_error,
-                      compile_blocks=args.compile_blocks)
+                      compile_blocks=parse_compile_budgets(args.compile_blocks))
     cfg.check()
+    if cfg.compile_blocks and args.memory != "adacc":
+        raise LeanmlError(f"--compile-blocks is an option of --memory adacc, not of --memory {args.memory}")
     if args.seqlen < 2:
         raise LeanmlError(f"--seqlen must be at least 2, got {args.seqlen}")
     out = args.out or f"out/train-{args.memory}"
     check_output_dir(out, args.overwrite)
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    model.to(default_device())
+    device = default_device()
+    dtype = getattr(torch, args.dtype)
+    check_dtype(dtype, device)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     windows = token_windows(tokenizer, load_text(args.data, "train"), args.seqlen)
     torch.manual_seed(args.seed)
     result = run_training(model, windows, cfg)

@@ -13,6 +13,12 @@ that hold activations:
 
 Liveness is tracked with weak references to the storages, polled at every event, so the peak is exact
 at event granularity. On CUDA, ``torch.cuda.max_memory_allocated`` is reported alongside.
+
+:class:`AllocatorPeak` measures something else, for a cross-check: every byte the device allocator hands
+out during a region, above what was allocated when it began (activations, gradients, optimizer state,
+and the workspace inside compiled kernels that no saved-tensors hook sees). On CUDA it reads
+``torch.cuda.max_memory_allocated``; on CPU it replays the allocation events of the torch profiler
+(``profile_memory=True``), which slows the region down, so it is meant for one extra, untimed step.
 """
 
 from __future__ import annotations
@@ -128,6 +134,52 @@ def track_outputs() -> Iterator[None]:
         return
     with _TrackOutputs():
         yield
+
+
+class AllocatorPeak:
+    """Peak bytes allocated on ``device`` above the start of the ``with`` region (``self.peak``).
+
+    CUDA: ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus ``memory_allocated`` at the
+    start (an :class:`ActivationMeter` entered inside resets the peak again; nothing is lost as long as
+    nothing is allocated between the two, as in a training step). CPU: the running sum of the torch
+    profiler's allocation and free events, in time order (the CPU allocator reports every allocation,
+    including buffers of compiled kernels). The profiler drops frees of memory allocated before the
+    region, so on CPU ``peak`` is an upper bound: memory handed back from earlier allocations is not
+    credited. ``events``: allocation and free events seen (CPU)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.peak = 0
+        self.events = 0
+        self._start = 0
+        self._prof: torch.profiler.profile | None = None
+
+    def __enter__(self) -> AllocatorPeak:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = max(0, torch.cuda.max_memory_allocated(self.device) - self._start)
+            return
+        assert self._prof is not None
+        self._prof.__exit__(*exc)
+        events = [e for e in self._prof.profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+        events.sort(key=lambda e: e.start_ns())
+        total = peak = 0
+        for e in events:
+            total += e.nbytes()
+            peak = max(peak, total)
+        self.peak, self.events = peak, len(events)
+        self._prof = None
 
 
 def param_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

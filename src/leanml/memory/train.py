@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from leanml.memory.api import Adacc
 from leanml.memory.budget import Budget, BudgetLike
 from leanml.memory.compiled import budget_backend
-from leanml.memory.meter import ActivationMeter, param_tensors
+from leanml.memory.meter import ActivationMeter, AllocatorPeak, param_tensors
 from leanml.memory.profiler import unoptimized_peak
 from leanml.memory.runtime import apply_strategy, disable_kv_cache
 from leanml.memory.structure import find_blocks
@@ -159,9 +159,12 @@ class StrategyRunner:
         self.cpu_times: list[float] = []
         self.setup_peak: int | None = None
         self.budget_bytes: float | None = None
+        self.step_budgets: list[float | None] = []  # the budget in bytes each step ran under
+        self.step_tokens: list[int] = []
+        self.allocator_peak: int | None = None
+        self.allocator_meter_peak: int | None = None
         self.optim = optimizer
         self.profile = profile  # an Adacc profile of the same model and batch shape to plan from
-        self.tokens = 0
         self.setup_s = 0.0
 
     def setup(self, x: torch.Tensor) -> None:
@@ -170,7 +173,6 @@ class StrategyRunner:
         t_setup = time.perf_counter()
         model.train()
         disable_kv_cache(model)
-        self.tokens = x.numel()
         if cfg.strategy == "adacc":
             self.adacc = Adacc(model, budget=self.budget, max_error=cfg.max_error, compile_blocks=cfg.compile_blocks,
                                compress_layers=cfg.compress_layers, profile=self.profile)
@@ -197,9 +199,36 @@ class StrategyRunner:
 
     def step(self, x: torch.Tensor) -> float:
         """One optimizer step on batch ``x`` with its peak measured; returns the loss."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss, peak, cuda_peak, budget = self._train_step(x)
+        self.times.append(time.perf_counter() - t0)
+        self.cpu_times.append(time.process_time() - c0)
+        self.replan_times.append(self.adacc.take_replan_seconds() if self.adacc is not None else 0.0)
+        self.peaks.append(peak)
+        self.step_budgets.append(budget)
+        self.step_tokens.append(x.numel())
+        if cuda_peak is not None:
+            self.cuda_peaks.append(cuda_peak)
+        self.losses.append(loss)
+        return loss
+
+    def allocator_step(self, x: torch.Tensor) -> int:
+        """One more optimizer step on ``x``, untimed, under :class:`~leanml.memory.meter.AllocatorPeak`:
+        the peak bytes the device allocator hands out during the step above its start (activations,
+        gradients, optimizer state, compiled kernels' workspace). Stored as ``allocator_peak``; the
+        step's loss, time and meter peak are not added to the timed record."""
+        device = next(self.model.parameters()).device
+        with AllocatorPeak(device) as alloc:
+            _, peak, _, _ = self._train_step(x)
+        if self.adacc is not None:
+            self.adacc.take_replan_seconds()
+        self.allocator_peak, self.allocator_meter_peak = alloc.peak, peak
+        return alloc.peak
+
+    def _train_step(self, x: torch.Tensor) -> tuple[float, int, int | None, float | None]:
+        """Forward, backward and optimizer step; returns (loss, meter peak, CUDA peak, budget bytes)."""
         assert self.optim is not None
         meter = None if self.adacc is not None else ActivationMeter(param_tensors(self.model))
-        t0, c0 = time.perf_counter(), time.process_time()
         if meter is not None:
             with meter:
                 loss = _lm_loss(self.forward, x)
@@ -215,20 +244,12 @@ class StrategyRunner:
         self.optim.zero_grad(set_to_none=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - t0)
-        self.cpu_times.append(time.process_time() - c0)
         if self.adacc is not None:
-            self.replan_times.append(self.adacc.take_replan_seconds())
-            self.peaks.append(self.adacc.step_peaks[-1])
-            if self.adacc.step_cuda_peaks:
-                self.cuda_peaks.append(self.adacc.step_cuda_peaks[-1])
-        else:
-            self.replan_times.append(0.0)
-            self.peaks.append(meter.peak)  # type: ignore[union-attr]
-            if meter.cuda_peak is not None:  # type: ignore[union-attr]
-                self.cuda_peaks.append(meter.cuda_peak)  # type: ignore[union-attr]
-        self.losses.append(loss.item())
-        return self.losses[-1]
+            # the budget in bytes of the plan this step ran (a fraction budget differs per input shape)
+            return (loss.item(), self.adacc.step_peaks[-1],
+                    self.adacc.step_cuda_peaks[-1] if self.adacc.step_cuda_peaks else None, self.adacc.step_budgets[-1])
+        assert meter is not None
+        return loss.item(), meter.peak, meter.cuda_peak, self.budget_bytes
 
     def close(self) -> None:
         """Remove hooks and wrappers."""
@@ -242,7 +263,8 @@ class StrategyRunner:
         """JSON-ready record of the run so far."""
         cfg = self.cfg
         w = cfg.warmup if len(self.times) > cfg.warmup else 0
-        timed, timed_peaks = self.times[w:], self.peaks[w:]
+        timed, timed_peaks, budgets = self.times[w:], self.peaks[w:], self.step_budgets[w:]
+        tokens = statistics.fmean(self.step_tokens[w:])
         step_s = statistics.median(timed)
         replan_s = sum(self.replan_times[w:])
         tail = self.losses[-min(10, len(self.losses)) :]
@@ -251,20 +273,25 @@ class StrategyRunner:
             "strategy": cfg.strategy,
             "label": cfg.label,
             "compile_blocks": bool(cfg.compile_blocks),
+            "compile_budgets": list(self.adacc.compile_budgets) if self.adacc is not None else None,
             "budget_fraction": self.budget.fraction_of(self.unoptimized_peak or 1) if budgeted else None,
             "peak_bytes": max(timed_peaks),
             "peak_measured_every_step": len(self.peaks) == len(self.times),
             "step_peaks": self.peaks,
             "cuda_step_peaks": self.cuda_peaks or None,
-            "steps_over_budget": sum(p > self.budget_bytes for p in timed_peaks) if budgeted else None,
+            "steps_over_budget": sum(p > b for p, b in zip(timed_peaks, budgets)) if budgeted else None,
+            "step_budget_bytes": self.step_budgets if budgeted else None,
+            "allocator_peak_bytes": self.allocator_peak,
+            "allocator_step_meter_peak_bytes": self.allocator_meter_peak,
             "setup_peak_bytes": self.setup_peak,
             "budget_bytes": self.budget_bytes if budgeted else None,
             "unoptimized_peak_bytes": self.unoptimized_peak,
             "step_s": step_s,
             "step_cpu_s": statistics.median(self.cpu_times[w:]),
             "replan_s": replan_s,
-            # median step, plus every second re-planning took, spread over the timed steps
-            "tokens_s": self.tokens * len(timed) / (step_s * len(timed) + replan_s),
+            # mean tokens per step over the median step plus every second re-planning took, spread over the
+            # timed steps (a step that re-planned is also in the median's sample: conservative)
+            "tokens_s": tokens * len(timed) / (step_s * len(timed) + replan_s),
             "final_loss": sum(tail) / len(tail),
             "steps": len(self.losses),
             "warmup": w,

@@ -1,0 +1,81 @@
+"""The training-memory benchmark's rendering (bench/memory.py): the targets' met/missed verdicts are
+computed from the records, the protocol coverage is stated, and the docs block is generated only on request."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+MIB = 2**20
+
+
+def load_bench_memory():
+    """bench/memory.py as a module."""
+    if "bench_memory" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_memory", BENCH / "memory.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bench_memory"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["bench_memory"]
+
+
+def rec(label: str, tokens_s: float, peak_mib: float, repeat: int = 0, over: int = 0, **kw) -> dict:
+    strategy = label.split("@")[0].split("+")[0]
+    frac = float(label.split("@")[1].rstrip("%")) / 100 if "@" in label else None
+    budget = frac * 1000 * MIB if frac is not None else None
+    r = {"section": "smollm2", "repeat": repeat, "part": "all", "seed": 0, "label": label, "strategy": strategy,
+         "compile_blocks": "+compile" in label, "budget_fraction": frac, "budget_bytes": budget,
+         "tokens_s": tokens_s, "step_s": 1000 / tokens_s, "step_cpu_s": 1.0, "spread": 0.01,
+         "peak_bytes": peak_mib * MIB, "unoptimized_peak_bytes": 1000 * MIB, "step_peaks": [peak_mib * MIB] * 12,
+         "step_budget_bytes": [budget] * 12 if budget else None, "warmup": 2, "steps": 12,
+         "steps_over_budget": over if budget else None, "peak_measured_every_step": True, "setup_s": 1.0,
+         "replan_s": 0.0, "final_loss": 3.0, "model": "smollm2-135m", "dtype": "float32", "batch_size": 2,
+         "seqlen": 512, "threads": 2, "load_before": [1.0], "load_after": [1.0], "cuda_step_peaks": None}
+    if strategy == "adacc":
+        r["profile_peak_bytes"] = 0.5 * budget
+    r.update(kw)
+    return r
+
+
+def run(adacc25: float, adacc50: float, repeats: int = 1, over: int = 0) -> list[dict]:
+    out = []
+    for k in range(repeats):
+        out += [rec("checkpoint", 100, 200, k), rec("compile@50%", 100, 400, k), rec("compile@25%", 100, 240, k),
+                rec("adacc@25%", adacc25, 250, k, over=over), rec("adacc@50%", adacc50, 500, k)]
+    return out
+
+
+def test_targets_follow_the_records() -> None:
+    bm = load_bench_memory()
+    records = run(adacc25=115, adacc50=120)
+    lines = "\n".join(bm.targets(records, bm.aggregate(records, "smollm2"), "smollm2"))
+    # compile@25% used less memory than adacc@25%, so the comparator is compile@50%
+    assert "adacc@25% (the faster Adacc variant) ran 1.15x the tokens/s of compile@50%" in lines
+    assert "target >= 1.10x: met" in lines and "target >= 1.00x: met" in lines and "target >= 1.15x: met" in lines
+    assert "Protocol: 5/13 strategies measured" in lines and "**incomplete**" in lines
+    assert "bf16 run: **not run**" in lines and "0/3 seeds" in lines
+    assert "adacc runs: 20/20 timed steps" in lines and "CUDA max_memory_allocated per step: not measured" in lines
+    records = run(adacc25=105, adacc50=110, repeats=3, over=1)
+    lines = "\n".join(bm.targets(records, bm.aggregate(records, "smollm2"), "smollm2"))
+    assert "1.05x (1.05-1.05)" in lines and "target >= 1.10x: **missed**" in lines
+    assert "target >= 1.15x: **missed**" in lines and "target >= 1.00x: met" in lines
+    assert "3 repeat(s) each of 3 asked" in lines
+    assert "adacc runs: 57/60 timed steps" in lines and "budget): **missed**" in lines
+
+
+def test_render_writes_docs_only_when_asked(tmp_path: Path) -> None:
+    bm = load_bench_memory()
+    doc = tmp_path / "docs_memory.md"
+    doc.write_text("intro\n<!-- bench:memory:start -->\nstale 999\n<!-- bench:memory:end -->\noutro\n")
+    payload = {"records": run(adacc25=115, adacc50=120), "machine_line": "test machine",
+               "chunks": [{"command": "python bench/memory.py --section smollm2"}]}
+    bm.render(payload, tmp_path, None)
+    assert "stale 999" in doc.read_text()
+    table = (tmp_path / "memory.md").read_text()
+    assert "| adacc@25% | 250.0 | 25% | 0/10 |" in table and (tmp_path / "memory.png").exists()
+    bm.render(payload, tmp_path, doc)
+    text = doc.read_text()
+    assert "stale 999" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    assert "### Targets (SmolLM2-135M)" in text and "| adacc@25% | 250.0 |" in text
