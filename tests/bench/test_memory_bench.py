@@ -3,22 +3,16 @@ computed from the records, the protocol coverage is stated, and the docs block i
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from benchload import load_bench
+
 MIB = 2**20
 
 
 def load_bench_memory():
     """bench/memory.py as a module."""
-    if "bench_memory" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_memory", BENCH / "memory.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_memory"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_memory"]
+    return load_bench("memory")
 
 
 def rec(label: str, tokens_s: float, peak_mib: float, repeat: int = 0, over: int = 0, **kw) -> dict:

@@ -5,7 +5,6 @@ No peer environment needed (one optional test uses it when ``.venv-peers`` exist
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchload import load_bench
 from builders import tiny_llama, tiny_llama_untied
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -23,12 +23,7 @@ import prune_harness as H  # noqa: E402
 
 def load_bench_prune():
     """bench/prune.py as a module (the name ``prune`` is taken by tests/prune)."""
-    if "bench_prune" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_prune", BENCH / "prune.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_prune"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_prune"]
+    return load_bench("prune")
 
 
 def rec(method, pattern="50%", seed=0, corpus="shakespeare", ppl=10.0, profile="uniform", **kw):
