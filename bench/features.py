@@ -436,35 +436,47 @@ def render(res: dict[str, Any], out: Path) -> str:
     if e:
         v = e["rows"] / e["extract_cpu_s"]
         ident = res.get("setup", {}).get("identity", {})
+        same = ident.get("fast_equals_reference") is True and ident.get("fast_equals_code_before") is True
+        status = ok(v >= TARGETS["extract_rows_per_cpu_s"] and same) if ident else "**not checked** (no setup part)"
         lines.append(f"- Extraction >= {TARGETS['extract_rows_per_cpu_s']:,} rows per CPU second with identical "
                      f"features: {v:,.0f} rows per CPU second ({e['rows']:,} rows / {e['extract_cpu_s']:.1f} CPU s, "
-                     f"median of {e['repeats']}) {ok(v >= TARGETS['extract_rows_per_cpu_s'])}; features identical to "
-                     f"the pure-Python reference path: {ident.get('fast_equals_reference')}, to the code before: "
+                     f"median of {e['repeats']}) {status}; features identical to the pure-Python reference path: "
+                     f"{ident.get('fast_equals_reference')}, to the code before: "
                      f"{ident.get('fast_equals_code_before')} (on {ident.get('rows', 0):,} rows).")
     if t:
         v = t["rows"] / t["train_cpu_s"]
         lines.append(f"- Training >= {TARGETS['train_rows_per_cpu_s']:,} rows per CPU second: {v:,.0f} "
                      f"({t['rows']:,} rows / {t['train_cpu_s']:.1f} CPU s) {ok(v >= TARGETS['train_rows_per_cpu_s'])}.")
     low = cores["cores"] < TARGETS["cores"]
+    proj = None
+    if e and t and two:
+        ecpu, tcpu = e["extract_cpu_s"], t["train_cpu_s"]
+        proj_pipe = max(ecpu, tcpu)
+        proj_two = ecpu + tcpu + (two.get("total_cpu_s", 0) - two["extract_cpu_s"] - two["train_cpu_s"])
+        proj = (proj_pipe / tcpu, proj_pipe / proj_two)
     for producer, rt in ratios.items():
         p = by[("pipelined", producer)]
         util = p.get("utilisation") or 0
         a, b = rt["vs_train_only"], rt["vs_two_stage"]
         sa, sb = rt["spread"]["vs_train_only"], rt["spread"]["vs_two_stage"]
+        if low:  # the wall-time targets hold for >= 1.6 cores; give the projection beside the measurement
+            sta = stb = f"**not testable** (only {cores['cores']:g} cores available)"
+            if proj:
+                sta += f", CPU-second projection {proj[0]:.2f} x"
+                stb += f", CPU-second projection {proj[1]:.2f} x"
+        else:
+            sta, stb = ok(a <= TARGETS["vs_train_only"]), ok(b <= TARGETS["vs_two_stage"])
         lines.append(f"- Pipelined ({producer}) <= {TARGETS['vs_train_only']} x train-only wall: {a:.2f} x "
-                     f"({sa[0]:.2f}-{sa[1]:.2f} over {rt['repeats']} repeats) {ok(a <= TARGETS['vs_train_only'])}; "
+                     f"({sa[0]:.2f}-{sa[1]:.2f} over {rt['repeats']} repeats) {sta}; "
                      f"<= {TARGETS['vs_two_stage']} x two-stage wall: {b:.2f} x ({sb[0]:.2f}-{sb[1]:.2f}) "
-                     f"{ok(b <= TARGETS['vs_two_stage'])}; it kept {util:.2f} cores busy on average.")
-    if e and t and two:
-        ecpu, tcpu = e["extract_cpu_s"], t["train_cpu_s"]
-        proj_pipe = max(ecpu, tcpu)
-        proj_two = ecpu + tcpu + (two.get("total_cpu_s", 0) - two["extract_cpu_s"] - two["train_cpu_s"])
+                     f"{stb}; it kept {util:.2f} cores busy on average.")
+    if proj:
         note = (f"Only {cores['cores']:g} cores are available to this run (target condition: >= "
                 f"{TARGETS['cores']}), so the wall-time ratios above cannot show the overlap. " if low else "")
         lines += ["", f"{note}CPU-second projection for two otherwise idle cores (from the CPU seconds measured above, "
                   f"not a wall-time measurement): pipelined >= max(extract CPU, train CPU) = {proj_pipe:.1f} s, "
                   f"train-only >= {tcpu:.1f} s, two-stage >= its process-tree CPU seconds = {proj_two:.1f} s; "
-                  f"projected ratios {proj_pipe / tcpu:.2f} x train-only and {proj_pipe / proj_two:.2f} x two-stage."]
+                  f"projected ratios {proj[0]:.2f} x train-only and {proj[1]:.2f} x two-stage."]
     corun = (res.get("setup") or {}).get("corun")
     if corun:
         lines += ["", f"Two busy processes on this machine: the same single-threaded matmul loop ran "
