@@ -492,7 +492,7 @@ def render(res: dict[str, Any], out: Path) -> str:
         lines += ["", f"Two-stage detail: Parquet write {two.get('write_s', 0):.1f} s, read {two.get('read_s', 0):.1f} s "
                   "(median wall seconds)."]
     setup = res.get("setup")
-    if setup:
+    if setup and setup.get("before_after"):
         lines += ["", f"## Before and after (first {setup['head_rows']:,} rows of the same log, one repeat, each "
                   "code with its own batch size)", "",
                   "| code | batch rows | rows | extract CPU s | extract rows / CPU s | train CPU s | train rows / CPU s "
@@ -558,7 +558,7 @@ def plot(res: dict[str, Any], out: Path) -> None:
     axes[1].set_title("cores kept busy")
     axes[1].legend()
     setup = res.get("setup")
-    if setup:
+    if setup and setup.get("before_after"):
         b0, b1 = setup["before_after"]
         x = np.arange(2)
         axes[2].bar(x - 0.2, [b0["extract_rows_per_cpu_s"] / 1e3, b0["train_rows_per_cpu_s"] / 1e3], 0.4, label="before")
