@@ -487,7 +487,7 @@ def render(res: dict[str, Any], out: Path) -> str:
     if hand:
         ring, total = sum(h.get("ring", 0) for h in hand), sum(sum(h.values()) for h in hand)
         lines += ["", f"Pipelined (process) hand-over: {ring:,} of {total:,} batches came through the workers' "
-                  "shared-memory slot rings, the rest through the DataLoader's ordinary tensor sharing."]
+                  f"shared-memory slot rings, {total - ring:,} through the DataLoader's ordinary tensor sharing."]
     if two:
         lines += ["", f"Two-stage detail: Parquet write {two.get('write_s', 0):.1f} s, read {two.get('read_s', 0):.1f} s "
                   "(median wall seconds)."]
