@@ -173,7 +173,7 @@ def run_mode(mode: str, producer: str | None, cfg: ExtractConfig, args: argparse
                    extract_s=round(pipe["extract_s"], 3), train_s=round(pipe["train_s"], 3),
                    extract_cpu_s=round(pipe["extract_cpu_s"], 3), warm_cpu_s=round(pipe["warm_cpu_s"], 3),
                    train_cpu_s=round(pipe["train_cpu_s"], 3), train_wait_s=round(pipe["train_wait_s"], 3),
-                   loss=round(pipe["loss"], 5), **m.fields())
+                   handoff=pipe["handoff"], loss=round(pipe["loss"], 5), **m.fields())
     rec["samples_s"] = round(rec["rows"] / rec["wall_s"], 1)
     return rec
 
@@ -436,46 +436,63 @@ def render(res: dict[str, Any], out: Path) -> str:
     if e:
         v = e["rows"] / e["extract_cpu_s"]
         ident = res.get("setup", {}).get("identity", {})
+        same = ident.get("fast_equals_reference") is True and ident.get("fast_equals_code_before") is True
+        status = ok(v >= TARGETS["extract_rows_per_cpu_s"] and same) if ident else "**not checked** (no setup part)"
         lines.append(f"- Extraction >= {TARGETS['extract_rows_per_cpu_s']:,} rows per CPU second with identical "
                      f"features: {v:,.0f} rows per CPU second ({e['rows']:,} rows / {e['extract_cpu_s']:.1f} CPU s, "
-                     f"median of {e['repeats']}) {ok(v >= TARGETS['extract_rows_per_cpu_s'])}; features identical to "
-                     f"the pure-Python reference path: {ident.get('fast_equals_reference')}, to the code before: "
+                     f"median of {e['repeats']}) {status}; features identical to the pure-Python reference path: "
+                     f"{ident.get('fast_equals_reference')}, to the code before: "
                      f"{ident.get('fast_equals_code_before')} (on {ident.get('rows', 0):,} rows).")
     if t:
         v = t["rows"] / t["train_cpu_s"]
         lines.append(f"- Training >= {TARGETS['train_rows_per_cpu_s']:,} rows per CPU second: {v:,.0f} "
                      f"({t['rows']:,} rows / {t['train_cpu_s']:.1f} CPU s) {ok(v >= TARGETS['train_rows_per_cpu_s'])}.")
     low = cores["cores"] < TARGETS["cores"]
+    proj = None
+    if e and t and two:
+        ecpu, tcpu = e["extract_cpu_s"], t["train_cpu_s"]
+        proj_pipe = max(ecpu, tcpu)
+        proj_two = ecpu + tcpu + (two.get("total_cpu_s", 0) - two["extract_cpu_s"] - two["train_cpu_s"])
+        proj = (proj_pipe / tcpu, proj_pipe / proj_two)
     for producer, rt in ratios.items():
         p = by[("pipelined", producer)]
         util = p.get("utilisation") or 0
         a, b = rt["vs_train_only"], rt["vs_two_stage"]
         sa, sb = rt["spread"]["vs_train_only"], rt["spread"]["vs_two_stage"]
+        if low:  # the wall-time targets hold for >= 1.6 cores; give the projection beside the measurement
+            sta = stb = f"**not testable** (only {cores['cores']:g} cores available)"
+            if proj:
+                sta += f", CPU-second projection {proj[0]:.2f} x"
+                stb += f", CPU-second projection {proj[1]:.2f} x"
+        else:
+            sta, stb = ok(a <= TARGETS["vs_train_only"]), ok(b <= TARGETS["vs_two_stage"])
         lines.append(f"- Pipelined ({producer}) <= {TARGETS['vs_train_only']} x train-only wall: {a:.2f} x "
-                     f"({sa[0]:.2f}-{sa[1]:.2f} over {rt['repeats']} repeats) {ok(a <= TARGETS['vs_train_only'])}; "
+                     f"({sa[0]:.2f}-{sa[1]:.2f} over {rt['repeats']} repeats) {sta}; "
                      f"<= {TARGETS['vs_two_stage']} x two-stage wall: {b:.2f} x ({sb[0]:.2f}-{sb[1]:.2f}) "
-                     f"{ok(b <= TARGETS['vs_two_stage'])}; it kept {util:.2f} cores busy on average.")
-    if e and t and two:
-        ecpu, tcpu = e["extract_cpu_s"], t["train_cpu_s"]
-        proj_pipe = max(ecpu, tcpu)
-        proj_two = ecpu + tcpu + (two.get("total_cpu_s", 0) - two["extract_cpu_s"] - two["train_cpu_s"])
+                     f"{stb}; it kept {util:.2f} cores busy on average.")
+    if proj:
         note = (f"Only {cores['cores']:g} cores are available to this run (target condition: >= "
                 f"{TARGETS['cores']}), so the wall-time ratios above cannot show the overlap. " if low else "")
         lines += ["", f"{note}CPU-second projection for two otherwise idle cores (from the CPU seconds measured above, "
                   f"not a wall-time measurement): pipelined >= max(extract CPU, train CPU) = {proj_pipe:.1f} s, "
                   f"train-only >= {tcpu:.1f} s, two-stage >= its process-tree CPU seconds = {proj_two:.1f} s; "
-                  f"projected ratios {proj_pipe / tcpu:.2f} x train-only and {proj_pipe / proj_two:.2f} x two-stage."]
+                  f"projected ratios {proj[0]:.2f} x train-only and {proj[1]:.2f} x two-stage."]
     corun = (res.get("setup") or {}).get("corun")
     if corun:
         lines += ["", f"Two busy processes on this machine: the same single-threaded matmul loop ran "
                   f"{corun['pair_speed_vs_solo']:.2f} x as many iterations per wall second with two copies as with "
                   f"one, each copy doing {corun['pair_cpu_efficiency_vs_solo']:.2f} x the work per CPU second of a "
                   f"lone copy (load average then {corun['loadavg'][0]:.2f}). Overlap can at best reach that."]
+    hand = [r["handoff"] for r in res["runs"] if r.get("producer") == "process" and r.get("handoff") is not None]
+    if hand:
+        ring, total = sum(h.get("ring", 0) for h in hand), sum(sum(h.values()) for h in hand)
+        lines += ["", f"Pipelined (process) hand-over: {ring:,} of {total:,} batches came through the workers' "
+                  f"shared-memory slot rings, {total - ring:,} through the DataLoader's ordinary tensor sharing."]
     if two:
         lines += ["", f"Two-stage detail: Parquet write {two.get('write_s', 0):.1f} s, read {two.get('read_s', 0):.1f} s "
                   "(median wall seconds)."]
     setup = res.get("setup")
-    if setup:
+    if setup and setup.get("before_after"):
         lines += ["", f"## Before and after (first {setup['head_rows']:,} rows of the same log, one repeat, each "
                   "code with its own batch size)", "",
                   "| code | batch rows | rows | extract CPU s | extract rows / CPU s | train CPU s | train rows / CPU s "
@@ -541,7 +558,7 @@ def plot(res: dict[str, Any], out: Path) -> None:
     axes[1].set_title("cores kept busy")
     axes[1].legend()
     setup = res.get("setup")
-    if setup:
+    if setup and setup.get("before_after"):
         b0, b1 = setup["before_after"]
         x = np.arange(2)
         axes[2].bar(x - 0.2, [b0["extract_rows_per_cpu_s"] / 1e3, b0["train_rows_per_cpu_s"] / 1e3], 0.4, label="before")
@@ -624,7 +641,8 @@ def main() -> int:
     res["records"], res["ratios"] = summarise(res["runs"], res["cores"])
     write_json(path, res)
     text = render(res, out)
-    write_docs_table(text)
+    if out.resolve() == RESULTS.resolve():  # a smoke run elsewhere leaves the docs page alone
+        write_docs_table(text)
     print(text)
     return 0
 

@@ -64,6 +64,7 @@ def test_pipelined_training_matches_two_stage(logs, tmp_path):
     ext = r1["extract"]
     assert ext["rows_read"] == ROWS and ext["quarantined"] == {"field_count": 1, "bad_int:user_id": 1}
     assert ext["arena"]["bytes_reused"] > 0 and ext["arena"]["resets"] == ext["batches"]
+    assert r1["handoff"]["ring"] > 0 and sum(r1["handoff"].values()) == ext["batches"]
     assert set(ext["exec"]["op_seconds"]) >= {"join_user", "hist_list", "demo_x_item", "<collate>"}
 
 
@@ -190,3 +191,46 @@ def test_a_dying_or_failing_worker_raises_in_the_trainer(logs):
         list(Prefetcher(cfg, mode="process", source=_Fails))
     with pytest.raises(RuntimeError, match="column 'x' broke in the producer"):
         list(Prefetcher(cfg, mode="thread", source=_Fails))
+
+
+def _one_at_a_time(batches, ref: list[FeatureBatch]) -> int:
+    """Compare each batch with the reference while holding no other; returns how many came."""
+    n = 0
+    for b in batches:
+        assert b.equal(ref[n])
+        n += 1
+        del b
+    return n
+
+
+@pytest.mark.slow  # worker processes
+def test_worker_batches_come_through_the_shared_memory_ring(logs):
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=256)
+    ref = list(Extractor(cfg))
+    # taken one at a time (as training does): every batch through the ring, none overwritten before use
+    pf = Prefetcher(cfg, depth=2, mode="process")
+    assert _one_at_a_time(pf, ref) == len(ref) and pf.handoff == {"ring": len(ref)}
+    # all kept: once the depth + 3 slots are held the worker falls back to ordinary sharing, and the
+    # batches kept from the ring are not overwritten by later ones
+    pf = Prefetcher(cfg, depth=2, mode="process")
+    got = list(pf)
+    assert len(got) == len(ref) and all(a.equal(r) for a, r in zip(got, ref))
+    assert pf.handoff == {"ring": 5, "copied": len(ref) - 5}
+    off = Prefetcher(cfg, depth=2, mode="process", ring=False)
+    assert all(a.equal(r) for a, r in zip(off, ref)) and off.handoff == {"copied": len(ref)}
+
+
+@pytest.mark.slow  # worker processes
+def test_epochs_left_early_do_not_leak_ring_slots(logs):
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=256)
+    ref = list(Extractor(cfg))
+    pf = Prefetcher(cfg, depth=2, mode="process", persistent=True)
+    try:
+        for _ in range(4):  # each abandoned epoch leaves the prefetched batches' slots sent but never used
+            for b in pf:
+                assert b.equal(ref[0])
+                break
+            del b
+        assert _one_at_a_time(pf, ref) == len(ref) and pf.handoff == {"ring": len(ref)}
+    finally:
+        pf.close()

@@ -38,6 +38,7 @@ from leanml.features.graph import FeatureGraph, load_graph
 from leanml.features.model import CTROptimizer, FeatureDNN, model_for_graph
 from leanml.features.readers import LogReader, Quarantine
 from leanml.features.scheduler import ExecStats, LayerwiseExecutor
+from leanml.features.shm import SlotRef, SlotRing
 from leanml.utils import LeanmlError
 
 
@@ -223,9 +224,11 @@ class FeatureStream(torch.utils.data.IterableDataset):
     ``source`` replaces :class:`Extractor` (it must offer ``iter_chunks`` or be iterable).
     """
 
-    def __init__(self, cfg: ExtractConfig, source: Callable[[ExtractConfig], Any] | None = None) -> None:
+    def __init__(self, cfg: ExtractConfig, source: Callable[[ExtractConfig], Any] | None = None,
+                 ring_slots: int = 0) -> None:
         super().__init__()
-        self.cfg, self.source = cfg, source
+        self.cfg, self.source, self.ring_slots = cfg, source, ring_slots
+        self._ring: SlotRing | None = None  # made in the worker from its first batch, kept across epochs
 
     def worker_config(self, worker: int, workers: int) -> ExtractConfig:
         r, n = self.cfg.shard
@@ -240,12 +243,30 @@ class FeatureStream(torch.utils.data.IterableDataset):
         c0 = time.process_time() if info is not None else time.thread_time()
         try:
             ex = (self.source or Extractor)(self.worker_config(w, n))
-            yield from (ex.iter_chunks() if hasattr(ex, "iter_chunks") else iter(ex))
+            items = ex.iter_chunks() if hasattr(ex, "iter_chunks") else iter(ex)
+            yield from (self._via_ring(items, w) if info is not None and self.ring_slots > 0 else items)
         except LeanmlError as exc:
             yield WorkerFailed(str(exc), w)
             return
         cpu = (time.process_time() if info is not None else time.thread_time()) - c0
         yield WorkerDone(ex.report() if hasattr(ex, "report") else None, cpu, w)
+
+    def _via_ring(self, items: Iterable[Any], worker: int) -> Iterator[Any]:
+        """Batches as :class:`SlotRef` s into this worker's shared-memory ring (the ring itself rides along
+        with the first one of each epoch); a batch that finds no free slot travels the ordinary way."""
+        attached = False
+        if self._ring is not None:
+            self._ring.reclaim()
+        for item in items:
+            if isinstance(item, FeatureBatch):
+                if self._ring is None:
+                    self._ring = SlotRing.for_batch(item, self.ring_slots, self.cfg.batch_rows)
+                slot = self._ring.put(item)
+                if slot is not None:
+                    yield SlotRef(worker, slot, len(item), None if attached else self._ring)
+                    attached = True
+                    continue
+            yield item
 
 
 def _worker_init(worker_id: int) -> None:
@@ -279,13 +300,18 @@ class Prefetcher:
     ``depth``: batches ahead per worker (process) or queue depth (thread). ``workers``: producer
     processes. ``persistent``: keep the workers between iterations (epochs). ``warm``: load tables and
     per-entity features in this process before the workers fork, so every worker shares them (the CPU
-    seconds go to :attr:`warm_cpu_s`). After each iteration :attr:`report` holds the merged
-    :class:`ExtractReport` (``cpu_s`` = the producers' CPU seconds).
+    seconds go to :attr:`warm_cpu_s`). ``ring``: workers hand batches over through a ring of ``depth + 3``
+    shared-memory slots each (:mod:`leanml.features.shm`) instead of a fresh shared segment per batch
+    (``False``, and always when batches are pinned for CUDA: the DataLoader's ordinary tensor sharing).
+    After each iteration :attr:`report` holds the merged :class:`ExtractReport` (``cpu_s`` = the producers'
+    CPU seconds) and :attr:`handoff` counts the batches that came through the ring (``ring``) and the ordinary
+    way (``copied``: ring off, or no slot free because the caller still holds earlier batches).
     """
 
     def __init__(self, cfg: ExtractConfig, depth: int = 2, mode: str = "process",
                  source: Callable[[ExtractConfig], Any] | None = None, workers: int = 1,
-                 persistent: bool = False, warm: bool = True, mp_context: str | None = None) -> None:
+                 persistent: bool = False, warm: bool = True, mp_context: str | None = None,
+                 ring: bool = True) -> None:
         if depth < 1:
             raise LeanmlError(f"prefetch depth must be >= 1 (got {depth})")
         if mode not in ("thread", "process"):
@@ -294,10 +320,11 @@ class Prefetcher:
             raise LeanmlError(f"workers must be >= 1 (got {workers})")
         self.cfg, self.depth, self.mode, self.workers = cfg, depth, mode, workers
         self.source = source  # builds the batch iterable from cfg (default: Extractor)
-        self.persistent, self.warm, self.mp_context = persistent, warm, mp_context
+        self.persistent, self.warm, self.mp_context, self.ring = persistent, warm, mp_context, ring
         self.report: ExtractReport | None = None
         self.wait_s = 0.0
         self.warm_cpu_s = 0.0
+        self.handoff: Counter = Counter()
         self._loader: Any = None
 
     def __iter__(self) -> Iterator[FeatureBatch]:
@@ -316,7 +343,8 @@ class Prefetcher:
             self.warm_cpu_s += Extractor(self.cfg).warm()
         cuda = torch.cuda.is_available() and (self.cfg.device or "cuda").startswith("cuda")
         return torch.utils.data.DataLoader(
-            FeatureStream(self.cfg, self.source), batch_size=None, num_workers=self.workers,
+            FeatureStream(self.cfg, self.source, ring_slots=self.depth + 3 if self.ring and not cuda else 0),
+            batch_size=None, num_workers=self.workers,
             prefetch_factor=self.depth, persistent_workers=self.persistent, multiprocessing_context=ctx,
             worker_init_fn=_worker_init, pin_memory=cuda, in_order=True)
 
@@ -324,6 +352,8 @@ class Prefetcher:
         if self._loader is None:
             self._loader = self._make_loader()
         done: list[WorkerDone] = []
+        rings: dict[int, SlotRing] = {}
+        self.handoff = Counter()
         it = iter(self._loader)
         try:
             while True:
@@ -336,9 +366,15 @@ class Prefetcher:
                     self.wait_s += time.perf_counter() - t0
                 if isinstance(item, WorkerFailed):
                     raise LeanmlError(item.message)
-                if isinstance(item, WorkerDone):
+                if isinstance(item, SlotRef):
+                    if item.ring is not None:
+                        rings[item.worker] = item.ring
+                    self.handoff["ring"] += 1
+                    yield rings[item.worker].batch(item.slot, item.n)
+                elif isinstance(item, WorkerDone):
                     done.append(item)
                 elif item is not None:
+                    self.handoff["copied"] += 1
                     yield item
         finally:
             if not self.persistent:
@@ -477,11 +513,13 @@ def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, pro
     opt = CTROptimizer(model, lr=lr)
     t0 = time.perf_counter()
     reps, trains = [], []
+    handoff: Counter = Counter()
     pf = Prefetcher(cfg, depth=prefetch, mode=producer, workers=workers, persistent=epochs > 1)
     try:
         for ep in range(epochs):
             trains.append(train_on(model, pf, opt, dev, progress=progress, desc=f"pipelined epoch {ep + 1}"))
             reps.append(pf.report)
+            handoff.update(pf.handoff)
     finally:
         pf.close()
     wall = time.perf_counter() - t0
@@ -495,7 +533,8 @@ def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, pro
         "rows": rows, "wall_s": wall, "samples_s": rows / wall if wall > 0 else 0.0,
         "extract_s": ext.extract_s, "train_s": sum(t.train_s for t in trains),
         "extract_cpu_s": ext.cpu_s, "warm_cpu_s": pf.warm_cpu_s, "train_cpu_s": sum(t.cpu_s for t in trains),
-        "train_wait_s": sum(t.wait_s for t in trains), "loss": trains[-1].loss if trains else None,
+        "train_wait_s": sum(t.wait_s for t in trains), "handoff": dict(handoff),
+        "loss": trains[-1].loss if trains else None,
         "extract": ext.as_dict(), "train": [t.as_dict() for t in trains],
     }
     return model, report
