@@ -509,24 +509,22 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
                      f"error {qerr:.3f}, mean over the seeds' fits); without the ad ID the gap is visual − raw = "
                      f"{ids['visual'] - ids['raw']:+.4f}. On validation the chosen design had visual − raw = "
                      f"{vg:+.4f} ("
-                     + ("the same sign: the codes lose content the raw vector has)" if vg < 0 else
-                        "no loss there: the test gap is not predicted by validation and may be split noise)") + ".")
+                     + ("the same sign as on test)" if vg < 0 else
+                        "no loss there: the test gap is not predicted by validation)") + ".")
         elif r["a"] == "id+raw+visual":
             tables = [x for x in sel["candidates"] if x["visual_fields"] != "none"]
-            best_t = max(tables, key=lambda x: x["visual_auc_new"] - x["raw_auc_new"]) if tables else None
+            best_t = max(tables, key=lambda x: x["visual_auc_new"]) if tables else None
             text += ("The codes are computed from the raw vector, so on a new ad they hold no content the raw vector "
                      "lacks (by construction); what they could add is what clicks teach a table per code (or prefix). ")
             if best_t is not None:
                 cw = [x for x in sel["candidates"] if x["visual_fields"] == "none"]
-                best_c = max(cw, key=lambda x: x["visual_auc_new"] - x["raw_auc_new"]) if cw else None
-                text += (f"On validation, the best design with learned code tables ({best_t['design']}, "
-                         f"{best_t['variant']}) reached visual − raw = "
-                         f"{best_t['visual_auc_new'] - best_t['raw_auc_new']:+.4f} on new ads, with old − new AUC "
-                         f"{best_t['visual_auc_old'] - best_t['visual_auc_new']:+.4f}")
+                best_c = max(cw, key=lambda x: x["visual_auc_new"]) if cw else None
+                text += (f"On validation, the best visual-only new-ad AUC with learned code tables was "
+                         f"{best_t['visual_auc_new']:.4f} ({best_t['design']}, {best_t['variant']}; its old-ad AUC "
+                         f"with the ad ID {best_t['id+visual_auc_old']:.4f})")
                 if best_c is not None:
-                    text += (f" (the best codeword-vector design, no learned table: "
-                             f"{best_c['visual_auc_new'] - best_c['raw_auc_new']:+.4f}, old − new "
-                             f"{best_c['visual_auc_old'] - best_c['visual_auc_new']:+.4f})")
+                    text += (f", without a table (codeword vector only) {best_c['visual_auc_new']:.4f} "
+                             f"({best_c['design']}; {best_c['id+visual_auc_old']:.4f})")
                 text += ". "
             text += (f"In the grid, raw + ad ID reaches {ids['id+raw']:.4f} and id+raw+visual {ids['id+raw+visual']:.4f} "
                      f"(ad ID added by {sel['chosen']['id']['id+raw+visual']['option']}).")
@@ -541,14 +539,16 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
             vrow = [x for x in sel["dropout"] if x["features"] == "id+visual" and x["option"] == p]
             text += (f"The ad ID added by {p} was chosen on validation, where id+visual reached "
                      f"{vrow[0]['auc_new']:.4f} against visual {sel['references']['visual']['auc_new']:.4f} "
-                     f"({vrow[0]['auc_new'] - sel['references']['visual']['auc_new']:+.4f}); on test the difference "
-                     f"is {r['diff']:+.4f} ± {r['std']:.4f} (seed std)"
-                     + (", the threshold lies inside one seed std of it." if r["diff"] + r["std"] >= r["threshold"]
-                        else ", more than one seed std below the threshold.")
+                     f"({vrow[0]['auc_new'] - sel['references']['visual']['auc_new']:+.4f})."
                      + (" The residual mode leaves a new ad's prediction that of its base model without the ID "
                         "(the correction of an ad without training rows is zero)." if p == "residual" else ""))
         elif r["b"] == "id":
             text += f"ID only reaches {ids['id']:.4f}; id+visual {ids['id+visual']:.4f}."
+        if r["diff"] + r["std"] >= r["threshold"]:
+            text += (f" The threshold lies within one seed std of the mean difference: with {r['n']} seeds this "
+                     "miss is not resolved.")
+        else:
+            text += f" The mean difference is more than one seed std ({r['std']:.4f}) below the threshold."
         lines.append(text)
     return lines
 
