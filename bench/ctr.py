@@ -475,8 +475,8 @@ def render_targets(out: dict[str, Any]) -> list[str]:
     if ceil:
         lines += ["Content ceiling (Fashion only, where the click generator is known): the same CTR model on the "
                   "generator's own content of each ad (class one-hot + the three pixel attributes the clicks were "
-                  "drawn from) as the `raw` vector, same training, same seeds. No content feature can tell more "
-                  "about a new ad; the gap to it is what the learned content vector misses.", "",
+                  "drawn from) as the `raw` vector, same training, same seeds. In the generator no other content "
+                  "drives clicks, so this estimates how far any content feature can take new ads here.", "",
                   "| dataset | model | oracle AUC new | oracle AUC old | raw AUC new | id+raw AUC new | oracle − id+raw |",
                   "|---|---|---|---|---|---|---|"]
         for d in DATASETS:
@@ -626,10 +626,13 @@ def render_selection(out: dict[str, Any]) -> list[str]:
         for f, ref in ref_of.items():
             cells = []
             for o in ID_OPTIONS:
-                r = [x for x in sel["dropout"] if x["features"] == f and x["option"] == option_name(*o)][0]
-                cells.append(f"{r['auc_new']:.4f} / {r['auc_old']:.4f}")
+                r = [x for x in sel["dropout"] if x["features"] == f and x["option"] == option_name(*o)]
+                cells.append(f"{r[0]['auc_new']:.4f} / {r[0]['auc_old']:.4f}" if r else "not tried")
             refv = f"{sel['references'][ref]['auc_new']:.4f}" if ref else "–"
             lines.append(f"| {d} | {f} | " + " | ".join(cells) + f" | {refv} | {sel['chosen']['id'][f]['option']} |")
+    notes = [f"- {d}: {sel['note']}" for d, sel in sels.items() if sel.get("note")]
+    if notes:
+        lines += [""] + notes
     lines += ["", "The chosen settings from the command line (id+visual, DeepFM):", "", "```bash"]
     lines += [cli_line(d, sel["chosen"]) for d, sel in sels.items()]
     lines += ["```", ""]
