@@ -1,16 +1,32 @@
-"""Benchmark: visual IDs for new-ad CTR on Fashion-MNIST ads and MovieLens-100k.
+"""Benchmark: visual IDs for new-ad CTR on Fashion-MNIST ads and MovieLens-100k (cold start by time).
 
-Grid: {fashion, movielens} x {id, raw, visual, id+visual} x {DeepFM, DCNv2} x seeds (mean +- std);
-an M/K sweep (Fashion, DeepFM); InfoNCE vs caption-token supervision (both datasets, DeepFM).
-Writes bench/results/ctr.{md,png,json}.
+Stages (each one chunk under the CPU lock; results merge into bench/results/ctr.json by key, so a stage
+can be rerun alone):
 
-    .venv/bin/python bench/ctr.py            # full run (about 15-20 min on 2 shared cores)
-    .venv/bin/python bench/ctr.py --quick    # 1 seed, small sweep
+- ``select:<dataset>``: choose the content-ID design (codebook, M, K, joint or post-hoc codebooks, how
+  the codes become fields) and how the ad ID is added (ID dropout rate, or the residual mode) for every
+  feature set that has it, on a validation split of the TRAINING period
+  (``leanml.ctr.data.validation_split``); the test log is not read.
+- ``grid:<dataset>``: the fair grid with the chosen design: feature sets id, raw, visual, id+raw,
+  id+visual, id+raw+visual x models LR, DNN, DeepFM, DCNv2 x seeds (default 0-4); seed ``s`` fits the
+  content-ID model with seed ``s`` AND trains the CTR model with seed ``s``. On Fashion also the content
+  ceiling: DeepFM / DCNv2 on the click generator's own content of each ad.
+
+Writes bench/results/ctr.{json,md,png}; the Markdown is generated from the JSON records.
+
+    python bench/ctr.py --only select:fashion        # ~10 min on one shared core
+    python bench/ctr.py --only grid:fashion          # ~15 min
+    python bench/ctr.py --only select:movielens,grid:movielens
+    python bench/ctr.py --render-only
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -20,10 +36,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from leanml.ctr.data import load_dataset
+from leanml.ctr.data import CTRData, image_attributes, load_dataset, validation_split
 from leanml.ctr.train import (
+    DEFAULT_LR,
     CTRConfig,
     ItemFeatures,
+    bytes_per_ad,
     content_config_for,
     content_items,
     fit_dataset_content_ids,
@@ -33,17 +51,51 @@ from leanml.ctr.train import (
 from leanml.utils import atomic_file, machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).parent / "results"
-FEATURES = ("id", "raw", "visual", "id+visual")
-MODELS = ("deepfm", "dcnv2")
 DATASETS = ("fashion", "movielens")
+MODELS = ("lr", "dnn", "deepfm", "dcnv2")
+FEATURES = ("id", "raw", "visual", "id+raw", "id+visual", "id+raw+visual")
+TARGET_MODELS = ("deepfm", "dcnv2")
 METRICS = ("auc_new", "auc_old", "gauc_new", "gauc_old", "logloss_new", "logloss_old")
+# how the ad ID is added: (id_mode, id_dropout); "residual" learns the ID as a correction on a frozen
+# model without it, so a new ad's prediction is that model's
+ID_OPTIONS: list[tuple[str, float]] = [("dropout", 0.0), ("dropout", 0.1), ("dropout", 0.25), ("dropout", 0.5),
+                                       ("residual", 0.0)]
 
 
-def fit(data, **overrides: Any) -> tuple[Any, dict[str, Any], float]:
-    t = time.perf_counter()
-    model, report = fit_dataset_content_ids(data, content_config_for(data, **overrides), use_cache=False, progress=False)
-    items = content_items(data, model)
-    return items, report, time.perf_counter() - t
+
+
+def option_name(mode: str, p: float) -> str:
+    return "residual" if mode == "residual" else f"dropout {p:g}"
+
+
+SELECT_SEEDS = (0, 1, 2)
+FORMAT = 3  # results of an older record format are not merged: the file starts afresh
+
+# Content-ID designs compared on the validation split: (label, content-ID options, variants). A variant
+# (visual_fields, codeword_vector) says how the M codes enter the CTR model: "bag" (the first format: one
+# pooled table), "codes" (a table per position), "prefix" (prefix n-gram tables, for residual codes),
+# "none" (no learned table), each with or without the codeword vector (codebook lookup -> MLP).
+CANDIDATES: list[tuple[str, dict[str, Any], list[tuple[str, bool]]]] = [
+    ("pq M4 K16 joint", {"codebook": "pq", "m": 4, "k": 16, "joint": True},
+     [("bag", False), ("codes", False), ("codes", True), ("none", True)]),
+    ("pq M4 K16 joint, no re-seeding", {"codebook": "pq", "m": 4, "k": 16, "joint": True, "reseed_dead": False},
+     [("codes", False), ("none", True)]),
+    ("pq M4 K64 joint", {"codebook": "pq", "m": 4, "k": 64, "joint": True}, [("codes", False), ("none", True)]),
+    ("pq M4 K256 post-hoc", {"codebook": "pq", "m": 4, "k": 256, "joint": False},
+     [("codes", False), ("codes", True), ("none", True)]),
+    ("pq M8 K256 post-hoc", {"codebook": "pq", "m": 8, "k": 256, "joint": False}, [("codes", True), ("none", True)]),
+    ("rq M4 K64 joint", {"codebook": "rq", "m": 4, "k": 64, "joint": True}, [("prefix", False), ("none", True)]),
+    ("rq M4 K256 post-hoc", {"codebook": "rq", "m": 4, "k": 256, "joint": False},
+     [("prefix", False), ("prefix", True), ("none", True)]),
+    ("rq M8 K256 post-hoc", {"codebook": "rq", "m": 8, "k": 256, "joint": False}, [("none", True)]),
+    ("pq M16 K64 post-hoc", {"codebook": "pq", "m": 16, "k": 64, "joint": False}, [("none", True)]),
+]
+
+
+def variant_name(fields: str, cw: bool) -> str:
+    base = {"none": "codeword vector", "bag": "pooled bag", "codes": "code fields", "prefix": "prefix n-grams",
+            "codes+prefix": "codes + prefixes"}[fields]
+    return f"{base} + codeword vector" if cw and fields != "none" else base
 
 
 def ms(values: list[float]) -> str:
@@ -52,229 +104,556 @@ def ms(values: list[float]) -> str:
 
 
 def group(records: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
-    return [r for r in records if all(r[k] == v for k, v in match.items())]
+    return [r for r in records if all(r.get(k) == v for k, v in match.items())]
+
+
+def auc_se(auc: float, n_pos: int, n_neg: int) -> float:
+    """Hanley-McNeil standard error of an AUC measured on ``n_pos`` positives and ``n_neg`` negatives."""
+    q1, q2 = auc / (2 - auc), 2 * auc * auc / (1 + auc)
+    var = (auc * (1 - auc) + (n_pos - 1) * (q1 - auc * auc) + (n_neg - 1) * (q2 - auc * auc)) / (n_pos * n_neg)
+    return float(math.sqrt(max(var, 0.0)))
+
+
+class Stage:
+    """Wall time, CPU time and load of one stage, for the report."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> Stage:
+        self.t0, self.c0, self.load0 = time.perf_counter(), time.process_time(), os.getloadavg()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.info = {"wall_s": time.perf_counter() - self.t0, "cpu_s": time.process_time() - self.c0,
+                     "load_before": self.load0, "load_after": os.getloadavg(),
+                     "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                     "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def fit_items(data: CTRData, seed: int, overrides: dict[str, Any]) -> tuple[ItemFeatures, dict[str, Any]]:
+    """Fit (or load from the cache) a content-ID model on ``data``'s old ads; item features and fit facts."""
+    cfg = content_config_for(data, seed=seed, **overrides)
+    model, report = fit_dataset_content_ids(data, cfg, use_cache=True, progress=False)
+    items = content_items(data, model)
+    old = data.old_items
+    z, zq = items.raw[old], items.decoded[old]
+    fit = {"seed_content": seed, "seconds": report.get("seconds"), "caption_top1": report.get("caption_top1"),
+           "usage": items.usage, "reseeded": [h.get("reseeded") for h in report["history"] if "reseeded" in h],
+           "quant_rel_err": float(((z - zq) ** 2).sum(1).mean() / (z**2).sum(1).mean()),
+           "codebook_bytes": int(items.m * items.k * (items.decoded.shape[1] // (items.m if items.codebook == "pq"
+                                                                                  else 1)) * 4)}
+    return items, fit
+
+
+def content_oracle(data: CTRData) -> ItemFeatures:
+    """Fashion only: the generator's own content of every ad -- class one-hot and the three z-scored pixel
+    attributes the clicks were drawn from -- as a ``raw`` vector. A CTR model on it shows how far any content
+    feature can take new ads with this log and training budget (the ad's hidden quality stays unknown)."""
+    if data.item_labels is None:
+        raise ValueError(f"{data.name} has no generator content to build an oracle from")
+    attrs = image_attributes(data.content.numpy())
+    attrs = (attrs - attrs.mean(0)) / attrs.std(0).clip(1e-6)
+    x = np.concatenate([np.eye(10)[data.item_labels], attrs], 1).astype(np.float32)
+    return ItemFeatures(data.item_labels[:, None].astype(np.int64), x, 1, 10)
+
+
+def val_runs(val: CTRData, items: ItemFeatures, features: str, **cfg: Any) -> dict[str, float]:
+    """DeepFM on the validation split, averaged over SELECT_SEEDS."""
+    out = []
+    for s in SELECT_SEEDS:
+        _, _, rep = run_ctr(val, items, CTRConfig(model="deepfm", features=features, seed=s, **cfg), progress=False)
+        out.append(rep["metrics"])
+    return {k: float(np.mean([m[k] for m in out])) for k in ("auc_new", "auc_old", "gauc_new")}
+
+
+def choose_id_option(rows: list[dict[str, Any]], features: str, reference: dict[str, float] | None
+                     ) -> dict[str, Any]:
+    """How to add the ad ID to ``features``: the best validation old-ad AUC among the options whose validation
+    new-ad AUC is within 0.002 of the same features without the ad ID (``reference``); if none is, the best
+    new-ad AUC. For ``id`` alone (no reference) the best mean of new- and old-ad AUC."""
+    cands = [r for r in rows if r["features"] == features]
+    if reference is None:
+        best = max(cands, key=lambda r: r["auc_new"] + r["auc_old"])
+    else:
+        ok = [r for r in cands if r["auc_new"] >= reference["auc_new"] - 0.002]
+        best = max(ok, key=lambda r: r["auc_old"]) if ok else max(cands, key=lambda r: r["auc_new"])
+    return {"id_mode": best["id_mode"], "id_dropout": best["id_dropout"], "option": best["option"]}
+
+
+def stage_select(name: str, out: dict[str, Any]) -> None:
+    data = load_dataset(name)
+    val = validation_split(data)
+    out.setdefault("val_data", {})[name] = val.summary()
+    cand_rows = []
+    best: tuple[float, dict[str, Any]] | None = None
+    raw_bytes = None
+    for label, ov, variants in tqdm(CANDIDATES, desc=f"{name} designs"):
+        items, fit = fit_items(val, 0, ov)
+        raw_ref = val_runs(val, items, "raw")
+        raw_bytes = bytes_per_ad("raw", items)
+        for fields, cw in variants:
+            vis = val_runs(val, items, "visual", visual_fields=fields, codeword_vector=cw)
+            idvis = val_runs(val, items, "id+visual", visual_fields=fields, codeword_vector=cw)
+            row = {"design": label, "content": ov, "visual_fields": fields, "codeword_vector": cw,
+                   "variant": variant_name(fields, cw), "bytes_per_ad": bytes_per_ad("visual", items),
+                   "raw_bytes_per_ad": raw_bytes, "fit": fit, "raw_auc_new": raw_ref["auc_new"],
+                   "visual_auc_new": vis["auc_new"], "visual_auc_old": vis["auc_old"],
+                   "id+visual_auc_new": idvis["auc_new"], "id+visual_auc_old": idvis["auc_old"]}
+            cand_rows.append(row)
+            score = 0.5 * (vis["auc_new"] + idvis["auc_new"])
+            if row["bytes_per_ad"] * 10 <= raw_bytes and (best is None or score > best[0]):
+                best = (score, row)
+    assert best is not None
+    chosen = {"design": best[1]["design"], "content": best[1]["content"],
+              "visual_fields": best[1]["visual_fields"], "codeword_vector": best[1]["codeword_vector"]}
+    # how the ad ID is added, per feature set with the ad ID, with the chosen design
+    items, _ = fit_items(val, 0, chosen["content"])
+    vis_cfg = {"visual_fields": chosen["visual_fields"], "codeword_vector": chosen["codeword_vector"]}
+    refs = {f: val_runs(val, items, f, **vis_cfg) for f in ("raw", "visual", "raw+visual")}
+    drop_rows = []
+    for features in ("id", "id+raw", "id+visual", "id+raw+visual"):
+        for mode, p in ID_OPTIONS:
+            drop_rows.append({"features": features, "id_mode": mode, "id_dropout": p, "option": option_name(mode, p),
+                              **val_runs(val, items, features, id_mode=mode, id_dropout=p, **vis_cfg)})
+    reference = {"id": None, "id+raw": "raw", "id+visual": "visual", "id+raw+visual": "raw+visual"}
+    chosen["id"] = {f: choose_id_option(drop_rows, f, refs[r] if r else None) for f, r in reference.items()}
+    out.setdefault("selection", {})[name] = {"candidates": cand_rows, "dropout": drop_rows,
+                                             "references": refs, "chosen": chosen}
+
+
+def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[str, ...] = MODELS) -> None:
+    sel = out.get("selection", {}).get(name)
+    if sel is None:
+        raise SystemExit(f"run --only select:{name} first: the grid uses the design chosen on validation")
+    chosen = sel["chosen"]
+    data = load_dataset(name)
+    out.setdefault("data", {})[name] = data.summary()
+    y, new = data.test["label"].to_numpy(), data.test_is_new
+    out.setdefault("test_counts", {})[name] = {"new_pos": int(y[new].sum()), "new_neg": int((1 - y[new]).sum()),
+                                               "old_pos": int(y[~new].sum()), "old_neg": int((1 - y[~new]).sum())}
+    records = [r for r in out.get("records", [])
+               if r["dataset"] != name or r["seed"] not in seeds or r["model"] not in models]
+    fits = [f for f in out.get("content_fits", []) if f["dataset"] != name or f["seed_content"] not in seeds]
+    for seed in seeds:
+        items, fit = fit_items(data, seed, chosen["content"])
+        fits.append({"dataset": name, "design": chosen["design"], **fit})
+        for model in tqdm(models, desc=f"{name} seed {seed}"):
+            for features in FEATURES:
+                how = chosen["id"].get(features, {"id_mode": "dropout", "id_dropout": 0.0, "option": "–"})
+                cfg = CTRConfig(model=model, features=features, seed=seed, id_dropout=how["id_dropout"],
+                                id_mode=how["id_mode"],
+                                visual_fields=chosen["visual_fields"], codeword_vector=chosen["codeword_vector"])
+                t = time.perf_counter()
+                _, _, rep = run_ctr(data, items, cfg, progress=False)
+                records.append(record(name, cfg, rep["metrics"], seed_content=seed, bytes_ad=rep["bytes_per_ad"],
+                                      id_dropout=how["id_dropout"], id_mode=how["id_mode"], id_option=how["option"],
+                                      train_s=time.perf_counter() - t))
+    if data.item_labels is not None:  # the content ceiling (generator's own content), same models and seeds
+        oracle = content_oracle(data)
+        ceiling = [c for c in out.get("ceiling", []) if c["dataset"] != name or c["seed"] not in seeds]
+        for seed in tqdm(seeds, desc=f"{name} content oracle"):
+            for model in [m for m in TARGET_MODELS if m in models]:
+                cfg = CTRConfig(model=model, features="raw", seed=seed)
+                _, _, rep = run_ctr(data, oracle, cfg, progress=False)
+                ceiling.append({"dataset": name, "model": model, "seed": seed,
+                                **{k: rep["metrics"][k] for k in METRICS}})
+        out["ceiling"] = ceiling
+    out["records"], out["content_fits"] = records, fits
+    out["seeds"] = sorted({r["seed"] for r in records})
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 seed and a 2-point M/K sweep")
+    ap.add_argument("--only", default=",".join(f"{s}:{d}" for d in DATASETS for s in ("select", "grid")),
+                    help="comma-separated stages: select:<dataset>, grid:<dataset> (default: all, in order)")
+    ap.add_argument("--seeds", default="0,1,2,3,4", help="grid seeds (content-ID fit and CTR model), default 0-4")
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help=f"grid models (default all: {','.join(MODELS)}); the targets need deepfm and dcnv2")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--render-only", action="store_true", help="rewrite ctr.md / ctr.png from ctr.json")
     args = ap.parse_args()
-    if args.render_only:
-        import json
-
-        out = json.loads((args.out / "ctr.json").read_text())
-        (args.out / "ctr.md").write_text(render_md(out))
+    path = args.out / "ctr.json"
+    out: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    if out.get("format") != FORMAT:  # a results file of an older record format: start afresh
+        out = {"format": FORMAT}
+    if not args.render_only:
+        torch.set_num_threads(args.threads)
+        seeds = [int(s) for s in args.seeds.split(",")]
+        models = tuple(m.strip() for m in args.models.split(","))
+        if not set(models) <= set(MODELS):
+            ap.error(f"--models {args.models!r}: use any of {','.join(MODELS)}")
+        for stage in args.only.split(","):
+            kind, _, name = stage.partition(":")
+            if kind not in ("select", "grid") or name not in DATASETS:
+                ap.error(f"unknown stage {stage!r}; use select:<dataset> or grid:<dataset> with {DATASETS}")
+            command = f"python bench/ctr.py --only {stage}"
+            if kind == "grid":
+                command += f" --seeds {args.seeds}" + (f" --models {args.models}" if models != MODELS else "")
+            with Stage(stage) as st:
+                stage_select(name, out) if kind == "select" else stage_grid(name, out, seeds, models)
+            key = stage if kind == "select" else f"{stage} seeds {args.seeds} models {','.join(models)}"
+            out.setdefault("stages", {})[key] = {**st.info, "command": command}
+            out["machine"], out["machine_line"] = machine_info(), machine_line()
+            out["ctr_defaults"] = {k: v for k, v in CTRConfig().__dict__.items() if k not in ("features", "model")}
+            args.out.mkdir(parents=True, exist_ok=True)
+            write_json(path, out)  # after every stage: a later failure keeps what is done
+    with atomic_file(args.out / "ctr.md") as tmp:
+        tmp.write_text(render_md(out))
+    if out.get("records"):
         plot(out, args.out / "ctr.png")
-        print((args.out / "ctr.md").read_text())
-        return 0
-    torch.set_num_threads(args.threads)
-    seeds = [0] if args.quick else [0, 1, 2]
-    sweep = [(2, 16), (8, 16)] if args.quick else [(2, 16), (8, 16), (4, 8), (4, 64)]
-    t0 = time.perf_counter()
-    records: list[dict[str, Any]] = []
-    fits: list[dict[str, Any]] = []
-    sweep_rows: list[dict[str, Any]] = []
-    loss_rows: list[dict[str, Any]] = []
-    diag: list[dict[str, Any]] = []
-    data_summary: dict[str, Any] = {}
-    timings: dict[str, float] = {}
-    for name in DATASETS:
-        data = load_dataset(name, seed=0)
-        data_summary[name] = data.summary()
-        items, rep, secs = fit(data)
-        fits.append({"dataset": name, "loss": "infonce", "M": items.m, "K": items.k, "seconds": secs,
-                     "usage": items.usage, "caption_top1": rep.get("caption_top1")})
-        t = time.perf_counter()
-        runs = [(m, f, s) for m in MODELS for f in FEATURES for s in seeds]
-        for model, features, seed in tqdm(runs, desc=f"{name} grid"):
-            _, _, r = run_ctr(data, items, CTRConfig(model=model, features=features, seed=seed), progress=False)
-            records.append(record(name, CTRConfig(model=model, features=features, seed=seed), r["metrics"]))
-        timings[f"{name}_grid_s"] = time.perf_counter() - t
-        # InfoNCE vs caption-token classification (DeepFM, seed 0)
-        tok_items, tok_rep, tok_secs = fit(data, loss="tokens")
-        fits.append({"dataset": name, "loss": "tokens", "M": tok_items.m, "K": tok_items.k, "seconds": tok_secs,
-                     "usage": tok_items.usage, "caption_top1": None})
-        for loss, its in (("infonce", items), ("tokens", tok_items)):
-            row: dict[str, Any] = {"dataset": name, "loss": loss, **{f"usage_{k}": its.usage[k] for k in
-                                                                    ("dead_codes", "norm_entropy", "collision_rate")}}
-            for features in ("visual", "id+visual"):
-                if loss == "infonce":
-                    m = group(records, dataset=name, model="deepfm", features=features, seed=0)[0]
-                else:
-                    _, _, r = run_ctr(data, its, CTRConfig(model="deepfm", features=features, seed=0), progress=False)
-                    m = r["metrics"]
-                row[f"{features}_auc_new"] = m["auc_new"]
-                row[f"{features}_auc_old"] = m["auc_old"]
-            loss_rows.append(row)
-        if name == "fashion":  # diagnostic: the caption's own words as IDs (what the text can teach at most)
-            words = [c.split() for c in data.captions]
-            vocab = sorted({w for ws in words for w in ws[:3]})
-            cls = sorted({" ".join(ws[3:]) for ws in words})
-            cap_ids = np.array([[cls.index(" ".join(ws[3:]))] + [len(cls) + vocab.index(w) for w in ws[:3]]
-                                for ws in words], dtype=np.int64)
-            k_cap = len(cls) + len(vocab)
-            cap_items = ItemFeatures(cap_ids, items.raw, 1, k_cap)
-            cap_items.visual_ids = cap_ids  # 4 ids per ad in one table of k_cap rows
-            for features in ("visual", "id+visual"):
-                for seed in seeds:
-                    cfg_c = CTRConfig(model="deepfm", features=features, seed=seed)
-                    _, _, r = run_ctr(data, cap_items, cfg_c, progress=False)
-                    diag.append({**record(name, cfg_c, r["metrics"]), "ids": "caption words"})
-        if name == "fashion":  # M / K sweep
-            t = time.perf_counter()
-            for m_, k_ in tqdm([(4, 16), *sweep], desc="M/K sweep"):
-                if (m_, k_) == (4, 16):
-                    its, secs_mk = items, secs
-                else:
-                    its, _, secs_mk = fit(data, m=m_, k=k_)
-                row = {"M": m_, "K": k_, "fit_s": secs_mk, **{f"usage_{k}": its.usage[k] for k in
-                                                             ("dead_codes", "norm_entropy", "unique_tuples", "collision_rate")}}
-                for features in ("visual", "id+visual"):
-                    if (m_, k_) == (4, 16):
-                        met = group(records, dataset=name, model="deepfm", features=features, seed=0)[0]
-                    else:
-                        _, _, r = run_ctr(data, its, CTRConfig(model="deepfm", features=features, seed=0), progress=False)
-                        met = r["metrics"]
-                    row[f"{features}_auc_new"] = met["auc_new"]
-                    row[f"{features}_auc_old"] = met["auc_old"]
-                sweep_rows.append(row)
-            timings["sweep_s"] = time.perf_counter() - t
-    timings["total_s"] = time.perf_counter() - t0
-    command = "python bench/ctr.py" + (" --quick" if args.quick else "") + (
-        f" --threads {args.threads}" if args.threads != 1 else "")
-    out = {"machine": machine_info(), "machine_line": machine_line(), "command": command, "seeds": seeds,
-           "ctr_config": CTRConfig().__dict__, "data": data_summary, "content_fits": fits,
-           "records": records, "mk_sweep": sweep_rows, "loss_compare": loss_rows,
-           "diagnostic_caption_ids": diag, "timings": timings}
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "ctr.json", out)
-    (args.out / "ctr.md").write_text(render_md(out))
-    plot(out, args.out / "ctr.png")
+        write_docs_block(out)
     print((args.out / "ctr.md").read_text())
     return 0
 
 
-def render_md(out: dict[str, Any]) -> str:
-    recs, seeds = out["records"], out["seeds"]
-    cfg = out["ctr_config"]
-    lines = [
-        "# Visual IDs for new-ad CTR",
-        "",
-        f"Machine: {out['machine_line']} (torch threads: {out['machine']['torch_threads']}; shared with other jobs)",
-        f"Command: `{out['command']}` — total {out['timings']['total_s'] / 60:.1f} min",
-        "",
-        f"Sizes (chosen to fit ~20 min on 2 shared CPU cores): CTR models trained {cfg['epochs']} epochs, "
-        f"batch {cfg['batch_size']}, Adam lr 5e-3 (DCNv2 1e-2), ID dropout {cfg['id_dropout']}, "
-        f"embedding dim {cfg['embed_dim']}; "
-        f"seeds {seeds} vary the CTR model initialisation and batch order (one content-ID fit per dataset, seed 0). "
-        "Content-ID model: D=32, M=4, K=16, fitted on the old ads only (images/captions, no clicks).",
-        "",
-    ]
-    for name, s in out["data"].items():
-        lines.append(f"- **{name}**: {s['n_items']} items ({s['n_new_items']} new), {s['n_users']} users, "
-                     f"{s['n_train']} train rows, {s['n_test_new']} new-ad and {s['n_test_old']} old-ad test rows, "
-                     f"train CTR {s['ctr_train']:.3f}")
-    lines += ["", "## AUC / gAUC / logloss on new and old ads (mean ± std over seeds)", "",
-              "| dataset | model | features | AUC new | AUC old | gAUC new | gAUC old | logloss new | logloss old |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for name in DATASETS:
-        for model in MODELS:
+DOCS = Path(__file__).parent.parent / "docs" / "ctr.md"
+MARK_START, MARK_END = "<!-- bench:ctr:start -->", "<!-- bench:ctr:end -->"
+
+
+def write_docs_block(out: dict[str, Any]) -> None:
+    """Replace the summary between the bench markers of docs/ctr.md (DeepFM / DCNv2 rows and the targets)."""
+    if not DOCS.exists() or MARK_START not in DOCS.read_text():
+        return
+    recs = out["records"]
+    lines = ["", "| dataset | model | features | bytes/ad | seeds | AUC new | AUC old |", "|---|---|---|---|---|---|---|"]
+    for d in DATASETS:
+        for mdl in TARGET_MODELS:
             for f in FEATURES:
-                g = group(recs, dataset=name, model=model, features=f)
-                lines.append(f"| {name} | {model} | {f} | " + " | ".join(ms([r[k] for r in g]) for k in METRICS) + " |")
-    lines += ["", "## Targets", "",
-              "| dataset | model | AUC new: id+visual − id (target ≥ +0.02) | AUC old: id+visual − id (target ≥ 0) "
-              "| gAUC new: id+visual − id | AUC new: visual − raw (target ≥ 0) |",
+                g = group(recs, dataset=d, model=mdl, features=f)
+                if g:
+                    lines.append(f"| {d} | {mdl} | {f} | {g[0]['bytes_per_ad']:g} | {len(g)} "
+                                 f"| {ms([r['auc_new'] for r in g])} | {ms([r['auc_old'] for r in g])} |")
+    lines += ["", "| dataset | model | target | difference (mean ± seed std) | verdict | beyond one seed std |",
               "|---|---|---|---|---|---|"]
-    verdicts = []
-    for name in DATASETS:
-        for model in MODELS:
-            def mean(f: str, k: str, name: str = name, model: str = model) -> float:
-                return float(np.mean([r[k] for r in group(recs, dataset=name, model=model, features=f)]))
-            d_new = mean("id+visual", "auc_new") - mean("id", "auc_new")
-            d_old = mean("id+visual", "auc_old") - mean("id", "auc_old")
-            d_gnew = mean("id+visual", "gauc_new") - mean("id", "gauc_new")
-            d_vr = mean("visual", "auc_new") - mean("raw", "auc_new")
-            ok = lambda c: "met" if c else "**missed**"  # noqa: E731
-            lines.append(f"| {name} | {model} | {d_new:+.4f} ({ok(d_new >= 0.02)}) | {d_old:+.4f} ({ok(d_old >= -0.002)}) "
-                         f"| {d_gnew:+.4f} | {d_vr:+.4f} ({ok(d_vr >= 0)}) |")
-            verdicts.append((name, model, d_new, d_old, d_vr))
-    lines += ["", "(\"no loss on old ads\" is read as a difference ≥ −0.002 AUC, within seed noise.)", ""]
-    lines += explain_misses(out, verdicts)
-    if out.get("diagnostic_caption_ids"):
-        dg = out["diagnostic_caption_ids"]
-        lines += ["## Diagnostic: caption words as IDs (Fashion, DeepFM)", "",
-                  "The caption's class and three attribute words used directly as 4 IDs per ad: the discrete "
-                  "information text supervision can teach at best. Compare with the learned visual IDs and the raw vector.",
-                  "", "| features | AUC new | AUC old | gAUC new |", "|---|---|---|---|"]
-        for f in ("visual", "id+visual"):
-            g = [r for r in dg if r["features"] == f]
-            lines.append(f"| {f} (caption-word IDs) | {ms([r['auc_new'] for r in g])} | {ms([r['auc_old'] for r in g])} "
-                         f"| {ms([r['gauc_new'] for r in g])} |")
-        for f in ("raw", "visual"):
-            g = group(recs, dataset="fashion", model="deepfm", features=f)
-            lines.append(f"| {f} (learned) | {ms([r['auc_new'] for r in g])} | {ms([r['auc_old'] for r in g])} "
-                         f"| {ms([r['gauc_new'] for r in g])} |")
-        lines.append("")
-    lines += ["## M / K sweep (Fashion, DeepFM, seed 0)", "",
-              "| M | K | IDs per ad | fit s | dead codes | norm. entropy | distinct tuples | collision rate "
-              "| visual AUC new | id+visual AUC new | id+visual AUC old |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in out["mk_sweep"]:
-        lines.append(f"| {r['M']} | {r['K']} | {r['M']} of {r['M'] * r['K']} | {r['fit_s']:.0f} | {r['usage_dead_codes']} "
-                     f"| {r['usage_norm_entropy']:.3f} | {r['usage_unique_tuples']} | {r['usage_collision_rate']:.3f} "
-                     f"| {r['visual_auc_new']:.4f} | {r['id+visual_auc_new']:.4f} | {r['id+visual_auc_old']:.4f} |")
-    lines += ["", "## InfoNCE vs caption-token classification (DeepFM, seed 0)", "",
-              "| dataset | supervision | dead codes | norm. entropy | collision rate | visual AUC new "
-              "| id+visual AUC new | id+visual AUC old |", "|---|---|---|---|---|---|---|---|"]
-    for r in out["loss_compare"]:
-        lines.append(f"| {r['dataset']} | {r['loss']} | {r['usage_dead_codes']} | {r['usage_norm_entropy']:.3f} "
-                     f"| {r['usage_collision_rate']:.3f} | {r['visual_auc_new']:.4f} | {r['id+visual_auc_new']:.4f} "
-                     f"| {r['id+visual_auc_old']:.4f} |")
-    lines += ["", "## Content-ID fits", "", "| dataset | supervision | M | K | seconds | caption top-1 |", "|---|---|---|---|---|---|"]
-    for f in out["content_fits"]:
-        top1 = f"{f['caption_top1']:.3f}" if f["caption_top1"] is not None else "–"
-        lines.append(f"| {f['dataset']} | {f['loss']} | {f['M']} | {f['K']} | {f['seconds']:.0f} | {top1} |")
-    t = out["timings"]
-    lines += ["", "Timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in t.items()), ""]
+    for r in targets(out):
+        lines.append(f"| {r['dataset']} | {r['model']} | {r['target']} | {r['diff']:+.4f} ± {r['std']:.4f} "
+                     f"| {'met' if r['met'] else '**missed**'} | {'yes' if r['clear'] else 'no'} |")
+    chosen = "; ".join(f"{d}: {c['chosen']['design']}, {variant_name(c['chosen']['visual_fields'], c['chosen']['codeword_vector'])}"
+                       for d, c in out.get("selection", {}).items())
+    lines += ["", f"Design chosen on validation: {chosen}. Machine: {out['machine_line']}. The same settings from "
+              "the command line (id+visual, DeepFM):", "", "```bash"]
+    lines += [cli_line(d, c["chosen"]) for d, c in out.get("selection", {}).items()]
+    lines += ["```", ""]
+    text = DOCS.read_text()
+    head, rest = text.split(MARK_START, 1)
+    _, tail = rest.split(MARK_END, 1)
+    with atomic_file(DOCS) as tmp:
+        tmp.write_text(head + MARK_START + "\n".join(lines) + MARK_END + tail)
+
+
+# ----------------------------------------------------------------------------------------------- report
+def mean_of(recs: list[dict[str, Any]], key: str, **match: Any) -> float:
+    return float(np.mean([r[key] for r in group(recs, **match)]))
+
+
+def paired(recs: list[dict[str, Any]], a: str, b: str, key: str, **match: Any) -> tuple[float, float, int]:
+    """Mean and std over seeds of ``key(features=a) - key(features=b)`` (same seed, same content fit)."""
+    by_seed = {}
+    for r in group(recs, **match):
+        by_seed.setdefault(r["seed"], {})[r["features"]] = r[key]
+    diffs = [v[a] - v[b] for v in by_seed.values() if a in v and b in v]
+    return float(np.mean(diffs)), float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0, len(diffs)
+
+
+def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, checked from the grid records."""
+    recs = out.get("records", [])
+    rows = []
+    for d in DATASETS:
+        if not group(recs, dataset=d):
+            continue
+        for m in TARGET_MODELS:
+            if not group(recs, dataset=d, model=m):  # not run: listed as such above the grid
+                continue
+
+            def add(name: str, a: str, b: str, threshold: float, extra_ok: bool = True, note: str = "",
+                    d: str = d, m: str = m) -> None:
+                mean, std, n = paired(recs, a, b, "auc_new", dataset=d, model=m)
+                rows.append({"dataset": d, "model": m, "target": name, "a": a, "b": b, "diff": mean, "std": std,
+                             "n": n, "threshold": threshold, "met": bool(mean >= threshold and extra_ok), "note": note,
+                             # the verdict holds beyond one seed std of the mean difference
+                             "clear": bool(n > 1 and abs(mean - threshold) > std)})
+            ratio = mean_of(recs, "bytes_per_ad", dataset=d, model=m, features="raw") / \
+                max(mean_of(recs, "bytes_per_ad", dataset=d, model=m, features="visual"), 1e-9)
+            add("id+visual ≥ id+raw − 0.005 at ≥ 10× fewer bytes", "id+visual", "id+raw", -0.005, ratio >= 10,
+                f"{ratio:.0f}× fewer bytes")
+            add("id+raw+visual ≥ id+raw + 0.003", "id+raw+visual", "id+raw", 0.003)
+            add("adding the ad ID: id+visual ≥ visual − 0.002", "id+visual", "visual", -0.002)
+            if d == "fashion":
+                add("Fashion: id+visual − id ≥ 0.05", "id+visual", "id", 0.05)
+    return rows
+
+
+def render_md(out: dict[str, Any]) -> str:
+    if not out:
+        return "# Visual IDs for new-ad CTR\n\nNo results yet: run `python bench/ctr.py`.\n"
+    m = out.get("machine", {})
+    lines = ["# Visual IDs for new-ad CTR", "",
+             f"Machine: {out.get('machine_line', '?')} (torch threads: {m.get('torch_threads', '?')}; shared with "
+             "other jobs). Stages (each one chunk under the exclusive CPU lock):", "",
+             "| stage | command | wall min | CPU min | load before → after | finished |", "|---|---|---|---|---|---|"]
+    for name, st in out.get("stages", {}).items():
+        lb, la = st["load_before"], st["load_after"]
+        lines.append(f"| {name} | `{st['command']}` | {st['wall_s'] / 60:.1f} | {st['cpu_s'] / 60:.1f} "
+                     f"| {lb[0]:.1f} → {la[0]:.1f} | {st['finished']} |")
+    cd = out.get("ctr_defaults", {})
+    lrs = ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items())
+    lines += ["", f"CTR training: {cd.get('epochs')} epochs, batch {cd.get('batch_size')}, Adam (lr: {lrs}), "
+              f"embedding dim {cd.get('embed_dim')}; the same for every feature set and not tuned. Seeds "
+              f"{out.get('seeds', [])} (per dataset and model below): seed s fits the content-ID model with seed s and trains the CTR model with "
+              "seed s (content IDs and CTR model both vary). `bytes/ad` is the stored content feature per ad: M "
+              "codes of log2 K bits (bit-packed) for visual, D float32 for raw; the shared codebook is counted "
+              "once per model, not per ad (see the content-ID fits).", ""]
+    for name, s in out.get("data", {}).items():
+        lines.append(f"- **{name}** (test): {s['n_items']} items ({s['n_new_items']} new), {s['n_users']} users, "
+                     f"{s['n_train']} train rows, {s['n_test_new']} new-ad and {s['n_test_old']} old-ad test rows, "
+                     f"train CTR {s['ctr_train']:.3f}" + (f"; cutoff {s['cutoff_date']}" if "cutoff_date" in s else ""))
+    for name, s in out.get("val_data", {}).items():
+        lines.append(f"- **{name}** (validation, inside the training period): {s['n_train']} train rows, "
+                     f"{s['n_test_new']} new-ad and {s['n_test_old']} old-ad validation rows")
+    lines.append("")
+    lines += render_grid(out)
+    lines += render_targets(out)
+    lines += render_selection(out)
+    lines += render_fits(out)
     return "\n".join(lines)
 
 
-def explain_misses(out: dict[str, Any], verdicts: list[tuple[str, str, float, float, float]]) -> list[str]:
-    """Measured reasons for missed targets, from the numbers of this run."""
-    recs = out["records"]
+def render_grid(out: dict[str, Any]) -> list[str]:
+    recs = out.get("records", [])
+    if not recs:
+        return []
+    lines = ["## The grid: AUC / gAUC / logloss on new and old ads (mean ± std over seeds)", ""]
+    for d in DATASETS:
+        if not group(recs, dataset=d):
+            continue
+        cover = []
+        for mdl in MODELS:
+            seeds = sorted({r["seed"] for r in group(recs, dataset=d, model=mdl)})
+            cover.append(f"{mdl}: seeds {', '.join(map(str, seeds))}" if seeds else f"{mdl}: **not run**")
+        lines.append(f"- {d}: " + "; ".join(cover))
+    missing = [(d, mdl) for d in DATASETS if group(recs, dataset=d) for mdl in MODELS
+               if not group(recs, dataset=d, model=mdl)]
+    if missing:
+        lines.append("- Models marked **not run** were left out of this grid to fit the CPU budget of the run; the "
+                     "targets concern DeepFM and DCNv2 only.")
+    lines += ["", "| dataset | model | features | ad ID added by | bytes/ad | AUC new | AUC old | gAUC new | gAUC old "
+             "| logloss new | logloss old |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in DATASETS:
+        for mdl in MODELS:
+            for f in FEATURES:
+                g = group(recs, dataset=d, model=mdl, features=f)
+                if not g:
+                    continue
+                lines.append(f"| {d} | {mdl} | {f} | {g[0]['id_option'] if 'id' in f.split('+') else '–'} "
+                             f"| {g[0]['bytes_per_ad']:g} | " + " | ".join(ms([r[k] for r in g]) for k in METRICS) + " |")
+    lines.append("")
+    return lines
 
-    def mean(d: str, m: str, f: str, k: str) -> float:
-        return float(np.mean([r[k] for r in group(recs, dataset=d, model=m, features=f)]))
 
-    lines = []
-    if any(v[2] < 0.02 for v in verdicts):
-        for d in sorted({v[0] for v in verdicts if v[2] < 0.02}):
-            m = "deepfm"
-            lines.append(
-                f"- **{d}: ID + visual IDs gain less than 0.02 AUC on new ads.** ID only already reaches "
-                f"{mean(d, m, 'id', 'auc_new'):.4f} AUC on new ads with gAUC {mean(d, m, 'id', 'gauc_new'):.4f} "
-                f"(chance within a user): the pooled new-ad AUC is mostly the users' click propensity. Content "
-                f"improves the ranking within users (gAUC {mean(d, m, 'id+visual', 'gauc_new') - mean(d, m, 'id', 'gauc_new'):+.4f}), "
-                f"but the raw content vector alone adds only {mean(d, m, 'raw', 'auc_new') - mean(d, m, 'id', 'auc_new'):+.4f} "
-                f"AUC over ID only and visual IDs alone {mean(d, m, 'visual', 'auc_new') - mean(d, m, 'id', 'auc_new'):+.4f}: "
-                "the content (for MovieLens, title + genres text) explains little of which new items a user likes, "
-                "and the quantized code keeps less of it than the raw vector (next point).")
-    if any(v[4] < 0 for v in verdicts):
-        dg = out.get("diagnostic_caption_ids") or []
-        cap = [r["auc_new"] for r in dg if r["features"] == "visual"]
-        text = ("- **Visual IDs stay below the raw vector on new ads.** The raw vector is the same extractor's "
-                "output before quantization, so it holds strictly more information than its codes. ")
-        if cap:
-            text += (f"On Fashion, IDs made from the caption words themselves (class + three attribute tertiles, "
-                     f"the most text supervision can teach) reach {np.mean(cap):.4f}, learned visual IDs "
-                     f"{mean('fashion', 'deepfm', 'visual', 'auc_new'):.4f}, the raw vector "
-                     f"{mean('fashion', 'deepfm', 'raw', 'auc_new'):.4f}: the gap is what discretisation drops (clicks "
-                     "depend on continuous attributes that captions only bucket), not a failure to fit the quantizer.")
+def render_targets(out: dict[str, Any]) -> list[str]:
+    rows = targets(out)
+    if not rows:
+        return []
+    counts = out.get("test_counts", {})
+    lines = ["## Targets (new-ad AUC, DeepFM and DCNv2; differences paired by seed, mean ± std)", "",
+             "`beyond one seed std`: whether the mean difference is more than one seed std away from the "
+             "threshold (otherwise the verdict is within seed noise).", "",
+             "| dataset | model | target | difference | verdict | beyond one seed std |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        verdict = "met" if r["met"] else "**missed**"
+        note = f"; {r['note']}" if r["note"] else ""
+        lines.append(f"| {r['dataset']} | {r['model']} | {r['target']} | {r['a']} − {r['b']} = "
+                     f"{r['diff']:+.4f} ± {r['std']:.4f}{note} | {verdict} | {'yes' if r['clear'] else 'no'} |")
+    lines += ["", "Test-set sampling error (Hanley-McNeil standard error of one new-ad AUC; a difference of two "
+              "AUCs on the same rows is usually smaller, as their errors are correlated): "
+              + ", ".join(f"{d} {auc_se(mean_of(out['records'], 'auc_new', dataset=d, model='deepfm', features='id+visual'), c['new_pos'], c['new_neg']):.4f} "
+                          f"({c['new_pos'] + c['new_neg']} rows)" for d, c in counts.items()), ""]
+    ceil = out.get("ceiling", [])
+    if ceil:
+        lines += ["Content ceiling (Fashion only, where the click generator is known): the same CTR model on the "
+                  "generator's own content of each ad (class one-hot + the three pixel attributes the clicks were "
+                  "drawn from) as the `raw` vector, same training, same seeds. In the generator no other content "
+                  "drives clicks, so this estimates how far any content feature can take new ads here.", "",
+                  "| dataset | model | oracle AUC new | oracle AUC old | raw AUC new | id+raw AUC new | oracle − id+raw |",
+                  "|---|---|---|---|---|---|---|"]
+        for d in DATASETS:
+            for mdl in TARGET_MODELS:
+                g = group(ceil, dataset=d, model=mdl)
+                if g and group(out["records"], dataset=d, model=mdl, features="id+raw"):
+                    o = ceiling_of(out, d, mdl)
+                    lines.append(f"| {d} | {mdl} | {ms([c['auc_new'] for c in g])} | {ms([c['auc_old'] for c in g])} "
+                                 f"| {ms([r['auc_new'] for r in group(out['records'], dataset=d, model=mdl, features='raw')])} "
+                                 f"| {ms([r['auc_new'] for r in group(out['records'], dataset=d, model=mdl, features='id+raw')])} "
+                                 f"| {o - mean_of(out['records'], 'auc_new', dataset=d, model=mdl, features='id+raw'):+.4f} |")
+        lines.append("")
+    missed = [r for r in rows if not r["met"]]
+    if missed:
+        lines += ["### Missed targets: measured reasons", ""]
+        lines += explain(out, missed)
+        lines.append("")
+    return lines
+
+
+def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
+    """One line per missed target, built from this run's numbers (the grid, validation and content fits)."""
+    recs, lines = out["records"], []
+    for r in missed:
+        d, mdl = r["dataset"], r["model"]
+        sel = out["selection"][d]
+        fits = [f for f in out.get("content_fits", []) if f["dataset"] == d]
+        qerr = float(np.mean([f["quant_rel_err"] for f in fits])) if fits else float("nan")
+        ids = {f: mean_of(recs, "auc_new", dataset=d, model=mdl, features=f) for f in FEATURES}
+        text = (f"- **{d} / {mdl}: {r['target']}** — {r['a']} − {r['b']} = {r['diff']:+.4f} ± {r['std']:.4f} "
+                f"over {r['n']} seeds (threshold {r['threshold']:+.3f}). ")
+        if r["b"] == "id+raw" and r["a"] == "id+visual":
+            vg = val_gap(sel)
+            text += (f"The codes keep {1 - qerr:.1%} of the content vector's energy (relative squared quantization "
+                     f"error {qerr:.3f}, mean over the seeds' fits); without the ad ID the gap is visual − raw = "
+                     f"{ids['visual'] - ids['raw']:+.4f}. On validation the chosen design had visual − raw = "
+                     f"{vg:+.4f} ("
+                     + ("the same sign as on test)" if vg < 0 else
+                        "no loss there: the test gap is not predicted by validation)") + ".")
+        elif r["a"] == "id+raw+visual":
+            tables = [x for x in sel["candidates"] if x["visual_fields"] != "none"]
+            best_t = max(tables, key=lambda x: x["visual_auc_new"]) if tables else None
+            text += ("The codes are computed from the raw vector, so on a new ad they hold no content the raw vector "
+                     "lacks (by construction); what they could add is what clicks teach a table per code (or prefix). ")
+            if best_t is not None:
+                cw = [x for x in sel["candidates"] if x["visual_fields"] == "none"]
+                best_c = max(cw, key=lambda x: x["visual_auc_new"]) if cw else None
+                text += (f"On validation, the best visual-only new-ad AUC with learned code tables was "
+                         f"{best_t['visual_auc_new']:.4f} ({best_t['design']}, {best_t['variant']}; its old-ad AUC "
+                         f"with the ad ID {best_t['id+visual_auc_old']:.4f})")
+                if best_c is not None:
+                    text += (f", without a table (codeword vector only) {best_c['visual_auc_new']:.4f} "
+                             f"({best_c['design']}; {best_c['id+visual_auc_old']:.4f})")
+                text += ". "
+            text += (f"In the grid, raw + ad ID reaches {ids['id+raw']:.4f} and id+raw+visual {ids['id+raw+visual']:.4f} "
+                     f"(ad ID added by {sel['chosen']['id']['id+raw+visual']['option']}).")
+            ceil = ceiling_of(out, d, mdl)
+            if not math.isnan(ceil):
+                text += (f" The content oracle reaches {ceil:.4f} on new ads: id+raw is {ceil - ids['id+raw']:.4f} "
+                         "below what any content feature can give here, and the codes would have to recover "
+                         f"{0.003 / max(ceil - ids['id+raw'], 1e-9):.0%} of that gap from the vector they are "
+                         "computed from.")
+        elif r["b"] == "visual":
+            p = sel["chosen"]["id"]["id+visual"]["option"]
+            vrow = [x for x in sel["dropout"] if x["features"] == "id+visual" and x["option"] == p]
+            text += (f"The ad ID added by {p} was chosen on validation, where id+visual reached "
+                     f"{vrow[0]['auc_new']:.4f} against visual {sel['references']['visual']['auc_new']:.4f} "
+                     f"({vrow[0]['auc_new'] - sel['references']['visual']['auc_new']:+.4f})."
+                     + (" The residual mode leaves a new ad's prediction that of its base model without the ID "
+                        "(the correction of an ad without training rows is zero)." if p == "residual" else ""))
+        elif r["b"] == "id":
+            text += f"ID only reaches {ids['id']:.4f}; id+visual {ids['id+visual']:.4f}."
+        if r["diff"] + r["std"] >= r["threshold"]:
+            text += (f" The threshold lies within one seed std of the mean difference: with {r['n']} seeds this "
+                     "miss is not resolved.")
+        else:
+            text += f" The mean difference is more than one seed std ({r['std']:.4f}) below the threshold."
         lines.append(text)
-    return (["## Missed targets: measured reasons", "", *lines, ""]) if lines else []
+    return lines
+
+
+def ceiling_of(out: dict[str, Any], dataset: str, model: str) -> float:
+    """Mean new-ad AUC of the content oracle (NaN where the dataset has none)."""
+    g = group(out.get("ceiling", []), dataset=dataset, model=model)
+    return float(np.mean([c["auc_new"] for c in g])) if g else float("nan")
+
+
+def val_gap(sel: dict[str, Any]) -> float:
+    c = sel["chosen"]
+    row = [x for x in sel["candidates"] if x["design"] == c["design"] and x["visual_fields"] == c["visual_fields"]
+           and x["codeword_vector"] == c["codeword_vector"]][0]
+    return row["visual_auc_new"] - row["raw_auc_new"]
+
+
+def cli_line(dataset: str, chosen: dict[str, Any], features: str = "id+visual", model: str = "deepfm") -> str:
+    """The ``leanml ctr train`` command that trains ``features`` with the design chosen on validation."""
+    c = chosen["content"]
+    args = [f"leanml ctr train --data {dataset} --model {model} --features {features.replace('+', ',')}",
+            f"--codebook {c['codebook']} --M {c['m']} --K {c['k']}"]
+    if not c.get("joint", True):
+        args.append("--posthoc")
+    if not c.get("reseed_dead", True):
+        args.append("--no-reseed")
+    args.append(f"--visual-fields {chosen['visual_fields']}")
+    if chosen["codeword_vector"]:
+        args.append("--codeword-vector")
+    how = chosen["id"].get(features)
+    if how is not None:
+        args.append("--id-mode residual" if how["id_mode"] == "residual" else f"--id-dropout {how['id_dropout']:g}")
+    return " ".join(args) + " --out out/run"
+
+
+def render_selection(out: dict[str, Any]) -> list[str]:
+    sels = out.get("selection", {})
+    if not sels:
+        return []
+    lines = ["## Chosen on validation (inside the training period; DeepFM, mean of seeds "
+             f"{list(SELECT_SEEDS)}, content-ID seed 0)", "",
+             "Content-ID designs × how the codes enter the model. The winner has the best mean validation new-ad "
+             f"AUC of visual and id+visual (ID dropout {CTRConfig().id_dropout:g}) among designs with ≥ 10× fewer bytes per ad than the "
+             "raw vector. Re-seeding replaces codewords no item uses after each epoch (counts per epoch).", "",
+             "| dataset | design | dead codes | distinct tuples | quant. err | caption top-1 | fit s | codes enter as "
+             "| bytes/ad | raw AUC new | visual AUC new | id+visual AUC new | id+visual AUC old |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d, sel in sels.items():
+        c = sel["chosen"]
+        for r in sel["candidates"]:
+            win = (r["design"], r["visual_fields"], r["codeword_vector"]) == (c["design"], c["visual_fields"],
+                                                                             c["codeword_vector"])
+            f, u = r["fit"], r["fit"]["usage"]
+            top1 = f"{f['caption_top1']:.3f}" if f.get("caption_top1") is not None else "–"
+            mark = " **(chosen)**" if win else ""
+            lines.append(f"| {d} | {r['design']} | {u['dead_codes']} (re-seeded {f['reseeded'] or '–'}) "
+                         f"| {u['unique_tuples']} | {f['quant_rel_err']:.3f} | {top1} | {f['seconds'] or 0:.0f} "
+                         f"| {r['variant']}{mark} | {r['bytes_per_ad']:g} | {r['raw_auc_new']:.4f} "
+                         f"| {r['visual_auc_new']:.4f} | {r['id+visual_auc_new']:.4f} | {r['id+visual_auc_old']:.4f} |")
+    lines += ["", "How the ad ID is added: ID dropout (DropoutNet-style: a training row's ad ID is replaced by the "
+              "unseen-ad row with this probability), or residual (the model is trained without the ad ID, frozen, "
+              "and the ID learned as a correction b_ad + <e_ad, e_user> on its logit; zero for an ad without "
+              "training rows). Rule: the best validation old-ad AUC among the options whose validation new-ad AUC is "
+              "within 0.002 of the same features without the ad ID; if none is, the best new-ad AUC; for `id` "
+              "alone, the best mean of new and old.", "",
+              "| dataset | features | " + " | ".join(f"{option_name(*o)}: new / old" for o in ID_OPTIONS)
+              + " | without ID: new | chosen |", "|---|---|" + "---|" * (len(ID_OPTIONS) + 2)]
+    ref_of = {"id": None, "id+raw": "raw", "id+visual": "visual", "id+raw+visual": "raw+visual"}
+    for d, sel in sels.items():
+        for f, ref in ref_of.items():
+            cells = []
+            for o in ID_OPTIONS:
+                r = [x for x in sel["dropout"] if x["features"] == f and x["option"] == option_name(*o)]
+                cells.append(f"{r[0]['auc_new']:.4f} / {r[0]['auc_old']:.4f}" if r else "not tried")
+            refv = f"{sel['references'][ref]['auc_new']:.4f}" if ref else "–"
+            lines.append(f"| {d} | {f} | " + " | ".join(cells) + f" | {refv} | {sel['chosen']['id'][f]['option']} |")
+    notes = [f"- {d}: {sel['note']}" for d, sel in sels.items() if sel.get("note")]
+    if notes:
+        lines += [""] + notes
+    lines += ["", "The chosen settings from the command line (id+visual, DeepFM):", "", "```bash"]
+    lines += [cli_line(d, sel["chosen"]) for d, sel in sels.items()]
+    lines += ["```", ""]
+    return lines
+
+
+def render_fits(out: dict[str, Any]) -> list[str]:
+    fits = out.get("content_fits", [])
+    if not fits:
+        return []
+    lines = ["## Content-ID fits of the grid (fitted on the old ads only)", "",
+             "| dataset | design | seed | fit s | dead codes | distinct tuples | collision rate | quant. err "
+             "| caption top-1 | codebook bytes (once) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for f in fits:
+        u = f["usage"]
+        top1 = f"{f['caption_top1']:.3f}" if f.get("caption_top1") is not None else "–"
+        lines.append(f"| {f['dataset']} | {f['design']} | {f['seed_content']} | {f['seconds'] or 0:.0f} "
+                     f"| {u['dead_codes']} | {u['unique_tuples']} | {u['collision_rate']:.3f} "
+                     f"| {f['quant_rel_err']:.3f} | {top1} | {f['codebook_bytes']} |")
+    lines.append("")
+    return lines
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -284,35 +663,29 @@ def plot(out: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     recs = out["records"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    colors = {"id": "#888888", "raw": "#4c72b0", "visual": "#55a868", "id+visual": "#c44e52"}
-    for ax, key, title in ((axes[0], "auc_new", "AUC on new ads"), (axes[1], "auc_old", "AUC on old ads")):
-        groups = [(d, m) for d in DATASETS for m in MODELS]
-        width = 0.2
-        for j, f in enumerate(FEATURES):
-            means, stds = [], []
-            for d, m in groups:
-                v = [r[key] for r in group(recs, dataset=d, model=m, features=f)]
-                means.append(np.mean(v))
-                stds.append(np.std(v))
-            ax.bar(np.arange(len(groups)) + (j - 1.5) * width, means, width, yerr=stds, label=f, color=colors[f])
-        ax.set_xticks(np.arange(len(groups)), [f"{d}\n{m}" for d, m in groups])
-        lo = min(r[key] for r in recs)
-        ax.set_ylim(max(0.45, lo - 0.03), max(r[key] for r in recs) + 0.02)
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    sw = out["mk_sweep"]
-    labels = [f"M={r['M']}\nK={r['K']}" for r in sw]
-    x = np.arange(len(sw))
-    axes[2].plot(x, [r["visual_auc_new"] for r in sw], "o-", label="visual, new ads", color=colors["visual"])
-    axes[2].plot(x, [r["id+visual_auc_new"] for r in sw], "s-", label="id+visual, new ads", color=colors["id+visual"])
-    axes[2].set_xticks(x, labels)
-    axes[2].set_title("M / K sweep (Fashion, DeepFM)")
-    axes[2].legend(fontsize=8)
+    datasets = [d for d in DATASETS if group(recs, dataset=d)]
+    models = [mdl for mdl in MODELS if group(recs, model=mdl)]
+    fig, axes = plt.subplots(len(datasets), 2, figsize=(15, 4.2 * len(datasets)), squeeze=False)
+    colors = dict(zip(FEATURES, ["#888888", "#4c72b0", "#55a868", "#8172b2", "#c44e52", "#dd8452"]))
+    width = 0.13
+    for row, d in enumerate(datasets):
+        for col, key in enumerate(("auc_new", "auc_old")):
+            ax = axes[row][col]
+            vals = []
+            for j, f in enumerate(FEATURES):
+                g = [group(recs, dataset=d, model=mdl, features=f) for mdl in models]
+                means = [float(np.mean([r[key] for r in x])) if x else float("nan") for x in g]
+                stds = [float(np.std([r[key] for r in x], ddof=1)) if len(x) > 1 else 0.0 for x in g]
+                vals += [v for v in means if not math.isnan(v)]
+                ax.bar(np.arange(len(models)) + (j - 2.5) * width, means, width, yerr=stds, label=f, color=colors[f])
+            ax.set_xticks(np.arange(len(models)), models)
+            ax.set_ylim(min(vals) - 0.02, max(vals) + 0.01)
+            ax.set_title(f"{d}: AUC on {'new' if key == 'auc_new' else 'old'} ads")
+            ax.legend(fontsize=7, ncol=3)
     fig.suptitle(f"Visual IDs for new-ad CTR — {out['machine_line']}", fontsize=9)
     fig.tight_layout()
     with atomic_file(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=110)
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
 
 
