@@ -54,9 +54,10 @@ lint: setup
 test: setup lint
 	LEANML_CACHE=$(CACHE) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# Every benchmark, one after the other (about two hours on 2 cores); each writes bench/results/.
-bench: setup
-	for b in prune prune_fista fasp memory ctr features; do LEANML_CACHE=$(CACHE) $(BIN)/python bench/$$b.py || exit 1; done
+# Every benchmark, one after the other (many hours on 2 cores); each writes bench/results/.
+bench: setup peers
+	for b in arch prune prune_fista prune_speed fasp memory ctr features; do LEANML_CACHE=$(CACHE) $(BIN)/python bench/$$b.py || exit 1; done
+	LEANML_CACHE=$(CACHE) $(BIN)/python bench/recover.py --all
 
 # llm-compressor, the peer of bench/prune.py, in its own venv: it pins an older transformers than ours.
 # torch on the same pip line keeps the CPU build. bench/prune.py runs bench/peers/llmc_prune.py with it.
