@@ -76,25 +76,13 @@ def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def count_parameters(model: nn.Module) -> int:
-    """Number of distinct parameters (tied weights counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
+    """Number of distinct parameters (``parameters()`` yields a tied weight once)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def count_nonzero(model: nn.Module) -> int:
     """Number of non-zero values among the distinct parameters."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += int((p.detach() != 0).sum())
-    return total
+    return sum(int((p.detach() != 0).sum()) for p in model.parameters())
 
 
 def _mlp_pair(adapter: DecoderAdapter, layer: nn.Module) -> Group | None:

@@ -153,19 +153,17 @@ class _Memory:
         self.peak = 0
         self.cuda_peak: int | None = None
         self.measured_steps: list[int] = []
-        self._plans_seen = 0
-        self.adacc_measures = False  # Adacc meters every step itself (then ours would shadow its meter)
 
     def setup(self, x: torch.Tensor) -> None:
         model, cfg = self.model, self.cfg
         disable_kv_cache(model)
         if cfg.memory == "adacc":
-            self.adacc = Adacc(model, budget=cfg.budget, loss_fn=self.objective, max_error=cfg.max_error)
+            # Adacc meters every step itself (``measure_steps``); a second meter of ours would shadow its own
+            self.adacc = Adacc(model, budget=cfg.budget, loss_fn=self.objective, max_error=cfg.max_error,
+                               measure_steps=True)
             record = self.adacc.prepare(input_ids=x)
             self.budget_bytes = float(record.budget_bytes)
             self.unoptimized_peak = int(self.adacc.profile.peak_bytes) if self.adacc.profile else None
-            self._plans_seen = len(self.adacc.history)
-            self.adacc_measures = bool(getattr(self.adacc, "measure_steps", False))
             return
         if cfg.memory != "none":  # the unoptimized peak of this step, measured before the strategy goes in
             self.unoptimized_peak = self.measure_once(x)
@@ -179,28 +177,23 @@ class _Memory:
         return meter.peak
 
     def wants_measure(self, step: int) -> bool:
-        if self.adacc_measures:
-            return False
-        replanned = self.adacc is not None and len(self.adacc.history) > self._plans_seen
-        return replanned or step % self.cfg.measure_every == 0 or not self.measured_steps
+        """Whether our meter runs on this step (never under Adacc, which measures every step itself)."""
+        return self.adacc is None and (step % self.cfg.measure_every == 0 or not self.measured_steps)
 
     def record(self, step: int, meter: ActivationMeter) -> None:
         self.peak = max(self.peak, meter.peak)
         if meter.cuda_peak is not None:
             self.cuda_peak = max(self.cuda_peak or 0, meter.cuda_peak)
         self.measured_steps.append(step)
-        if self.adacc is not None:
-            self._plans_seen = len(self.adacc.history)
 
     def after_step(self, step: int) -> list[str]:
         if self.adacc is None:
             return []
         reasons = self.adacc.step()
-        if self.adacc_measures and self.adacc.step_peaks:  # the step's peak, as Adacc measured it
+        if self.adacc.step_peaks:  # the step's peak, as Adacc measured it
             self.peak = max(self.peak, int(self.adacc.step_peaks[-1]))
-            cuda = getattr(self.adacc, "step_cuda_peaks", None)
-            if cuda:
-                self.cuda_peak = max(self.cuda_peak or 0, int(cuda[-1]))
+            if self.adacc.step_cuda_peaks:
+                self.cuda_peak = max(self.cuda_peak or 0, int(self.adacc.step_cuda_peaks[-1]))
             self.measured_steps.append(step)
         return reasons
 
