@@ -124,3 +124,34 @@ def test_packed_batches_need_no_concatenation():
     assert p.equal(b) and p.ids().data_ptr() == p.sparse.data_ptr() and p.ids()._base is not None
     assert torch.equal(p.ids(), b.ids()) and b.ids().data_ptr() != b.sparse.data_ptr()  # unpacked: a copy
     assert torch.equal(model(p), model(b))
+
+
+@pytest.mark.parametrize("hidden", [(8, 6), ()])
+def test_split_first_layer_is_one_linear_over_the_concatenation(hidden):
+    """The first layer (embeddings' part + dense part) against ``nn.Linear`` on ``cat(pooled, dense)``,
+    forward and every gradient, and its initialisation is that of the one linear under the same seed."""
+    torch.manual_seed(4)
+    model = FeatureDNN(SPARSE, SEQ, n_dense=3, dim=DIM, hidden=hidden)
+    torch.manual_seed(4)
+    FusedEmbedding(SPARSE_SEQ, DIM)  # consume the table's draws, then the one linear's
+    widths = [DIM * len(SPARSE_SEQ) + 3, *hidden, 1]
+    one = nn.Linear(widths[0], widths[1])
+    w = torch.cat([model.emb_in.weight, model.dense_in.weight], 1)
+    assert torch.equal(w, one.weight) and torch.equal(model.emb_in.bias, one.bias)
+    b = _batch(32, 6)
+    b.dense = torch.randn(32, 3)
+    out = model(b)
+    out.square().sum().backward()
+    ref_w = w.detach().clone().requires_grad_(True)
+    ref_b = model.emb_in.bias.detach().clone().requires_grad_(True)
+    pooled = model.emb(b.ids(), model._bag_labels((6, 3), b.ids().device)).detach()
+    h = nn.functional.linear(torch.cat([pooled.reshape(32, -1), b.dense], 1), ref_w, ref_b)
+    ref = model.mlp(h).squeeze(-1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    model.zero_grad()
+    grads = torch.autograd.grad(ref.square().sum(), [ref_w, ref_b])
+    out = model(b)
+    out.square().sum().backward()
+    torch.testing.assert_close(torch.cat([model.emb_in.weight.grad, model.dense_in.weight.grad], 1), grads[0],
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.emb_in.bias.grad, grads[1], rtol=1e-5, atol=1e-5)
