@@ -59,7 +59,15 @@ from leanml.data.text import (  # noqa: E402
     load_text,
     token_windows,
 )
-from leanml.utils import LeanmlError, atomic_file, cache_dir, machine_info, write_json  # noqa: E402
+from leanml.utils import (  # noqa: E402
+    LeanmlError,
+    atomic_file,
+    cache_dir,
+    exit_on_sigterm,
+    machine_info,
+    run_child,
+    write_json,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -255,12 +263,13 @@ def prune_peer(ctx: Context, label: str, pattern: str, profile: str, seed: int, 
     log.parent.mkdir(parents=True, exist_ok=True)
     t0, c0 = time.perf_counter(), cpu_seconds()
     with log.open("w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        returncode = run_child(cmd, check=False, stdout=fh, stderr=subprocess.STDOUT,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
     process_seconds, process_cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    if proc.returncode:
+    if returncode:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
         errs = [ln for ln in lines if "Error" in ln or "error:" in ln] or lines
-        raise LeanmlError(f"llm-compressor run failed (exit {proc.returncode}): {(errs[-1] if errs else 'no output')[:300]} (log {log})")
+        raise LeanmlError(f"llm-compressor run failed (exit {returncode}): {(errs[-1] if errs else 'no output')[:300]} (log {log})")
     report = json.loads((out / "run.json").read_text())
     if report["calib_sha256"] != ids_sha256(ids):
         raise LeanmlError("the peer read different calibration ids than ours")
@@ -357,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--results", default=str(RESULTS / "prune.json"), help="records file (md and png beside it)")
     ap.add_argument("--render-only", action="store_true", help="rewrite prune.md and prune.png from the records")
     args = ap.parse_args(argv)
+    exit_on_sigterm()  # a killed run takes its children (the peer, `leanml recover`) with it
     results = Path(args.results)
     if args.render_only:
         write_outputs(merge_records([], results), results)

@@ -31,11 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from leanml.utils import exit_on_sigterm, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -84,7 +85,7 @@ def run_logged(cmd: list[str], threads: int) -> float:
     """Run a command (output passed through); return its wall seconds; raise on failure."""
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env(threads))
+    run_child(cmd, env=env(threads))
     return time.perf_counter() - t0
 
 
@@ -445,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
+    exit_on_sigterm()  # a killed run takes its children (the peer, `leanml recover`) with it
     out = Path(args.out)
     path = out / "recover.json"
     data = load_json(path)
@@ -468,8 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         for chunk in all_chunks():
             if chunk in load_json(path)["chunks"] and not args.redo:
                 continue
-            subprocess.run(["flock", LOCK, sys.executable, __file__, "--only", chunk, *extra], check=True,
-                           env=env(args.threads))
+            run_child(["flock", LOCK, sys.executable, __file__, "--only", chunk, *extra], env=env(args.threads))
         data = load_json(path)
     if not args.list:
         render(data, out)

@@ -213,3 +213,37 @@ def _read_quota(d: Path, names: tuple[str, ...]) -> float | None:
         return None if q < 0 or period <= 0 else q / period
     except (OSError, ValueError):
         return None
+
+
+def run_child(cmd: list[str], *, check: bool = True, grace_s: float = 10.0, **kw: Any) -> int:
+    """Run ``cmd`` in its own process group and wait for it; if this process stops waiting for any reason
+    (an exception, Ctrl-C, or SIGTERM once :func:`exit_on_sigterm` is installed) the whole group gets
+    SIGTERM, then SIGKILL after ``grace_s``, so no grandchild (``flock``'s command, a worker) outlives it.
+    Returns the exit code; ``check`` raises ``subprocess.CalledProcessError`` on a non-zero one."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+    try:
+        rc = proc.wait()
+    except BaseException:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=grace_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise
+    if check and rc != 0:
+        raise subprocess.CalledProcessError(rc, cmd)
+    return rc
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit(143)`` so ``finally`` blocks and :func:`run_child` clean up."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
