@@ -88,9 +88,9 @@ class FusedEmbedding(nn.Module):
         nf = len(self.sizes)
         if bags.shape != (s,):
             raise LeanmlError(f"fused embedding: {s} id columns but {tuple(bags.shape)} field labels")
-        limits = self.limits.index_select(0, bags)
-        if n and bool((ids.amax(0) >= limits).any()):
-            col = int((ids.amax(0) >= limits).nonzero()[0])
+        over = ids.amax(0) >= self.limits.index_select(0, bags) if n else None
+        if over is not None and bool(over.any()):
+            col = int(over.nonzero()[0])
             raise LeanmlError(f"fused embedding: column {col} (field {int(bags[col])}) has id "
                               f"{int(ids[:, col].max())} >= its {self.sizes[int(bags[col])]} ids; "
                               "the graph's buckets and the model's table sizes disagree")
