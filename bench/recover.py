@@ -49,14 +49,28 @@ PRUNED = {
     "sgpt24": ("sparsegpt", "2:4", ["--method", "sparsegpt", "--pattern", "2:4"]),
     "fasp30": ("fasp", "structured 30%", ["--method", "fasp", "--sparsity", "0.3"]),
 }
-TEACHERS = ("none", "dense")
+#: recovery settings: no teacher; the dense teacher mixed with the labels (``--kd-weight`` setting, 0.5);
+#: pure distillation from the dense teacher (``--distill-kd-weight``, 1.0: the labels unused)
+TEACHERS = ("none", "dense", "distill")
 CORPORA = {"hamlet": "shakespeare", "reviews": "reviews"}
 #: gap_closed targets (issue): these methods, both corpora
 TARGET_METHODS = ("sgpt50", "fasp30")
 TARGET_GAP = 0.40
 
 DEFAULTS = {"steps": 150, "batch_size": 2, "seqlen": 256, "lr": 1e-4, "memory": "adacc", "budget": 0.5,
-            "kd_weight": 0.5, "eval_seqlen": 512, "threads": 2}
+            "kd_weight": 0.5, "distill_kd_weight": 1.0, "eval_seqlen": 512, "threads": 2}
+
+
+def kd_weight(teacher: str, s: dict[str, Any]) -> float | None:
+    """The distillation weight of a recovery setting (None: no teacher)."""
+    if teacher == "none":
+        return None
+    return float(s["kd_weight"] if teacher == "dense" else s.get("distill_kd_weight", DEFAULTS["distill_kd_weight"]))
+
+
+def teacher_label(teacher: str, s: dict[str, Any]) -> str:
+    w = kd_weight(teacher, s)
+    return "no teacher" if w is None else f"dense teacher, kd weight {w:g}"
 
 
 def work_dir() -> Path:
@@ -104,6 +118,8 @@ def all_chunks() -> list[str]:
               *run("dense", "dense"), *run("sgpt50", "dense")]
     for model in ["fasp30", "sgpt24"]:
         chunks += [f"prune:{model}", f"eval:{model}", *run(model, "none"), *run(model, "dense")]
+    for model in ["dense", "fasp30", "sgpt50", "sgpt24"]:
+        chunks += run(model, "distill")
     assert len(set(chunks)) == len(chunks) == 1 + len(PRUNED) * 2 + (1 + len(PRUNED)) * len(TEACHERS) * 2
     return chunks
 
@@ -129,14 +145,16 @@ def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
 
 def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     out = work_dir() / rec_name(model, teacher)
+    lr = s["lr"]
     args = ["recover", "--model", model_path(model), "--data", "shakespeare", "--steps", str(s["steps"]),
-            "--batch-size", str(s["batch_size"]), "--seqlen", str(s["seqlen"]), "--lr", str(s["lr"]),
+            "--batch-size", str(s["batch_size"]), "--seqlen", str(s["seqlen"]), "--lr", str(lr),
             "--memory", s["memory"], "--memory-budget", str(s["budget"]), "--no-eval", "--out", str(out),
             "--overwrite"]
     if model == "dense":
         args.append("--no-mask")
-    if teacher == "dense":
-        args += ["--teacher", DENSE, "--kd-weight", str(s["kd_weight"])]
+    w = kd_weight(teacher, s)
+    if w is not None:
+        args += ["--teacher", DENSE, "--kd-weight", str(w)]
     ckpt = out.with_name(out.name + ".ckpt")
     if ckpt.exists():
         args.append("--resume")
@@ -145,7 +163,7 @@ def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     mem, tm = rep["memory"], rep["timings"]
     return {
         "command": "leanml " + " ".join(a for a in args if a not in ("--overwrite", "--resume")),
-        "wall_seconds": wall,
+        "wall_seconds": wall, "kd_weight": w, "lr": lr,
         "train_seconds": tm["train_seconds"], "train_cpu_seconds": tm["train_cpu_seconds"],
         "teacher_seconds": tm["teacher_seconds"], "median_step_s": tm["median_step_s"],
         "setup_seconds": tm["setup_seconds"],
@@ -222,7 +240,9 @@ def build_records(data: dict[str, Any]) -> list[dict[str, Any]]:
                 records.append({
                     "method": method, "model": model, "pattern": pattern,
                     "sparsity_in": ev_pruned["sparsity"], "sparsity_out": ev_rec["sparsity"],
-                    "params": ev_rec["params"], "teacher": teacher, "steps": train["settings"]["steps"],
+                    "params": ev_rec["params"], "teacher": teacher,
+                    "kd_weight": train.get("kd_weight", kd_weight(teacher, train["settings"])),
+                    "steps": train["settings"]["steps"],
                     "memory": train["settings"]["memory"], "budget_fraction": train["budget_fraction"],
                     "peak_bytes": train["peak_bytes"], "budget_bytes": train["budget_bytes"],
                     "unoptimized_peak_bytes": train["unoptimized_peak_bytes"], "within_budget": train["within_budget"],
@@ -251,7 +271,7 @@ def targets(records: list[dict[str, Any]], data: dict[str, Any]) -> list[dict[st
     for model in TARGET_METHODS:
         for teacher in TEACHERS:
             rs = [r for r in records if r["model"] == model and r["teacher"] == teacher]
-            target = (f"{model} ({'with' if teacher == 'dense' else 'without'} teacher) closes >= "
+            target = (f"{model} ({teacher_label(teacher, data.get('settings', DEFAULTS))}) closes >= "
                       f"{TARGET_GAP:.0%} of the gap on both corpora")
             if len(rs) < len(CORPORA):
                 need = ["eval:dense", f"eval:{model}", f"train:{model}:{teacher}", f"eval:{rec_name(model, teacher)}",
@@ -262,6 +282,18 @@ def targets(records: list[dict[str, Any]], data: dict[str, Any]) -> list[dict[st
             detail = ", ".join(f"{r['corpus']} {fmt(r['gap_closed'], '.1%')}" for r in rs)
             out.append({"target": target, "detail": detail,
                         "met": all(r["gap_closed"] is not None and r["gap_closed"] >= TARGET_GAP for r in rs)})
+    # the issue's target itself: one recovery setting that closes the share for every target method on both corpora
+    per_setting = {}
+    for teacher in TEACHERS:
+        rs = [r for r in records if r["model"] in TARGET_METHODS and r["teacher"] == teacher]
+        if len(rs) == len(TARGET_METHODS) * len(CORPORA):
+            per_setting[teacher] = all(r["gap_closed"] is not None and r["gap_closed"] >= TARGET_GAP for r in rs)
+    winners = [t for t, ok in per_setting.items() if ok]
+    out.append({"target": f"one recovery setting closes >= {TARGET_GAP:.0%} of the gap for "
+                          f"{' and '.join(TARGET_METHODS)} on both corpora",
+                "met": bool(winners) if per_setting else None,
+                "detail": ("met by: " + ", ".join(teacher_label(t, data.get("settings", DEFAULTS)) for t in winners))
+                if winners else ("settings measured: " + ", ".join(per_setting) if per_setting else "not run")})
     runs = [(k, c) for k, c in data["chunks"].items() if k.startswith("train:") and c.get("budget_bytes")]
     over = [f"{k}: {c['peak_bytes'] / 2**20:.0f} > {c['budget_bytes'] / 2**20:.0f} MiB" for k, c in runs
             if c["peak_bytes"] > c["budget_bytes"]]
@@ -285,7 +317,8 @@ def fmt(v: Any, spec: str = ".2f") -> str:
 
 def _record_row(r: dict[str, Any]) -> str:
     mib = 2**20
-    return (f"| {r['method']} | {r['pattern']} | {r['teacher']} | {r['corpus']} | {r['sparsity_in']:.4f} "
+    teacher = r["teacher"] if r.get("kd_weight") is None else f"{r['teacher']} (kd {r['kd_weight']:g})"
+    return (f"| {r['method']} | {r['pattern']} | {teacher} | {r['corpus']} | {r['sparsity_in']:.4f} "
             f"| {r['sparsity_out']:.4f} | {r['params'] / 1e6:.2f} M | {r['ppl_dense']:.2f} | {r['ppl_dense_ft']:.2f} "
             f"| {r['ppl_pruned']:.2f} | {r['ppl_recovered']:.2f} | {fmt(r['gap_closed'], '.1%')} "
             f"| {r['peak_bytes'] / mib:.0f} | {fmt(r['budget_bytes'] and r['budget_bytes'] / mib, '.0f')} "
@@ -326,8 +359,10 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
         f"Command: `python bench/recover.py --all` (each chunk under `flock {LOCK}`). Recovery: "
         f"`leanml recover` on the Shakespeare train split (every play but Hamlet), {s['steps']} steps x "
         f"{s['batch_size']} x {s['seqlen']} tokens, AdamW lr {s['lr']} (warm-up 10, cosine to 10 %), "
-        f"`--memory {s['memory']} --memory-budget {s['budget']}`; teacher = the dense SmolLM2 with "
-        f"`--kd-weight {s['kd_weight']}`. Pruning: `leanml prune` defaults except method and sparsity "
+        f"`--memory {s['memory']} --memory-budget {s['budget']}`; teacher = the dense SmolLM2, "
+        f"`--kd-weight {s['kd_weight']}` (rows `dense`) or "
+        f"`--kd-weight {s.get('distill_kd_weight', DEFAULTS['distill_kd_weight'])}` (rows `distill`: pure "
+        "distillation, the labels unused; its dense reference is trained the same way). Pruning: `leanml prune` defaults except method and sparsity "
         f"(64 x 512 calibration tokens). Perplexity: SparseGPT protocol, {s['eval_seqlen']}-token windows, "
         f"Hamlet (all test windows) and the last 300 Women's Clothing reviews.",
         "",
@@ -366,6 +401,15 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
             f"| {c['loss_first']:.3f} | {c['loss_last10']:.3f} | {c['train_seconds']:.0f} | {c['teacher_seconds']:.0f} "
             f"| {c['train_cpu_seconds']:.0f} | {c['load_before'][0]:.2f} | {fmt(c.get('measured_steps'), 'd')} "
             f"| {plan} |")
+    for name, trial in (data.get("trials") or {}).items():
+        lines += ["", f"Trial `{name}`: {trial.get('note', '')}. `{trial.get('command', '')}`"]
+        curves = {k[len("loss_by_step_"):]: v for k, v in trial.items() if k.startswith("loss_by_step_")}
+        if curves:
+            common = sorted(set.intersection(*(set(map(int, v)) for v in curves.values())))
+            late = [k for k in common if k >= 20]
+            if late:
+                lines.append(f"Mean per-step loss over steps {late[0]}-{late[-1]}: " + ", ".join(
+                    f"{label} {sum(v[str(k)] for k in late) / len(late):.3f}" for label, v in curves.items()) + ".")
     lines += ["", "## Targets", ""]
     for t in tgts:
         lines.append(f"- {t['target']}: **{verdict(t['met'])}** ({t['detail']})")
@@ -386,15 +430,16 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(CORPORA), figsize=(10, 3.8), sharey=True)
     models = list(PRUNED)
-    width = 0.38
+    width = 0.8 / len(TEACHERS)
+    labels = {"none": "no teacher", "dense": "dense teacher + labels", "distill": "pure distillation"}
     for ax, corpus in zip(axes, CORPORA):
         for j, teacher in enumerate(TEACHERS):
             vals = []
             for m in models:
                 r = next((r for r in records if r["model"] == m and r["teacher"] == teacher and r["corpus"] == corpus), None)
                 vals.append(100 * r["gap_closed"] if r and r["gap_closed"] is not None else float("nan"))
-            xs = [i + (j - 0.5) * width for i in range(len(models))]
-            ax.bar(xs, vals, width, label="with dense teacher" if teacher == "dense" else "no teacher")
+            xs = [i + (j - (len(TEACHERS) - 1) / 2) * width for i in range(len(models))]
+            ax.bar(xs, vals, width, label=labels.get(teacher, teacher))
             for x, v in zip(xs, vals):
                 if v != v:  # no measurement: say so instead of drawing a zero
                     ax.text(x, 1, "not run", rotation=90, ha="center", va="bottom", fontsize=7, color="grey")
@@ -404,7 +449,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
                                            for m in models], fontsize=8)
         ax.set_title(f"{corpus}: gap closed by recovery")
         ax.set_ylabel("% of the pruning gap closed")
-    axes[0].legend(fontsize=8)
+    axes[-1].legend(fontsize=8, loc="upper right")  # the reviews side has room above its bars
     fig.tight_layout()
     with atomic_file(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=120)

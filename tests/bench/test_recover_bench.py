@@ -1,0 +1,77 @@
+"""The recovery benchmark's records and targets (bench/recover.py), computed from chunk results: the gap
+formula against a hand computation, the reference of each setting, and the one-setting target."""
+
+from __future__ import annotations
+
+from benchload import load_bench
+
+MIB = 2**20
+
+
+def load_bench_recover():
+    return load_bench("recover")
+
+
+def ev(hamlet: float, reviews: float, sparsity: float = 0.5) -> dict:
+    return {"sparsity": sparsity, "params": 1000, "ppl": {"hamlet": hamlet, "reviews": reviews}}
+
+
+def train(teacher: str, peak_mib: float = 300, budget_mib: float = 300, kd: float | None = None) -> dict:
+    settings = {"steps": 150, "memory": "adacc", "lr": 1e-4, "kd_weight": 0.5}
+    return {"settings": settings, "budget_fraction": 0.5, "peak_bytes": peak_mib * MIB, "budget_bytes": budget_mib * MIB,
+            "unoptimized_peak_bytes": 2 * budget_mib * MIB, "within_budget": peak_mib <= budget_mib,
+            "train_seconds": 100.0, "teacher_seconds": 0.0 if teacher == "none" else 20.0, "median_step_s": 1.0,
+            "train_cpu_seconds": 190.0, "load_before": [1.0], "command": "leanml recover ...", "kd_weight": kd}
+
+
+def data(distill_fasp_reviews: float) -> dict:
+    """Dense 40 / 40; SparseGPT 50 % pruned 60 / 80; FASP 30 % pruned 50 / 90."""
+    chunks = {"eval:dense": ev(40, 40, 0.0), "eval:sgpt50": ev(60, 80), "eval:fasp30": ev(50, 90, 0.05)}
+    for teacher, kd in (("none", None), ("distill", 1.0)):
+        chunks[f"train:dense:{teacher}"] = train(teacher, kd=kd)
+        chunks[f"eval:rec-dense-{teacher}"] = ev(30, 45, 0.0) if teacher == "none" else ev(40, 40, 0.0)
+        for model in ("sgpt50", "fasp30"):
+            chunks[f"train:{model}:{teacher}"] = train(teacher, kd=kd)
+    chunks["eval:rec-sgpt50-none"] = ev(40, 75)
+    chunks["eval:rec-fasp30-none"] = ev(35, 92, 0.05)
+    chunks["eval:rec-sgpt50-distill"] = ev(48, 60)
+    chunks["eval:rec-fasp30-distill"] = ev(45, distill_fasp_reviews, 0.05)
+    return {"chunks": chunks, "settings": {"threads": 2, "steps": 150, "lr": 1e-4, "kd_weight": 0.5}}
+
+
+def test_gap_closed_uses_the_reference_trained_the_same_way() -> None:
+    b = load_bench_recover()
+    recs = b.build_records(data(70))
+    by = {(r["model"], r["teacher"], r["corpus"]): r for r in recs}
+    # no teacher: reference = dense fine-tuned without teacher (30 / 45)
+    r = by[("sgpt50", "none", "hamlet")]
+    assert r["gap_closed"] == 1 - (40 - 30) / (60 - 40)
+    r = by[("fasp30", "none", "reviews")]
+    assert abs(r["gap_closed"] - (1 - (92 - 45) / (90 - 40))) < 1e-12
+    # distillation: its own reference (40 / 40), and the kd weight carried into the record
+    r = by[("fasp30", "distill", "reviews")]
+    assert abs(r["gap_closed"] - (1 - (70 - 40) / (90 - 40))) < 1e-12 and r["kd_weight"] == 1.0
+    assert not any(r["teacher"] == "dense" for r in recs)  # that setting has no chunks here: no record invented
+
+
+def test_one_setting_target_needs_every_method_and_corpus() -> None:
+    b = load_bench_recover()
+    for fasp_reviews, met in ((69.9, True), (70.1, False)):  # 40 % closed needs reviews <= 40 + 0.6 * 50 = 70
+        d = data(fasp_reviews)
+        tgts = b.targets(b.build_records(d), d)
+        one = next(t for t in tgts if t["target"].startswith("one recovery setting"))
+        assert one["met"] is met, (fasp_reviews, one)
+        if met:
+            assert "kd weight 1" in one["detail"]
+    # the per-setting line of a setting never run says which chunks are missing
+    dense = next(t for t in tgts if "kd weight 0.5" in t["target"] and t["target"].startswith("sgpt50"))
+    assert dense["met"] is None and "train:sgpt50:dense" in dense["detail"]
+
+
+def test_peak_over_budget_is_missed() -> None:
+    b = load_bench_recover()
+    d = data(70)
+    d["chunks"]["train:fasp30:distill"] = train("distill", peak_mib=301, budget_mib=300, kd=1.0)
+    tgts = b.targets(b.build_records(d), d)
+    peak = next(t for t in tgts if t["target"].startswith("peak activation"))
+    assert peak["met"] is False and "fasp30:distill" in peak["detail"]
