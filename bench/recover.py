@@ -145,9 +145,8 @@ def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
 
 def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     out = work_dir() / rec_name(model, teacher)
-    lr = s["lr"]
     args = ["recover", "--model", model_path(model), "--data", "shakespeare", "--steps", str(s["steps"]),
-            "--batch-size", str(s["batch_size"]), "--seqlen", str(s["seqlen"]), "--lr", str(lr),
+            "--batch-size", str(s["batch_size"]), "--seqlen", str(s["seqlen"]), "--lr", str(s["lr"]),
             "--memory", s["memory"], "--memory-budget", str(s["budget"]), "--no-eval", "--out", str(out),
             "--overwrite"]
     if model == "dense":
@@ -163,7 +162,7 @@ def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     mem, tm = rep["memory"], rep["timings"]
     return {
         "command": "leanml " + " ".join(a for a in args if a not in ("--overwrite", "--resume")),
-        "wall_seconds": wall, "kd_weight": w, "lr": lr,
+        "wall_seconds": wall, "kd_weight": w,
         "train_seconds": tm["train_seconds"], "train_cpu_seconds": tm["train_cpu_seconds"],
         "teacher_seconds": tm["teacher_seconds"], "median_step_s": tm["median_step_s"],
         "setup_seconds": tm["setup_seconds"],
@@ -256,6 +255,11 @@ def build_records(data: dict[str, Any]) -> list[dict[str, Any]]:
     return records
 
 
+def closes(records: list[dict[str, Any]]) -> bool:
+    """Whether every record closes at least the target share of its gap."""
+    return all(r["gap_closed"] is not None and r["gap_closed"] >= TARGET_GAP for r in records)
+
+
 def targets(records: list[dict[str, Any]], data: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, each ``met`` True / False from the records, or None ("not run") where no
     measurement exists."""
@@ -280,14 +284,13 @@ def targets(records: list[dict[str, Any]], data: dict[str, Any]) -> list[dict[st
                 out.append({"target": target, "met": None, "detail": "missing chunks: " + ", ".join(missing)})
                 continue
             detail = ", ".join(f"{r['corpus']} {fmt(r['gap_closed'], '.1%')}" for r in rs)
-            out.append({"target": target, "detail": detail,
-                        "met": all(r["gap_closed"] is not None and r["gap_closed"] >= TARGET_GAP for r in rs)})
+            out.append({"target": target, "detail": detail, "met": closes(rs)})
     # the issue's target itself: one recovery setting that closes the share for every target method on both corpora
     per_setting = {}
     for teacher in TEACHERS:
         rs = [r for r in records if r["model"] in TARGET_METHODS and r["teacher"] == teacher]
         if len(rs) == len(TARGET_METHODS) * len(CORPORA):
-            per_setting[teacher] = all(r["gap_closed"] is not None and r["gap_closed"] >= TARGET_GAP for r in rs)
+            per_setting[teacher] = closes(rs)
     winners = [t for t, ok in per_setting.items() if ok]
     out.append({"target": f"one recovery setting closes >= {TARGET_GAP:.0%} of the gap for "
                           f"{' and '.join(TARGET_METHODS)} on both corpora",
