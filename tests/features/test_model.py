@@ -155,3 +155,15 @@ def test_split_first_layer_is_one_linear_over_the_concatenation(hidden):
     torch.testing.assert_close(torch.cat([model.emb_in.weight.grad, model.dense_in.weight.grad], 1), grads[0],
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.emb_in.bias.grad, grads[1], rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_linear_matches_autograd_in_double():
+    """The first layer's dense part (``h + x @ W.T`` with its own backward) against torch's gradcheck."""
+    from leanml.features.model import _AddNarrowLinear
+
+    torch.manual_seed(0)
+    h = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(9, 2, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_AddNarrowLinear.apply, (h, x, w))
+    torch.testing.assert_close(_AddNarrowLinear.apply(h, x, w), h + x @ w.T)

@@ -53,6 +53,27 @@ class _BagLookup(torch.autograd.Function):
         return gw, None, None, None, None, None
 
 
+class _AddNarrowLinear(torch.autograd.Function):
+    """``h + x @ weight.T`` for a narrow ``x`` (``[n, k]``, ``k`` a few dense floats) in one ``addmm``.
+
+    Autograd's own weight gradient for ``nn.Linear`` is ``grad.T @ x``, a ``[out, n] @ [n, k]`` product that
+    BLAS runs about ten times slower than the same numbers as ``(x.T @ grad).T`` when ``k`` is tiny and ``n``
+    a whole batch (measured 3.5 ms against 0.3 ms for 8,192 x 2 into 128 on one core), so the backward
+    computes it that way round."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return torch.addmm(h, x, weight.t())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        gx = grad.mm(weight) if ctx.needs_input_grad[1] else None
+        gw = x.t().mm(grad).t() if ctx.needs_input_grad[2] else None
+        return grad, gx, gw
+
+
 class FusedEmbedding(nn.Module):
     """One embedding table for several fields, looked up and mean-pooled per bag in one call.
 
@@ -162,7 +183,7 @@ class FeatureDNN(nn.Module):
         pooled = self.emb(ids, bags)
         h = self.emb_in(pooled.reshape(len(ids), -1))
         if self.dense_in is not None:
-            h = h + self.dense_in(batch.dense)
+            h = _AddNarrowLinear.apply(h, batch.dense.to(h.dtype), self.dense_in.weight)
         return self.mlp(h).squeeze(-1)
 
 
