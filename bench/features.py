@@ -291,6 +291,8 @@ def run_setup(data: Path, args: argparse.Namespace) -> dict[str, Any]:
         r["extract_rows_per_cpu_s"] = round(r["rows"] / r["extract_cpu_s"])
         r["train_rows_per_cpu_s"] = round(r["rows"] / r["train_cpu_s"])
     out["before_after"] = [before, after]
+    out["lookup_plans"] = lookup_plan_share(cfg, graph)
+    print("lookup plans", out["lookup_plans"], flush=True)
     # 2. identical features: fast path vs the pure-Python reference path (python reader, every op per row)
     #    and vs the code before (same batch size as it used)
     fast = FeatureBatch.concat(batches)
@@ -320,6 +322,31 @@ def run_setup(data: Path, args: argparse.Namespace) -> dict[str, Any]:
     out["batch_sweep"] = sweep
     out["arena_microbench"] = arena_microbench()
     return out
+
+
+def lookup_plan_share(cfg: ExtractConfig, graph: Any, reps: int = 3) -> dict[str, Any]:
+    """What moving the lookup plans into the producer shifts: extraction CPU seconds without / with building
+    them, and training CPU seconds (training steps only) on batches without / with plans, interleaved
+    ``reps`` times (medians), same rows, same seed."""
+    sizes = model_for_graph(graph).emb.sizes
+    res: dict[str, list[float]] = {"extract_plain": [], "extract_plans": [], "train_plain": [], "train_plans": []}
+    losses: dict[str, float] = {}
+    batches: dict[str, list[FeatureBatch]] = {}
+    for k in range(reps):
+        for name in (("plain", "plans") if k % 2 == 0 else ("plans", "plain")):
+            clear_caches()
+            c = time.process_time()
+            batches[name] = list(Extractor(replace(cfg, lookup_sizes=sizes if name == "plans" else None)))
+            res[f"extract_{name}"].append(time.process_time() - c)
+            torch.manual_seed(SEED)
+            model = model_for_graph(graph)
+            tr = train_on(model, batches[name], CTROptimizer(model, lr=LR), "cpu")
+            res[f"train_{name}"].append(tr.cpu_s)
+            losses[name] = tr.loss
+    rows = sum(len(b) for b in batches["plain"])
+    return {"rows": rows, "reps": reps, **{k: round(statistics.median(v), 3) for k, v in res.items()},
+            "runs": {k: [round(x, 3) for x in v] for k, v in res.items()},
+            "same_loss": losses["plain"] == losses["plans"], "loss": losses["plain"]}
 
 
 def arena_microbench(reps: int = 3, seed: int = 0) -> list[dict[str, Any]]:
@@ -418,7 +445,8 @@ def render(res: dict[str, Any], out: Path) -> str:
              "", f"Commands: {', '.join(f'`{c}`' for c in res.get('commands', []))}", "",
              f"Training: one thread (`torch.set_num_threads(1)`), batches of {res['batch_rows']:,} rows, SparseAdam + "
              f"Adam, lr {LR}. Pipelined: {res['workers']} DataLoader worker process(es) with prefetch factor "
-             f"{res['prefetch']} (shared memory), or one producer thread. Each mode ran once per repeat, "
+             f"{res['prefetch']} (shared memory), or one producer thread; pipelined producers also build every "
+             "batch's lookup plan (counted in their extract CPU s; see below). Each mode ran once per repeat, "
              "modes interleaved (their order rotates per repeat); values are medians over repeats, (min-max) in "
              "brackets. CPU s = CPU seconds; utilisation = CPU seconds of the whole process tree / wall seconds.",
              "", "| mode | producer | rows | repeats | wall s | samples/s | extract CPU s | train CPU s | "
@@ -504,7 +532,25 @@ def render(res: dict[str, Any], out: Path) -> str:
         b0, b1 = setup["before_after"]
         lines += ["", f"Extraction {b1['extract_rows_per_cpu_s'] / b0['extract_rows_per_cpu_s']:.1f} x and training "
                   f"{b1['train_rows_per_cpu_s'] / b0['train_rows_per_cpu_s']:.1f} x more rows per CPU second than "
-                  "before.", "", "## Training batch size (same rows and seed; AUC on the next "
+                  "before."]
+        lp = setup.get("lookup_plans")
+        if lp:
+            n = lp["rows"]
+            lines += ["", f"## Lookup plans built by the producer (same {n:,} rows; median of {lp['reps']} "
+                      "interleaved runs)", "",
+                      "The fused embedding derives from the ids alone where every slot's table row goes, its bag and "
+                      "weight, and the slots sorted by row for the backward. A pipelined producer builds this plan "
+                      "beside extraction and hands it over with the batch (the pipelined rows above); train-only and "
+                      "two-stage training build it inside the training step.", "",
+                      "| batches | extract CPU s | extract rows / CPU s | train CPU s | train rows / CPU s |",
+                      "|---|---:|---:|---:|---:|"]
+            for name, label in (("plain", "features only"), ("plans", "features + lookup plans")):
+                ecs, tcs = lp[f"extract_{name}"], lp[f"train_{name}"]
+                lines.append(f"| {label} | {ecs:.2f} | {n / ecs:,.0f} | {tcs:.2f} | {n / tcs:,.0f} |")
+            lines += ["", f"Training steps with the plan at hand take {lp['train_plans'] / lp['train_plain']:.2f} x the "
+                      f"CPU seconds; extraction takes {lp['extract_plans'] / lp['extract_plain']:.2f} x. Same training "
+                      f"loss to the last bit: {lp['same_loss']}."]
+        lines += ["", "## Training batch size (same rows and seed; AUC on the next "
                   f"{setup['batch_sweep'][0]['test_rows']:,} rows of the log)", "",
                   "| batch rows | train rows / CPU s | train loss | held-out AUC | held-out logloss |",
                   "|---:|---:|---:|---:|---:|"]

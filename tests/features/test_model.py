@@ -45,8 +45,7 @@ def _batch(n: int, seed: int) -> FeatureBatch:
 
 def _fused_forward(fe: FusedEmbedding, b: FeatureBatch) -> torch.Tensor:
     ids = torch.cat([b.sparse, *b.seqs], 1)
-    bags = torch.tensor([0, 1, 2] + [3] * 6 + [4] * 3)
-    return fe(ids, bags)
+    return fe(ids, (len(SPARSE), 6, 3))
 
 
 def test_fused_lookup_gradients_and_sparse_adam_match_per_field_tables():
@@ -144,7 +143,7 @@ def test_split_first_layer_is_one_linear_over_the_concatenation(hidden):
     out.square().sum().backward()
     ref_w = w.detach().clone().requires_grad_(True)
     ref_b = model.emb_in.bias.detach().clone().requires_grad_(True)
-    pooled = model.emb(b.ids(), model._bag_labels((6, 3), b.ids().device)).detach()
+    pooled = model.emb(b.ids(), (len(SPARSE), 6, 3)).detach()
     h = nn.functional.linear(torch.cat([pooled.reshape(32, -1), b.dense], 1), ref_w, ref_b)
     ref = model.mlp(h).squeeze(-1)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -234,3 +234,27 @@ def test_epochs_left_early_do_not_leak_ring_slots(logs):
         assert _one_at_a_time(pf, ref) == len(ref) and pf.handoff == {"ring": len(ref)}
     finally:
         pf.close()
+
+
+@pytest.mark.slow  # worker processes
+def test_producers_build_the_lookup_plans_for_the_model(logs):
+    from dataclasses import replace
+
+    from leanml.features.lookup import build_plan
+    from leanml.features.model import model_for_graph
+
+    base = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=256)
+    sizes = model_for_graph(FeatureGraph.from_dict(base.graph)).emb.sizes
+    cfg = replace(base, lookup_sizes=sizes)
+    ref = list(Extractor(base))
+    for mode in ("process", "thread"):
+        pf = Prefetcher(cfg, depth=2, mode=mode)
+        n = 0
+        for got, want in zip(pf, ref, strict=True):
+            plan = build_plan(want.ids(), (want.sparse.shape[1], *(s.shape[1] for s in want.seqs)), sizes)
+            assert got.equal(want) and got.plan is not None and got.plan.sizes == tuple(sizes)
+            assert all(torch.equal(x, y) for x, y in zip(got.plan.tensors(), plan.tensors(), strict=True))
+            n += 1
+        assert n == len(ref)
+        if mode == "process":
+            assert pf.handoff == {"ring": len(ref)}

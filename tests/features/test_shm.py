@@ -8,6 +8,7 @@ import gc
 import torch
 
 from leanml.features.batch import FeatureBatch
+from leanml.features.lookup import build_plan
 from leanml.features.shm import SlotRing
 
 
@@ -56,3 +57,26 @@ def test_batches_that_do_not_fit_are_refused():
     assert ring.put(_batch(5, 1)) is None  # too many rows
     assert ring.put(_batch(4, 1, widths=(3, 3))) is None  # other sequence widths
     assert ring.free_slots() == 2
+
+
+def test_lookup_plans_ride_in_the_ring():
+    sizes = (1000, 1000, 1000, 1000, 50, 50)
+    a, b = _batch(7, 0), _batch(4, 1)
+    for x in (a, b):
+        x.plan = build_plan(x.ids(), (4, 3, 2), sizes)
+    ring = SlotRing.for_batch(a, slots=2, rows=8)
+    assert ring.put(_batch(3, 2)) is None  # a plan ring takes batches with plans only
+    sa, sb = ring.put(a), ring.put(b)
+    ga, gb = ring.batch(sa, len(a), SlotRing.plan_counts(a)), ring.batch(sb, len(b), SlotRing.plan_counts(b))
+    for got, want in ((ga, a), (gb, b)):
+        assert got.equal(want) and got.plan.sizes == sizes and got.plan.layout == (4, 3, 2)
+        assert all(torch.equal(x, y) for x, y in zip(got.plan.tensors(), want.plan.tensors(), strict=True))
+    plan = ga.plan
+    del ga
+    gc.collect()
+    assert ring.free_slots() == 0  # the plan's tensors keep the slot taken
+    del plan
+    gc.collect()
+    assert ring.free_slots() == 1
+    plain = SlotRing.for_batch(_batch(3, 2), slots=1, rows=8)
+    assert plain.put(a) is None  # a ring without plan space refuses a batch with a plan

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,19 +13,28 @@ from leanml.features.columns import Column, Gathered, Ragged, is_arrow
 
 @dataclass
 class FeatureBatch:
-    """``label`` [n] float32, ``sparse`` [n, F] int64, ``dense`` [n, D] float32, ``seqs`` list of [n, L] int64."""
+    """``label`` [n] float32, ``sparse`` [n, F] int64, ``dense`` [n, D] float32, ``seqs`` list of [n, L] int64;
+    ``plan``: the ids' :class:`~leanml.features.lookup.LookupPlan` when a producer built it (else None)."""
 
     label: torch.Tensor
     sparse: torch.Tensor
     dense: torch.Tensor
     seqs: list[torch.Tensor]
+    plan: Any = None
 
     def __len__(self) -> int:
         return int(self.label.shape[0])
 
     def to(self, device: torch.device | str) -> FeatureBatch:
         return FeatureBatch(self.label.to(device), self.sparse.to(device), self.dense.to(device),
-                            [s.to(device) for s in self.seqs])
+                            [s.to(device) for s in self.seqs], None if self.plan is None else self.plan.to(device))
+
+    def pin_memory(self) -> FeatureBatch:
+        """Page-locked copies (what ``DataLoader(pin_memory=True)`` calls), the lookup plan included."""
+        ids = self.ids().pin_memory()
+        b = _split_ids(self.label.pin_memory(), ids, self.dense.pin_memory(), [s.shape[1] for s in self.seqs])
+        b.plan = None if self.plan is None else self.plan.pin_memory()
+        return b
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.label, self.sparse, self.dense, *self.seqs]
@@ -50,7 +60,9 @@ class FeatureBatch:
         """The same batch with sparse ids and sequences as views of one ``[n, F + sum(L)]`` int64 buffer
         (one tensor to share between processes, no concatenation in the model)."""
         ids = torch.cat([self.sparse.long(), *(s.long() for s in self.seqs)], 1)
-        return _split_ids(self.label, ids, self.dense, [s.shape[1] for s in self.seqs])
+        b = _split_ids(self.label, ids, self.dense, [s.shape[1] for s in self.seqs])
+        b.plan = self.plan
+        return b
 
     @staticmethod
     def concat(batches: list[FeatureBatch]) -> FeatureBatch:

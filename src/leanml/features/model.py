@@ -20,37 +20,34 @@ from torch import nn
 
 from leanml.features.batch import FeatureBatch
 from leanml.features.graph import FeatureGraph
+from leanml.features.lookup import LookupPlan, build_plan
 from leanml.utils import LeanmlError
 
 
 class _BagLookup(torch.autograd.Function):
-    """``out[b] = sum_j w_j * weight[gid_j]`` over the slots ``j`` of bag ``b`` (slots in bag order, ``boff``
-    the first slot of every bag). Backward sorts the slots by row once, sums each distinct row's gradient
-    with the same bag kernel, and returns a coalesced sparse gradient of those rows (dense if not ``sparse``)."""
+    """``out[b] = sum_j w_j * weight[gid_j]`` over the slots ``j`` of bag ``b`` (the tensors of a
+    :class:`~leanml.features.lookup.LookupPlan`). Backward sums each distinct row's gradient with the same bag
+    kernel over the plan's slots sorted by row and returns a coalesced sparse gradient of those rows (dense
+    if not ``sparse``)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, gid: torch.Tensor, bag: torch.Tensor, w: torch.Tensor,
-                boff: torch.Tensor, sparse: bool) -> torch.Tensor:
-        ctx.save_for_backward(gid, bag, w)
+    def forward(ctx: Any, weight: torch.Tensor, gid: torch.Tensor, w: torch.Tensor, boff: torch.Tensor,
+                uniq: torch.Tensor, goff: torch.Tensor, sbag: torch.Tensor, sw: torch.Tensor,
+                sparse: bool) -> torch.Tensor:
+        ctx.save_for_backward(uniq, goff, sbag, sw)
         ctx.shape, ctx.sparse = weight.shape, sparse
         return nn.functional.embedding_bag(gid, weight, boff, mode="sum", per_sample_weights=w)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        gid, bag, w = ctx.saved_tensors
-        sorted_gid, perm = torch.sort(gid)  # int32 ids when the table allows: about half the sort time
-        first = torch.ones(len(sorted_gid), dtype=torch.bool, device=gid.device)
-        torch.ne(sorted_gid[1:], sorted_gid[:-1], out=first[1:])
-        goff = first.nonzero().squeeze(1)
-        uniq = sorted_gid.index_select(0, goff).long()
-        g_rows = nn.functional.embedding_bag(bag.index_select(0, perm), grad.contiguous(), goff.to(bag.dtype),
-                                             mode="sum", per_sample_weights=w.index_select(0, perm))
+        uniq, goff, sbag, sw = ctx.saved_tensors
+        g_rows = nn.functional.embedding_bag(sbag, grad.contiguous(), goff, mode="sum", per_sample_weights=sw)
         if ctx.sparse:
             gw = torch.sparse_coo_tensor(uniq.unsqueeze(0), g_rows, ctx.shape, is_coalesced=True,
                                          check_invariants=False)
         else:
             gw = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device).index_add_(0, uniq, g_rows)
-        return gw, None, None, None, None, None
+        return gw, None, None, None, None, None, None, None, None
 
 
 class _AddNarrowLinear(torch.autograd.Function):
@@ -78,12 +75,13 @@ class FusedEmbedding(nn.Module):
     """One embedding table for several fields, looked up and mean-pooled per bag in one call.
 
     ``sizes[f]`` is field ``f``'s number of ids. :meth:`forward` takes ``ids`` ``[n, S]`` (``S`` slots
-    per row, ids ``< 0`` are padding) and ``bags`` ``[S]`` (the field of every slot; slots of one field
-    are adjacent) and returns ``[n, F, dim]``: per row and field the mean of its valid slots' vectors.
+    per row, ids ``< 0`` are padding) and their ``layout`` (the number of sparse fields, one column each,
+    then the width of every sequence) and returns ``[n, F, dim]``: per row and field the mean of its valid
+    slots' vectors.
 
     >>> e = FusedEmbedding([10, 5], dim=4)
-    >>> ids = torch.tensor([[3, 0, 4, -1], [9, -1, -1, -1]])
-    >>> e(ids, torch.tensor([0, 1, 1, 1])).shape
+    >>> ids = torch.tensor([[3, 0, 4, -1], [9, -1, -1, -1]])  # one sparse field, a sequence of 3
+    >>> e(ids, (1, 3)).shape
     torch.Size([2, 2, 4])
     """
 
@@ -104,29 +102,22 @@ class FusedEmbedding(nn.Module):
         o = int(self.offsets[field])
         return self.weight[o : o + self.sizes[field]]
 
-    def forward(self, ids: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
-        n, s = ids.shape
-        nf = len(self.sizes)
-        if bags.shape != (s,):
-            raise LeanmlError(f"fused embedding: {s} id columns but {tuple(bags.shape)} field labels")
-        over = ids.amax(0) >= self.limits.index_select(0, bags) if n else None
-        if over is not None and bool(over.any()):
-            col = int(over.nonzero()[0])
-            raise LeanmlError(f"fused embedding: column {col} (field {int(bags[col])}) has id "
-                              f"{int(ids[:, col].max())} >= its {self.sizes[int(bags[col])]} ids; "
-                              "the graph's buckets and the model's table sizes disagree")
-        # int32 slot ids and bag numbers when they fit: the backward sort runs about twice as fast
-        idx = torch.int32 if max(len(self.weight), n * nf) < 2**31 else torch.int64
-        valid = (ids >= 0).reshape(-1).nonzero().squeeze(1)
-        gid = (ids + self.offsets[bags]).reshape(-1).index_select(0, valid).to(idx)
-        bag = (torch.arange(n, device=ids.device).unsqueeze(1) * nf + bags).reshape(-1).index_select(0, valid)
-        counts = torch.bincount(bag, minlength=n * nf)
-        w = counts.index_select(0, bag).to(self.weight.dtype).reciprocal_()
-        boff = torch.zeros(n * nf, dtype=idx, device=ids.device)
-        boff[1:] = torch.cumsum(counts, 0)[:-1]
-        bag = bag.to(idx)
-        out = _BagLookup.apply(self.weight, gid, bag, w, boff, self.sparse)
-        return out.view(n, nf, self.dim)
+    def plan(self, ids: torch.Tensor, layout: tuple[int, ...]) -> LookupPlan:
+        """The lookup plan of ``ids`` laid out as ``layout`` (sparse fields, *sequence widths) for this table."""
+        return build_plan(ids, layout, self.sizes, self.offsets, self.limits, self.weight.dtype)
+
+    def forward(self, ids: torch.Tensor, layout: tuple[int, ...] | list[int],
+                plan: LookupPlan | None = None) -> torch.Tensor:
+        """Pooled vectors ``[n, fields, dim]`` of ``ids`` ``[n, S]`` laid out as ``layout = (sparse fields,
+        *sequence widths)``; ``plan``: the batch's lookup plan when a producer built it (used when it was
+        built for this table, layout, row count and device; otherwise built here)."""
+        layout = tuple(layout)
+        n = len(ids)
+        if plan is None or not plan.fits(tuple(self.sizes), layout, n, ids.device) or plan.w.dtype != self.weight.dtype:
+            plan = self.plan(ids, layout)
+        out = _BagLookup.apply(self.weight, plan.gid, plan.w, plan.boff, plan.uniq, plan.goff, plan.sbag, plan.sw,
+                               self.sparse)
+        return out.view(n, len(self.sizes), self.dim)
 
 
 class FeatureDNN(nn.Module):
@@ -163,24 +154,13 @@ class FeatureDNN(nn.Module):
         for w_in, w_out in zip(widths[1:-1], widths[2:], strict=True):
             layers += [nn.ReLU(inplace=True), nn.Linear(w_in, w_out)]
         self.mlp = nn.Sequential(*layers)
-        self._bags: dict[tuple[int, ...], torch.Tensor] = {}
-
-    def _bag_labels(self, widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        key = (*widths, hash(device))
-        if key not in self._bags:
-            labels = list(range(self.n_sparse))
-            for j, L in enumerate(widths):
-                labels += [self.n_sparse + j] * L
-            self._bags[key] = torch.tensor(labels, dtype=torch.int64, device=device)
-        return self._bags[key]
 
     def forward(self, batch: FeatureBatch) -> torch.Tensor:
         if batch.sparse.shape[1] != self.n_sparse or len(batch.seqs) != self.n_seq:
             raise LeanmlError(f"model expects {self.n_sparse} sparse fields and {self.n_seq} sequences, the batch "
                               f"has {batch.sparse.shape[1]} and {len(batch.seqs)}")
         ids = batch.ids()
-        bags = self._bag_labels(tuple(s.shape[1] for s in batch.seqs), ids.device)
-        pooled = self.emb(ids, bags)
+        pooled = self.emb(ids, (self.n_sparse, *(s.shape[1] for s in batch.seqs)), batch.plan)
         h = self.emb_in(pooled.reshape(len(ids), -1))
         if self.dense_in is not None:
             h = _AddNarrowLinear.apply(h, batch.dense.to(h.dtype), self.dense_in.weight)

@@ -35,7 +35,8 @@ from tqdm import tqdm
 from leanml.features.arena import Arena, NoArena
 from leanml.features.batch import FeatureBatch
 from leanml.features.graph import FeatureGraph, load_graph
-from leanml.features.model import CTROptimizer, FeatureDNN, model_for_graph
+from leanml.features.lookup import build_plan
+from leanml.features.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
 from leanml.features.readers import LogReader, Quarantine
 from leanml.features.scheduler import ExecStats, LayerwiseExecutor
 from leanml.features.shm import SlotRef, SlotRing
@@ -60,6 +61,9 @@ class ExtractConfig:
     device: str | None = None
     engine: str = "arrow"  # reader engine: arrow (native) or python (reference)
     entity: bool = True  # per-entity ops once per table row (False: every op per log row)
+    # ids per field of the model's fused embedding table: when set, every batch carries its lookup plan
+    # (leanml.features.lookup), built here beside extraction instead of in the training step
+    lookup_sizes: list[int] | None = None
 
     @classmethod
     def build(cls, graph: FeatureGraph | dict | str, logs: Iterable[str | Path], **kw: Any) -> ExtractConfig:
@@ -128,6 +132,9 @@ class Extractor:
             t1 = time.perf_counter()
             self.read_s += t1 - t0
             batch = self.executor.run(chunk) if chunk and len(next(iter(chunk.values()))) else None
+            if batch is not None and len(batch) and self.cfg.lookup_sizes:
+                batch.plan = build_plan(batch.ids(), (batch.sparse.shape[1], *(q.shape[1] for q in batch.seqs)),
+                                        self.cfg.lookup_sizes)
             self.extract_s += time.perf_counter() - t0
             self.cpu_s += time.thread_time() - c0
             yield batch if batch is not None and len(batch) else None
@@ -263,7 +270,8 @@ class FeatureStream(torch.utils.data.IterableDataset):
                     self._ring = SlotRing.for_batch(item, self.ring_slots, self.cfg.batch_rows)
                 slot = self._ring.put(item)
                 if slot is not None:
-                    yield SlotRef(worker, slot, len(item), None if attached else self._ring)
+                    yield SlotRef(worker, slot, len(item), None if attached else self._ring,
+                                  SlotRing.plan_counts(item))
                     attached = True
                     continue
             yield item
@@ -370,7 +378,7 @@ class Prefetcher:
                     if item.ring is not None:
                         rings[item.worker] = item.ring
                     self.handoff["ring"] += 1
-                    yield rings[item.worker].batch(item.slot, item.n)
+                    yield rings[item.worker].batch(item.slot, item.n, item.plan)
                 elif isinstance(item, WorkerDone):
                     done.append(item)
                 elif item is not None:
@@ -504,10 +512,14 @@ def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, pro
 
     ``producer="process"``: ``workers`` DataLoader worker processes (shared memory, ``prefetch`` batches
     each, kept across epochs); ``"thread"``: one producer thread with a queue of ``prefetch`` batches.
+    The producers also build every batch's lookup plan for the model's fused table (``lookup_sizes``), so
+    that part of the training step runs beside it.
     """
     torch.manual_seed(seed)
     graph = FeatureGraph.from_dict(cfg.graph)
     model = model or model_for_graph(graph, dim=dim, hidden=hidden)
+    if cfg.lookup_sizes is None and isinstance(getattr(model, "emb", None), FusedEmbedding):
+        cfg = replace(cfg, lookup_sizes=list(model.emb.sizes))
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(dev)
     opt = CTROptimizer(model, lr=lr)

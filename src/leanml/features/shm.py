@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from leanml.features.batch import FeatureBatch, _split_ids
+from leanml.features.lookup import LookupPlan
 
 _FREE, _SENT, _HELD = 0, 1, 2
 
@@ -36,7 +37,8 @@ class SlotRing:
     and ``n_dense`` dense floats, in shared memory. ``busy[s]`` is non-zero from the moment the worker
     takes slot ``s`` until the trainer has dropped every tensor of the batch in it."""
 
-    def __init__(self, slots: int, rows: int, n_sparse: int, widths: list[int], n_dense: int) -> None:
+    def __init__(self, slots: int, rows: int, n_sparse: int, widths: list[int], n_dense: int,
+                 plan: LookupPlan | None = None) -> None:
         self.rows, self.n_sparse, self.widths, self.n_dense = rows, n_sparse, list(widths), n_dense
         n_ids = n_sparse + sum(widths)
         self.label = torch.empty(slots, rows, dtype=torch.float32).share_memory_()
@@ -44,19 +46,31 @@ class SlotRing:
         self.dense = torch.empty(slots, rows, n_dense, dtype=torch.float32).share_memory_()
         self.busy = torch.zeros(slots, dtype=torch.uint8).share_memory_()
         self._next = 0
+        # lookup plans (when the batches carry one, all built for one table): at most rows * n_ids valid slots,
+        # as [gid | sbag | goff | boff] in the plan's index dtype, [uniq] int64 and [w | sw] floats
+        self.plan_key = None if plan is None else (plan.sizes, plan.layout, plan.gid.dtype, plan.w.dtype)
+        if plan is not None:
+            cap, n_bags = rows * n_ids, rows * len(plan.sizes)
+            self.p_idx = torch.empty(slots, 3 * cap + n_bags, dtype=plan.gid.dtype).share_memory_()
+            self.p_uniq = torch.empty(slots, cap, dtype=torch.int64).share_memory_()
+            self.p_w = torch.empty(slots, 2 * cap, dtype=plan.w.dtype).share_memory_()
 
     @classmethod
     def for_batch(cls, batch: FeatureBatch, slots: int, rows: int) -> SlotRing:
-        """A ring whose slots hold batches shaped like ``batch`` with up to ``max(rows, len(batch))`` rows."""
+        """A ring whose slots hold batches shaped like ``batch`` with up to ``max(rows, len(batch))`` rows
+        (and their lookup plans, if ``batch`` has one)."""
         return cls(slots, max(rows, len(batch)), batch.sparse.shape[1], [s.shape[1] for s in batch.seqs],
-                   batch.dense.shape[1])
+                   batch.dense.shape[1], batch.plan)
 
     @property
     def slots(self) -> int:
         return int(self.busy.shape[0])
 
     def fits(self, batch: FeatureBatch) -> bool:
-        return (len(batch) <= self.rows and batch.sparse.shape[1] == self.n_sparse
+        p = batch.plan
+        plan_ok = (p is None if self.plan_key is None
+                   else p is not None and (p.sizes, p.layout, p.gid.dtype, p.w.dtype) == self.plan_key)
+        return (plan_ok and len(batch) <= self.rows and batch.sparse.shape[1] == self.n_sparse
                 and [s.shape[1] for s in batch.seqs] == self.widths and batch.dense.shape[1] == self.n_dense
                 and batch.sparse.dtype in (torch.int64, torch.int32)
                 and all(s.dtype in (torch.int64, torch.int32) for s in batch.seqs))
@@ -79,7 +93,22 @@ class SlotRing:
         self.label[s, :n].copy_(batch.label)
         self.ids[s, :n].copy_(batch.ids())
         self.dense[s, :n].copy_(batch.dense)
+        p = batch.plan
+        if p is not None:
+            v, u, nb = len(p.gid), len(p.uniq), len(p.boff)
+            self.p_idx[s, :v].copy_(p.gid)
+            self.p_idx[s, v : 2 * v].copy_(p.sbag)
+            self.p_idx[s, 2 * v : 2 * v + u].copy_(p.goff)
+            self.p_idx[s, 2 * v + u : 2 * v + u + nb].copy_(p.boff)
+            self.p_uniq[s, :u].copy_(p.uniq)
+            self.p_w[s, :v].copy_(p.w)
+            self.p_w[s, v : 2 * v].copy_(p.sw)
         return s
+
+    @staticmethod
+    def plan_counts(batch: FeatureBatch) -> tuple[int, int] | None:
+        """What a :class:`SlotRef` carries to rebuild the batch's plan: valid slots and distinct rows."""
+        return None if batch.plan is None else (len(batch.plan.gid), len(batch.plan.uniq))
 
     def reclaim(self) -> int:
         """Worker side, at the start of an epoch: free the slots whose references were never turned into
@@ -92,16 +121,27 @@ class SlotRing:
     def free_slots(self) -> int:
         return int((self.busy == _FREE).sum())
 
-    def batch(self, slot: int, n: int) -> FeatureBatch:
-        """Trainer side: the batch in ``slot`` (``n`` rows) as views of the ring, packed as collate makes it;
-        the slot is released when all its tensors are gone."""
+    def batch(self, slot: int, n: int, plan: tuple[int, int] | None = None) -> FeatureBatch:
+        """Trainer side: the batch in ``slot`` (``n`` rows; ``plan``: its plan's valid slots and distinct rows)
+        as views of the ring, packed as collate makes it; the slot is released when all its tensors are gone."""
         self.busy[slot] = _HELD
-        lease = _Lease(self.busy, slot, 3)
         parts = [self.label.numpy()[slot, :n], self.ids.numpy()[slot, :n], self.dense.numpy()[slot, :n]]
+        if plan is not None and self.plan_key is not None:
+            v, u = plan
+            nb = n * len(self.plan_key[0])
+            parts += [self.p_idx.numpy()[slot, : 2 * v + u + nb], self.p_uniq.numpy()[slot, :u],
+                      self.p_w.numpy()[slot, : 2 * v]]
+        lease = _Lease(self.busy, slot, len(parts))
         for a in parts:  # torch.from_numpy keeps exactly these arrays alive until its tensor storage dies
             weakref.finalize(a, lease.release)
-        label, ids, dense = (torch.from_numpy(a) for a in parts)
-        return _split_ids(label, ids, dense, self.widths)
+        t = [torch.from_numpy(a) for a in parts]
+        b = _split_ids(t[0], t[1], t[2], self.widths)
+        if len(t) > 3:
+            sizes, layout = self.plan_key[0], self.plan_key[1]  # type: ignore[index]
+            pi, uniq, pw = t[3], t[4], t[5]
+            b.plan = LookupPlan(sizes, layout, n, pi[:v], pw[:v], pi[2 * v + u :], uniq, pi[2 * v : 2 * v + u],
+                                pi[v : 2 * v], pw[v:])
+        return b
 
 
 class _Lease:
@@ -119,15 +159,17 @@ class _Lease:
 
 
 class SlotRef:
-    """What travels instead of a batch: worker, slot, row count (and the ring itself the first time)."""
+    """What travels instead of a batch: worker, slot, row count, the plan's counts (valid slots, distinct
+    rows; None without a plan) and the ring itself the first time."""
 
-    __slots__ = ("worker", "slot", "n", "ring")
+    __slots__ = ("worker", "slot", "n", "ring", "plan")
 
-    def __init__(self, worker: int, slot: int, n: int, ring: SlotRing | None) -> None:
-        self.worker, self.slot, self.n, self.ring = worker, slot, n, ring
+    def __init__(self, worker: int, slot: int, n: int, ring: SlotRing | None,
+                 plan: tuple[int, int] | None = None) -> None:
+        self.worker, self.slot, self.n, self.ring, self.plan = worker, slot, n, ring, plan
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return self.worker, self.slot, self.n, self.ring
+        return self.worker, self.slot, self.n, self.ring, self.plan
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.worker, self.slot, self.n, self.ring = state
+        self.worker, self.slot, self.n, self.ring, self.plan = state
