@@ -84,6 +84,12 @@ def test_cli_extract_and_train_reports(logs, tmp_path):
     assert 0.0 <= r2["test"]["auc"] <= 1.0 and r2["test"]["rows"] == 1000
     q = [json.loads(x) for x in Path(r2["extract"]["quarantine_file"]).read_text().splitlines()]
     assert {x["line"] for x in q} == {101, 2001}  # 1-based line numbers of the two inserted lines
+    assert r2["lookup_plans"] is True
+    rep3 = tmp_path / "r3.json"
+    assert cli_main(["features", "train", *common, "--report", str(rep3), "--dim", "4", "--hidden", "8",
+                     "--no-plans"]) == 0
+    r3 = json.loads(rep3.read_text())
+    assert r3["lookup_plans"] is False and r3["train"][0]["losses"] == r2["train"][0]["losses"]
 
 
 def test_errors_reach_the_consumer(logs):

@@ -70,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="producer processes (default 1: on 2 cores one trains, one extracts)")
     tr.add_argument("--prefetch", type=int, default=2,
                     help="batches made ahead per worker (thread producer: queue depth; default 2)")
+    tr.add_argument("--no-plans", action="store_true",
+                    help="build the embedding lookup plans in the training step instead of in the producers "
+                         "(when extraction, not training, is the bottleneck)")
     tr.add_argument("--epochs", type=int, default=1)
     tr.add_argument("--lr", type=float, default=2e-3)
     tr.add_argument("--dim", type=int, default=16, help="embedding width")
@@ -191,7 +194,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             model, report = run_ray(cfg, quarantine_dir=str(report_path.parent / "ray_quarantine"), **kw)
         else:
             model, report = run_pipelined(cfg, prefetch=args.prefetch, producer=args.producer,
-                                          workers=args.workers, **kw)
+                                          workers=args.workers, plans=not args.no_plans, **kw)
     if args.test_log:
         tcfg = ExtractConfig.build(cfg.graph if cfg else args.graph, args.test_log,
                                    data_dir=args.data_dir or (cfg.data_dir if cfg else None),

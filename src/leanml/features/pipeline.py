@@ -507,18 +507,20 @@ def evaluate(model: FeatureDNN, batches: Iterable[FeatureBatch], device: torch.d
 def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, producer: str = "process",
                   workers: int = 1, lr: float = 1e-3, seed: int = 0, model: FeatureDNN | None = None,
                   dim: int = 16, hidden: tuple[int, ...] = (128, 64), device: str | None = None,
-                  progress: bool = False) -> tuple[FeatureDNN, dict[str, Any]]:
+                  progress: bool = False, plans: bool = True) -> tuple[FeatureDNN, dict[str, Any]]:
     """Stream logs through the graph straight into training; returns the model and a JSON-able report.
 
     ``producer="process"``: ``workers`` DataLoader worker processes (shared memory, ``prefetch`` batches
     each, kept across epochs); ``"thread"``: one producer thread with a queue of ``prefetch`` batches.
-    The producers also build every batch's lookup plan for the model's fused table (``lookup_sizes``), so
-    that part of the training step runs beside it.
+    With ``plans`` the producers also build every batch's lookup plan for the model's fused table
+    (``lookup_sizes``), so that part of the training step runs beside it.
     """
     torch.manual_seed(seed)
     graph = FeatureGraph.from_dict(cfg.graph)
     model = model or model_for_graph(graph, dim=dim, hidden=hidden)
-    if cfg.lookup_sizes is None and isinstance(getattr(model, "emb", None), FusedEmbedding):
+    if not plans:
+        cfg = replace(cfg, lookup_sizes=None)
+    elif cfg.lookup_sizes is None and isinstance(getattr(model, "emb", None), FusedEmbedding):
         cfg = replace(cfg, lookup_sizes=list(model.emb.sizes))
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(dev)
@@ -541,6 +543,7 @@ def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, pro
     rows = sum(t.rows for t in trains)
     report = {
         "mode": "pipelined", "producer": producer, "workers": workers if producer == "process" else 0,
+        "lookup_plans": cfg.lookup_sizes is not None,
         "prefetch": prefetch, "epochs": epochs,
         "rows": rows, "wall_s": wall, "samples_s": rows / wall if wall > 0 else 0.0,
         "extract_s": ext.extract_s, "train_s": sum(t.train_s for t in trains),
