@@ -542,9 +542,8 @@ def render(res: dict[str, Any], out: Path) -> str:
                       "weight, and the slots sorted by row for the backward. A pipelined producer builds this plan "
                       "beside extraction and hands it over with the batch (the pipelined rows above); train-only and "
                       "two-stage training build it inside the training step. Here both variants keep every batch in "
-                      "memory (the plans' memory is always fresh, unlike in a pipelined producer, which reuses it); "
-                      "the pipelined rows above give the producer's and the trainer's CPU seconds in the real "
-                      "setting.", "",
+                      "memory, which a pipelined producer does not; the pipelined rows above give the producer's and "
+                      "the trainer's CPU seconds in the real setting.", "",
                       "| batches | extract CPU s | extract rows / CPU s | train CPU s | train rows / CPU s |",
                       "|---|---:|---:|---:|---:|"]
             for name, label in (("plain", "features only"), ("plans", "features + lookup plans")):

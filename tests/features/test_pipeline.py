@@ -257,7 +257,7 @@ def test_producers_build_the_lookup_plans_for_the_model(logs):
         pf = Prefetcher(cfg, depth=2, mode=mode)
         n = 0
         for got, want in zip(pf, ref, strict=True):
-            plan = build_plan(want.ids(), (want.sparse.shape[1], *(s.shape[1] for s in want.seqs)), sizes)
+            plan = build_plan(want.ids(), want.layout(), sizes)
             assert got.equal(want) and got.plan is not None and got.plan.sizes == tuple(sizes)
             assert all(torch.equal(x, y) for x, y in zip(got.plan.tensors(), plan.tensors(), strict=True))
             n += 1

@@ -36,6 +36,10 @@ class FeatureBatch:
         b.plan = None if self.plan is None else self.plan.pin_memory()
         return b
 
+    def layout(self) -> tuple[int, ...]:
+        """``(sparse fields, *sequence widths)``: how the columns of :meth:`ids` are laid out."""
+        return (self.sparse.shape[1], *(s.shape[1] for s in self.seqs))
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.label, self.sparse, self.dense, *self.seqs]
 

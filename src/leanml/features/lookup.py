@@ -6,7 +6,7 @@ slot of every bag, and for the backward the slots sorted by row (the distinct ro
 the bags and weights in that order). None of it depends on the model's weights, only on the ids and on
 the table layout (the number of ids per field), so a producer can build it beside extraction, off the
 trainer's critical path: a pipelined run hands it over with the batch (``ExtractConfig.lookup_sizes``),
-and a batch without one gets it built by the model as before. The sort is about a third of it.
+and a batch without one gets it built by the model as before.
 
 >>> ids = torch.tensor([[3, 0, 4, -1], [9, -1, -1, -1]])  # one sparse field, then a sequence of 3
 >>> p = build_plan(ids, (1, 3), (10, 5))
@@ -54,9 +54,11 @@ class LookupPlan:
     def pin_memory(self) -> LookupPlan:
         return LookupPlan(self.sizes, self.layout, self.n, *(t.pin_memory() for t in self.tensors()))
 
-    def fits(self, sizes: tuple[int, ...], layout: tuple[int, ...], n: int, device: torch.device) -> bool:
-        """Built for this table layout, this batch layout and row count, and on this device."""
-        return self.sizes == sizes and self.layout == layout and self.n == n and self.gid.device == device
+    def fits(self, sizes: tuple[int, ...], layout: tuple[int, ...], n: int, device: torch.device,
+             dtype: torch.dtype) -> bool:
+        """Built for this table layout, this batch layout and row count, on this device, weights of ``dtype``."""
+        return (self.sizes == sizes and self.layout == layout and self.n == n and self.gid.device == device
+                and self.w.dtype == dtype)
 
 
 _BAGS: dict[tuple[Any, ...], torch.Tensor] = {}

@@ -113,7 +113,7 @@ class FusedEmbedding(nn.Module):
         built for this table, layout, row count and device; otherwise built here)."""
         layout = tuple(layout)
         n = len(ids)
-        if plan is None or not plan.fits(tuple(self.sizes), layout, n, ids.device) or plan.w.dtype != self.weight.dtype:
+        if plan is None or not plan.fits(tuple(self.sizes), layout, n, ids.device, self.weight.dtype):
             plan = self.plan(ids, layout)
         out = _BagLookup.apply(self.weight, plan.gid, plan.w, plan.boff, plan.uniq, plan.goff, plan.sbag, plan.sw,
                                self.sparse)
@@ -160,7 +160,7 @@ class FeatureDNN(nn.Module):
             raise LeanmlError(f"model expects {self.n_sparse} sparse fields and {self.n_seq} sequences, the batch "
                               f"has {batch.sparse.shape[1]} and {len(batch.seqs)}")
         ids = batch.ids()
-        pooled = self.emb(ids, (self.n_sparse, *(s.shape[1] for s in batch.seqs)), batch.plan)
+        pooled = self.emb(ids, batch.layout(), batch.plan)
         h = self.emb_in(pooled.reshape(len(ids), -1))
         if self.dense_in is not None:
             h = _AddNarrowLinear.apply(h, batch.dense.to(h.dtype), self.dense_in.weight)

@@ -133,8 +133,7 @@ class Extractor:
             self.read_s += t1 - t0
             batch = self.executor.run(chunk) if chunk and len(next(iter(chunk.values()))) else None
             if batch is not None and len(batch) and self.cfg.lookup_sizes:
-                batch.plan = build_plan(batch.ids(), (batch.sparse.shape[1], *(q.shape[1] for q in batch.seqs)),
-                                        self.cfg.lookup_sizes)
+                batch.plan = build_plan(batch.ids(), batch.layout(), self.cfg.lookup_sizes)
             self.extract_s += time.perf_counter() - t0
             self.cpu_s += time.thread_time() - c0
             yield batch if batch is not None and len(batch) else None
