@@ -4,7 +4,8 @@ Models: SmolLM2-135M pruned by ``leanml prune`` with its defaults except the met
 (SparseGPT 50 %, SparseGPT 2:4, FASP 30 %; 64 x 512 Shakespeare calibration windows, seed 0). Each is
 recovered by ``leanml recover`` on the Shakespeare train split (every play but Hamlet) for a fixed
 number of steps under ``--memory adacc --memory-budget 0.5``, once without and once with the dense
-model as teacher. The reference is the dense model fine-tuned the same way (``--no-mask``, same
+model as teacher (labels + distillation, pure distillation, and pure distillation on windows half
+sampled from the teacher itself). The reference is the dense model fine-tuned the same way (``--no-mask``, same
 teacher setting), because fine-tuning on Shakespeare also moves the dense model:
 
     gap before = ppl(pruned) - ppl(dense)
@@ -50,15 +51,16 @@ PRUNED = {
     "fasp30": ("fasp", "structured 30%", ["--method", "fasp", "--sparsity", "0.3"]),
 }
 #: recovery settings: no teacher; the dense teacher mixed with the labels (``--kd-weight`` setting, 0.5);
-#: pure distillation from the dense teacher (``--distill-kd-weight``, 1.0: the labels unused)
-TEACHERS = ("none", "dense", "distill")
+#: pure distillation from the dense teacher (``--distill-kd-weight``, 1.0: the labels unused); the same
+#: with a share ``--teacher-samples`` (0.5) of the training windows sampled from the teacher (``mix``)
+TEACHERS = ("none", "dense", "distill", "mix")
 CORPORA = {"hamlet": "shakespeare", "reviews": "reviews"}
 #: gap_closed targets (issue): these methods, both corpora
 TARGET_METHODS = ("sgpt50", "fasp30")
 TARGET_GAP = 0.40
 
 DEFAULTS = {"steps": 150, "batch_size": 2, "seqlen": 256, "lr": 1e-4, "memory": "adacc", "budget": 0.5,
-            "kd_weight": 0.5, "distill_kd_weight": 1.0, "eval_seqlen": 512, "threads": 2}
+            "kd_weight": 0.5, "distill_kd_weight": 1.0, "teacher_samples": 0.5, "eval_seqlen": 512, "threads": 2}
 
 
 def kd_weight(teacher: str, s: dict[str, Any]) -> float | None:
@@ -68,9 +70,17 @@ def kd_weight(teacher: str, s: dict[str, Any]) -> float | None:
     return float(s["kd_weight"] if teacher == "dense" else s.get("distill_kd_weight", DEFAULTS["distill_kd_weight"]))
 
 
+def teacher_share(teacher: str, s: dict[str, Any]) -> float:
+    """The share of training windows sampled from the teacher in a recovery setting."""
+    return float(s.get("teacher_samples", DEFAULTS["teacher_samples"])) if teacher == "mix" else 0.0
+
+
 def teacher_label(teacher: str, s: dict[str, Any]) -> str:
     w = kd_weight(teacher, s)
-    return "no teacher" if w is None else f"dense teacher, kd weight {w:g}"
+    if w is None:
+        return "no teacher"
+    share = teacher_share(teacher, s)
+    return f"dense teacher, kd weight {w:g}" + (f", {share:.0%} of the windows sampled from it" if share else "")
 
 
 def work_dir() -> Path:
@@ -118,8 +128,9 @@ def all_chunks() -> list[str]:
               *run("dense", "dense"), *run("sgpt50", "dense")]
     for model in ["fasp30", "sgpt24"]:
         chunks += [f"prune:{model}", f"eval:{model}", *run(model, "none"), *run(model, "dense")]
-    for model in ["dense", "fasp30", "sgpt50", "sgpt24"]:
-        chunks += run(model, "distill")
+    for teacher in ("distill", "mix"):
+        for model in ["dense", "fasp30", "sgpt50", "sgpt24"]:
+            chunks += run(model, teacher)
     assert len(set(chunks)) == len(chunks) == 1 + len(PRUNED) * 2 + (1 + len(PRUNED)) * len(TEACHERS) * 2
     return chunks
 
@@ -154,6 +165,8 @@ def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     w = kd_weight(teacher, s)
     if w is not None:
         args += ["--teacher", DENSE, "--kd-weight", str(w)]
+    if teacher_share(teacher, s):
+        args += ["--teacher-samples", str(teacher_share(teacher, s))]
     ckpt = out.with_name(out.name + ".ckpt")
     if ckpt.exists():
         args.append("--resume")
@@ -174,6 +187,7 @@ def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
         "loss_first": rep["loss_first"], "loss_last10": rep["loss_last10"],
         "tokens_seen": rep["data"]["tokens_seen"], "resumed_from_step": rep["resumed_from_step"],
         "measured_steps": len(mem.get("measured_steps") or []),
+        "teacher_samples": rep["data"].get("teacher_samples"),
     }
 
 
@@ -248,7 +262,10 @@ def build_records(data: dict[str, Any]) -> list[dict[str, Any]]:
                     "corpus": corpus, "ppl_dense": p_dense, "ppl_dense_ft": p_ft, "ppl_pruned": p_pruned,
                     "ppl_recovered": p_rec, "gap_before": gap_before, "gap_after": p_rec - p_ft,
                     "gap_closed": 1.0 - (p_rec - p_ft) / gap_before if gap_before else None,
-                    "seconds": train["train_seconds"], "teacher_seconds": train["teacher_seconds"],
+                    # sampling the teacher's windows is part of the run's time
+                    "seconds": train["train_seconds"] + ((train.get("teacher_samples") or {}).get("seconds") or 0.0),
+                    "sampling_seconds": (train.get("teacher_samples") or {}).get("seconds"),
+                    "teacher_seconds": train["teacher_seconds"],
                     "median_step_s": train["median_step_s"], "cpu_seconds": train["train_cpu_seconds"],
                     "load": train["load_before"][0], "command": train["command"],
                 })
@@ -365,7 +382,10 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
         f"`--memory {s['memory']} --memory-budget {s['budget']}`; teacher = the dense SmolLM2, "
         f"`--kd-weight {s['kd_weight']}` (rows `dense`) or "
         f"`--kd-weight {s.get('distill_kd_weight', DEFAULTS['distill_kd_weight'])}` (rows `distill`: pure "
-        "distillation, the labels unused; its dense reference is trained the same way). Pruning: `leanml prune` defaults except method and sparsity "
+        "distillation, the labels unused; its dense reference is trained the same way); rows `mix`: the same "
+        f"pure distillation with `--teacher-samples {s.get('teacher_samples', DEFAULTS['teacher_samples'])}` "
+        "(that share of the training windows sampled from the dense teacher, temperature 1, from its BOS "
+        "token, the rest Shakespeare; the sampling time is in train s). Pruning: `leanml prune` defaults except method and sparsity "
         f"(64 x 512 calibration tokens). Perplexity: SparseGPT protocol, {s['eval_seqlen']}-token windows, "
         f"Hamlet (all test windows) and the last 300 Women's Clothing reviews.",
         "",
@@ -387,14 +407,14 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
                 lines.append(_record_row(r) if r else _missing_row(chunks, model, method, pattern, teacher, corpus))
     lines += ["", "Training runs (the dense rows are the fine-tuned references):", "",
               "| run | sparsity in | sparsity out | peak MiB | unoptimized MiB | budget MiB | within | loss first "
-              "| loss last 10 | train s | teacher s | CPU s | load | metered steps | plan |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| loss last 10 | train s | teacher s | sampling s | CPU s | load | metered steps | plan |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in all_chunks():
         if not key.startswith("train:"):
             continue
         c = chunks.get(key)
         if c is None:
-            lines.append(f"| {key[6:]} | " + " | ".join(["not run"] + ["-"] * 13) + " |")
+            lines.append(f"| {key[6:]} | " + " | ".join(["not run"] + ["-"] * 14) + " |")
             continue
         plan = ", ".join(f"{k} {v}" for k, v in (c.get("plan") or {}).items() if v)
         lines.append(
@@ -402,6 +422,7 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
             f"| {fmt(c['unoptimized_peak_bytes'] and c['unoptimized_peak_bytes'] / mib, '.0f')} "
             f"| {fmt(c['budget_bytes'] and c['budget_bytes'] / mib, '.0f')} | {c['within_budget']} "
             f"| {c['loss_first']:.3f} | {c['loss_last10']:.3f} | {c['train_seconds']:.0f} | {c['teacher_seconds']:.0f} "
+            f"| {fmt((c.get('teacher_samples') or {}).get('seconds'), '.0f')} "
             f"| {c['train_cpu_seconds']:.0f} | {c['load_before'][0]:.2f} | {fmt(c.get('measured_steps'), 'd')} "
             f"| {plan} |")
     for name, trial in (data.get("trials") or {}).items():
@@ -434,7 +455,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(CORPORA), figsize=(10, 3.8), sharey=True)
     models = list(PRUNED)
     width = 0.8 / len(TEACHERS)
-    labels = {"none": "no teacher", "dense": "dense teacher + labels", "distill": "pure distillation"}
+    labels = {"none": "no teacher", "dense": "dense teacher + labels", "distill": "pure distillation",
+              "mix": "pure distillation, half teacher samples"}
     for ax, corpus in zip(axes, CORPORA):
         for j, teacher in enumerate(TEACHERS):
             vals = []

@@ -75,3 +75,21 @@ def test_peak_over_budget_is_missed() -> None:
     tgts = b.targets(b.build_records(d), d)
     peak = next(t for t in tgts if t["target"].startswith("peak activation"))
     assert peak["met"] is False and "fasp30:distill" in peak["detail"]
+
+
+def test_teacher_samples_setting_counts_its_sampling_time() -> None:
+    b = load_bench_recover()
+    d = data(70)
+    for model in ("dense", "sgpt50", "fasp30"):
+        d["chunks"][f"train:{model}:mix"] = {**train("mix", kd=1.0), "teacher_samples": {"seconds": 30.0, "windows": 150}}
+    d["chunks"]["eval:rec-dense-mix"] = ev(41, 41, 0.0)
+    d["chunks"]["eval:rec-sgpt50-mix"] = ev(47, 55)
+    d["chunks"]["eval:rec-fasp30-mix"] = ev(44, 60, 0.05)
+    recs = [r for r in b.build_records(d) if r["teacher"] == "mix"]
+    assert len(recs) == 4 and all(r["seconds"] == 130.0 and r["sampling_seconds"] == 30.0 for r in recs)
+    r = next(r for r in recs if (r["model"], r["corpus"]) == ("fasp30", "reviews"))
+    assert abs(r["gap_closed"] - (1 - (60 - 41) / (90 - 40))) < 1e-12
+    assert b.teacher_label("mix", {}) == "dense teacher, kd weight 1, 50% of the windows sampled from it"
+    assert b.teacher_label("distill", {}) == "dense teacher, kd weight 1"
+    args = b.all_chunks()
+    assert args.index("train:fasp30:mix") > args.index("eval:rec-sgpt24-distill")

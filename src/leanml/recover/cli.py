@@ -17,6 +17,7 @@ EPILOG = """examples:
   leanml recover --model out/sgpt50 --steps 200 --memory adacc --memory-budget 0.5 --out out/sgpt50-rec
   leanml recover --model out/sgpt24 --teacher smollm2-135m --kd-weight 0.5 --out out/sgpt24-kd
   leanml recover --model out/fasp30 --teacher source --memory checkpoint --out out/fasp30-rec
+  leanml recover --model out/fasp30 --teacher smollm2-135m --kd-weight 1 --teacher-samples 0.5 --out out/f30-mix
   leanml recover --model smollm2-135m --no-mask --steps 200 --out out/dense-ft   # the dense reference
   leanml recover --model out/sgpt50 --save-format compressed --dtype bfloat16 --out out/sgpt50-rec-small
   leanml recover ... --resume        # continue a killed run from its last checkpoint (DIR.ckpt)
@@ -33,7 +34,9 @@ distillation:
   --teacher DENSE adds T^2 * KL(teacher || student) on the logits with weight --kd-weight:
   loss = (1 - w) * CE + w * KL. The teacher must have the student's tokenizer; "source" means the model
   the input was pruned from (its report.json). Its forward counts in the step time, its targets in the
-  activation peak and Adacc's budget.
+  activation peak and Adacc's budget. --teacher-samples F replaces a share F of the steps x batch-size
+  training windows with windows sampled from the teacher (temperature 1, from its BOS token), so the
+  student learns the teacher beyond the domain of --data; the sampling time counts in the run's time.
 
 --memory-budget (--memory adacc only; default 0.5) is a fraction of the unoptimized activation peak of
 one step, bytes, or a size (2GB); a budget below the smallest feasible plan is refused before training.
@@ -78,6 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-error", type=float, default=0.05, help="Adacc: cap on the relative error of lossy compressors")
     p.add_argument("--kd-weight", type=float, default=0.5, help="weight of the distillation term, in [0, 1]")
     p.add_argument("--kd-temperature", type=float, default=1.0, help="distillation temperature")
+    p.add_argument("--teacher-samples", type=float, default=0.0,
+                   help="share of the training windows sampled from the teacher instead of read from --data, "
+                        "in [0, 1] (needs --teacher; default 0)")
     p.add_argument("--pattern", default=None, help="N:M pattern the zeros must follow (checked; default: report.json's)")
     p.add_argument("--no-mask", action="store_true", help="train every weight (a dense fine-tune; sparsity is not kept)")
     p.add_argument("--eval-data", default="shakespeare,reviews",
@@ -164,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
     )
     cfg.check()
+    if not 0.0 <= args.teacher_samples <= 1.0:
+        raise LeanmlError(f"--teacher-samples is a share of the training windows, in [0, 1]; got {args.teacher_samples}")
+    if args.teacher_samples > 0 and args.teacher is None:
+        raise LeanmlError("--teacher-samples draws training windows from the teacher: pass --teacher too")
     if args.no_mask and args.pattern:
         raise LeanmlError("--no-mask trains every weight, so --pattern cannot be kept; drop one of them")
     parse_nm(args.pattern)
@@ -201,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
         check_teacher(model, tokenizer, teacher, teacher_tok, where=f"teacher {teacher_spec}")
 
     windows = token_windows(tokenizer, load_text(args.data, "train"), args.seqlen)
+    samples_info = None
+    if args.teacher_samples > 0:
+        windows, samples_info = _mix_teacher_samples(windows, teacher, tokenizer, cfg, args.teacher_samples,
+                                                     ckpt, device)
     eval_sets = {}
     for name in eval_names:
         w = token_windows(tokenizer, load_text(name, "test"), args.eval_seqlen)
@@ -222,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         "teacher_model": teacher_spec,
         "data": {"corpus": args.data, "split": "train", **result["data"],
                  "note": "shakespeare train = every play except Hamlet (the test split)"
-                 if args.data == "shakespeare" else ""},
+                 if args.data == "shakespeare" else "", "teacher_samples": samples_info},
         "eval": {"corpora": eval_names, "split": "test", "seqlen": args.eval_seqlen},
         "input_report": {k: report_in.get(k) for k in ("method", "mask", "measured_sparsity", "finalize")}
         if report_in else None,
@@ -246,6 +260,44 @@ def run(args: argparse.Namespace) -> int:
     shutil.rmtree(ckpt, ignore_errors=True)
     _print_summary(args, result, out, report["save"])
     return 0
+
+
+def _mix_teacher_samples(windows: Any, teacher: Any, tokenizer: Any, cfg: Any, share: float, ckpt: Path,
+                         device: Any) -> tuple[Any, dict[str, Any]]:
+    """The training windows with a share ``share`` of the ``steps x batch_size`` windows training reads
+    sampled from the teacher and the rest drawn (seeded) from the corpus. The samples are kept in the
+    checkpoint directory, so a resumed run trains on the same windows."""
+    import time
+
+    import torch
+
+    from leanml.recover.sampling import sample_windows, start_token
+
+    total = cfg.steps * cfg.batch_size
+    n_teacher = min(total, max(1, round(share * total)))
+    n_corpus = total - n_teacher
+    if n_corpus > windows.shape[0]:
+        raise LeanmlError(f"{n_corpus} corpus windows wanted beside the teacher's samples but the corpus has "
+                          f"{windows.shape[0]}; lower --steps or raise --teacher-samples")
+    start = start_token(tokenizer)
+    key = {"n": n_teacher, "seqlen": int(windows.shape[1]), "seed": cfg.seed, "start": start}
+    path = ckpt / "teacher_samples.pt"
+    t0 = time.perf_counter()
+    samples, reused = None, False
+    if path.exists():
+        saved = torch.load(path, weights_only=True)
+        if saved.get("key") == key:
+            samples, reused = saved["windows"], True
+    if samples is None:
+        samples = sample_windows(teacher, n_teacher, int(windows.shape[1]), start_id=start, seed=cfg.seed,
+                                 device=device)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        torch.save({"key": key, "windows": samples}, path)
+    seconds = time.perf_counter() - t0
+    order = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:n_corpus]
+    mixed = torch.cat([samples, windows[order]])
+    return mixed, {"share": share, "windows": n_teacher, "corpus_windows": n_corpus, "seqlen": key["seqlen"],
+                   "start_token": start, "seconds": seconds, "reused_from_checkpoint": reused}
 
 
 def _write_losses(path: Path, log: dict[str, list]) -> None:

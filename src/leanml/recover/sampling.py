@@ -1,0 +1,82 @@
+"""Training windows sampled from the teacher, for distillation beyond the recovery corpus.
+
+A model distilled only on one corpus learns the teacher where that corpus lives (Shakespeare) and drifts
+elsewhere. Windows drawn from the teacher itself (ancestral sampling, temperature 1, no top-k/top-p, from
+the start token) carry the teacher's own distribution of text, so the distillation targets cover what the
+teacher knows rather than one domain. ``leanml recover --teacher-samples F`` replaces a share ``F`` of the
+training windows with such samples; the sampling time counts in the run's time.
+
+Sampling uses the model's KV cache, one token per forward for the whole batch, and a seeded
+:class:`torch.Generator`, so the windows depend on the teacher, the seed and the batch size only.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from leanml.utils import LeanmlError
+
+
+@torch.no_grad()
+def sample_windows(
+    teacher: nn.Module,
+    n: int,
+    seqlen: int,
+    *,
+    start_id: int,
+    seed: int = 0,
+    temperature: float = 1.0,
+    batch_size: int = 32,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> torch.Tensor:
+    """``(n, seqlen)`` token ids sampled from ``teacher`` after ``start_id`` (not included in the window).
+
+    Every window is ``seqlen`` tokens long: an end-of-text token is sampled like any other token and the
+    window goes on after it. ``device``: where the teacher runs (default: where its parameters are).
+    """
+    if n < 1 or seqlen < 1:
+        raise LeanmlError(f"sampling needs at least one window of at least one token (got n={n}, seqlen={seqlen})")
+    if not temperature > 0:
+        raise LeanmlError(f"the sampling temperature must be positive, got {temperature}")
+    if batch_size < 1:
+        raise LeanmlError(f"the sampling batch size must be at least 1, got {batch_size}")
+    device = torch.device(device) if device is not None else next(teacher.parameters()).device
+    was_training = teacher.training
+    teacher.eval()
+    # transformers 5 renamed the KV cache argument and output from ``past_key_values`` to ``cache``
+    cache_arg = "cache" if "cache" in inspect.signature(teacher.forward).parameters else "past_key_values"
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.empty(n, seqlen, dtype=torch.long)
+    bar = tqdm(total=n * seqlen, desc="teacher samples", unit="tok", unit_scale=True, disable=not progress)
+    try:
+        for lo in range(0, n, batch_size):
+            b = min(batch_size, n - lo)
+            ids = torch.full((b, 1), int(start_id), dtype=torch.long, device=device)
+            past = None
+            for t in range(seqlen):
+                res = teacher(input_ids=ids, use_cache=True, **{cache_arg: past})
+                past = getattr(res, cache_arg)
+                logits = res.logits[:, -1].float().cpu() / temperature
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+                out[lo : lo + b, t] = nxt[:, 0]
+                ids = nxt.to(device)
+                bar.update(b)
+    finally:
+        bar.close()
+        teacher.train(was_training)
+    return out
+
+
+def start_token(tokenizer: object) -> int:
+    """The token a sample starts from: the tokenizer's BOS, else its EOS (a document boundary)."""
+    for name in ("bos_token_id", "eos_token_id"):
+        tid = getattr(tokenizer, name, None)
+        if tid is not None:
+            return int(tid)
+    raise LeanmlError("the teacher's tokenizer has neither a BOS nor an EOS token to start samples from; "
+                      "drop --teacher-samples")
