@@ -75,6 +75,11 @@ def teacher_share(teacher: str, s: dict[str, Any]) -> float:
     return float(s.get("teacher_samples", DEFAULTS["teacher_samples"])) if teacher == "mix" else 0.0
 
 
+def sampling_seconds(train: dict[str, Any]) -> float | None:
+    """Seconds a training chunk spent sampling windows from its teacher (None: it sampled none)."""
+    return (train.get("teacher_samples") or {}).get("seconds")
+
+
 def teacher_label(teacher: str, s: dict[str, Any]) -> str:
     w = kd_weight(teacher, s)
     if w is None:
@@ -165,8 +170,9 @@ def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     w = kd_weight(teacher, s)
     if w is not None:
         args += ["--teacher", DENSE, "--kd-weight", str(w)]
-    if teacher_share(teacher, s):
-        args += ["--teacher-samples", str(teacher_share(teacher, s))]
+    share = teacher_share(teacher, s)
+    if share:
+        args += ["--teacher-samples", str(share)]
     ckpt = out.with_name(out.name + ".ckpt")
     if ckpt.exists():
         args.append("--resume")
@@ -263,8 +269,8 @@ def build_records(data: dict[str, Any]) -> list[dict[str, Any]]:
                     "ppl_recovered": p_rec, "gap_before": gap_before, "gap_after": p_rec - p_ft,
                     "gap_closed": 1.0 - (p_rec - p_ft) / gap_before if gap_before else None,
                     # sampling the teacher's windows is part of the run's time
-                    "seconds": train["train_seconds"] + ((train.get("teacher_samples") or {}).get("seconds") or 0.0),
-                    "sampling_seconds": (train.get("teacher_samples") or {}).get("seconds"),
+                    "seconds": train["train_seconds"] + (sampling_seconds(train) or 0.0),
+                    "sampling_seconds": sampling_seconds(train),
                     "teacher_seconds": train["teacher_seconds"],
                     "median_step_s": train["median_step_s"], "cpu_seconds": train["train_cpu_seconds"],
                     "load": train["load_before"][0], "command": train["command"],
@@ -422,7 +428,7 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
             f"| {fmt(c['unoptimized_peak_bytes'] and c['unoptimized_peak_bytes'] / mib, '.0f')} "
             f"| {fmt(c['budget_bytes'] and c['budget_bytes'] / mib, '.0f')} | {c['within_budget']} "
             f"| {c['loss_first']:.3f} | {c['loss_last10']:.3f} | {c['train_seconds']:.0f} | {c['teacher_seconds']:.0f} "
-            f"| {fmt((c.get('teacher_samples') or {}).get('seconds'), '.0f')} "
+            f"| {fmt(sampling_seconds(c), '.0f')} "
             f"| {c['train_cpu_seconds']:.0f} | {c['load_before'][0]:.2f} | {fmt(c.get('measured_steps'), 'd')} "
             f"| {plan} |")
     for name, trial in (data.get("trials") or {}).items():

@@ -213,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
     windows = token_windows(tokenizer, load_text(args.data, "train"), args.seqlen)
     samples_info = None
     if args.teacher_samples > 0:
-        windows, samples_info = _mix_teacher_samples(windows, teacher, tokenizer, cfg, args.teacher_samples,
-                                                     ckpt, device)
+        windows, samples_info = _mix_teacher_samples(windows, teacher, teacher_spec, tokenizer, cfg,
+                                                     args.teacher_samples, ckpt, device)
     eval_sets = {}
     for name in eval_names:
         w = token_windows(tokenizer, load_text(name, "test"), args.eval_seqlen)
@@ -262,11 +262,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mix_teacher_samples(windows: Any, teacher: Any, tokenizer: Any, cfg: Any, share: float, ckpt: Path,
-                         device: Any) -> tuple[Any, dict[str, Any]]:
+def _mix_teacher_samples(windows: Any, teacher: Any, teacher_name: str, tokenizer: Any, cfg: Any, share: float,
+                         ckpt: Path, device: Any) -> tuple[Any, dict[str, Any]]:
     """The training windows with a share ``share`` of the ``steps x batch_size`` windows training reads
     sampled from the teacher and the rest drawn (seeded) from the corpus. The samples are kept in the
-    checkpoint directory, so a resumed run trains on the same windows."""
+    checkpoint directory, so a resumed run trains on the same windows; samples of another teacher
+    (``teacher_name``) or other settings are drawn again, and the run's checkpoint then refuses the data."""
     import time
 
     import torch
@@ -280,7 +281,7 @@ def _mix_teacher_samples(windows: Any, teacher: Any, tokenizer: Any, cfg: Any, s
         raise LeanmlError(f"{n_corpus} corpus windows wanted beside the teacher's samples but the corpus has "
                           f"{windows.shape[0]}; lower --steps or raise --teacher-samples")
     start = start_token(tokenizer)
-    key = {"n": n_teacher, "seqlen": int(windows.shape[1]), "seed": cfg.seed, "start": start}
+    key = {"teacher": teacher_name, "n": n_teacher, "seqlen": int(windows.shape[1]), "seed": cfg.seed, "start": start}
     path = ckpt / "teacher_samples.pt"
     t0 = time.perf_counter()
     samples, reused = None, False
