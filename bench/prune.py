@@ -131,10 +131,16 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def calib_text(name: str) -> str:
+def calib_text(name: str, samples: float = 0.0, nsamples: int = 0) -> str:
     if name == "shakespeare":
-        return f"the shakespeare calib split ({len(SHAKESPEARE_CALIB)} plays, none of {SHAKESPEARE_TEST + SHAKESPEARE_VAL})"
-    return f"the {name} calib split"
+        text = f"the shakespeare calib split ({len(SHAKESPEARE_CALIB)} plays, none of {SHAKESPEARE_TEST + SHAKESPEARE_VAL})"
+    else:
+        text = f"the {name} calib split"
+    if not samples:
+        return text
+    n = round(samples * nsamples)
+    return (f"{n} of {nsamples} windows sampled from the dense model itself (temperature 1, from its BOS token), "
+            f"the rest from {text}")
 
 
 def eval_text(name: str) -> str:
@@ -161,17 +167,39 @@ class Context:
     work: Path
     command: str
     calib: dict[int, tuple[Path, torch.Tensor]] = field(default_factory=dict)
+    sampling: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def calibration(self, seed: int) -> tuple[Path, torch.Tensor]:
         """The calibration windows of ``seed``, written once to a token-id file every method reads."""
         if seed not in self.calib:
             a = self.args
-            ids = calibration_windows(self.tokenizer, a.calib, a.nsamples, a.seqlen, seed=seed)
-            path = self.work / f"calib-{a.calib}-{a.nsamples}x{a.seqlen}-seed{seed}.pt"
+            tag = f"-samples{a.calib_samples:g}" if a.calib_samples else ""
+            path = self.work / f"calib-{a.calib}{tag}-{a.nsamples}x{a.seqlen}-seed{seed}.pt"
+            if a.calib_samples:
+                ids = self._sampled(seed, path.with_suffix(".sampled.pt"))
+            else:
+                ids = calibration_windows(self.tokenizer, a.calib, a.nsamples, a.seqlen, seed=seed)
             with atomic_file(path) as tmp:
                 torch.save(ids, tmp)
             self.calib[seed] = (path, torch.load(path, weights_only=True))
         return self.calib[seed]
+
+    def _sampled(self, seed: int, path: Path) -> torch.Tensor:
+        """Windows partly sampled from the dense model, drawn once into ``path`` (sampling is the costly
+        part; every row and rerun reads the file) with the measured sampling time kept beside them."""
+        if not path.exists():
+            from leanml.data.sampling import calibration_with_samples
+            from leanml.models import load_model
+
+            a = self.args
+            model, _ = load_model(str(self.model_dir))
+            ids, info = calibration_with_samples(model, self.tokenizer, a.calib, a.nsamples, a.seqlen,
+                                                 a.calib_samples, seed=seed)
+            with atomic_file(path) as tmp:
+                torch.save({"ids": ids, "info": info}, tmp)
+        saved = torch.load(path, weights_only=True)
+        self.sampling[seed] = saved["info"]
+        return saved["ids"]
 
 
 # ---------------------------------------------------------------- rows
@@ -295,8 +323,11 @@ def run_row(ctx: Context, method: str, pattern: str, profile: str, seed: int | N
     if method != "dense":
         sparsity, _ = H.parse_pattern(pattern)
         calib_path, ids = ctx.calibration(seed)
-        base.update(sparsity=sparsity, nsamples=a.nsamples, calib=a.calib, calib_text=calib_text(a.calib),
-                    calib_sha256=ids_sha256(ids))
+        base.update(sparsity=sparsity, nsamples=a.nsamples, calib=a.calib,
+                    calib_text=calib_text(a.calib, a.calib_samples, a.nsamples), calib_sha256=ids_sha256(ids),
+                    calib_samples=a.calib_samples)
+        if seed in ctx.sampling:  # measured once per seed, when the file was first written; shared by every row
+            base["calib_sampling_seconds"] = ctx.sampling[seed]["sampling_seconds"]
     else:
         base.update(sparsity=0.0, nsamples=None)
     try:
@@ -355,6 +386,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nsamples", type=int, default=DEFAULT_NSAMPLES, help="calibration windows (default 64)")
     ap.add_argument("--seqlen", type=int, default=DEFAULT_SEQLEN, help="tokens per window (default 512)")
     ap.add_argument("--calib", default=DEFAULT_CALIB, help="corpus whose calib split calibrates (default shakespeare)")
+    ap.add_argument("--calib-samples", type=float, default=0.0,
+                    help="share of the calibration windows sampled from the dense model itself, the same file for "
+                         "every method, ours and the peer's (default 0; use its own --results file)")
     ap.add_argument("--corpora", default=",".join(CORPORA), help="evaluation corpora, whole test splits")
     ap.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads, ours and the peer's (default 2)")
     ap.add_argument("--batch-size", type=int, default=None,

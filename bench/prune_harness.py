@@ -333,6 +333,11 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
         seeds = sorted({r["seed"] for r in cal if r.get("seed") is not None})
         lines.append(f"Calibration: {'; '.join(desc)}; seeds {', '.join(map(str, seeds))}; the same token-id file "
                      "for every method of a seed (SHA-256 in the records).  ")
+        sampling = {r["seed"]: r["calib_sampling_seconds"] for r in cal if r.get("calib_sampling_seconds") is not None}
+        if sampling:
+            lines.append("Sampling the calibration windows from the dense model (once per seed, shared by every row, "
+                         "not in prune s): " + ", ".join(f"seed {k} {v:.0f} s" for k, v in sorted(sampling.items()))
+                         + ".  ")
     for corpus in corpora:
         wins = _distinct((r.get("eval_text"), r.get("eval_windows"), r.get("seqlen")) for r in records if r["corpus"] == corpus)
         lines.append(f"Evaluation {CORPUS_NAMES.get(corpus, corpus)}: "

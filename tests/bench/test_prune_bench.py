@@ -292,6 +292,26 @@ def test_harness_runs_rows_and_records_a_failing_peer(tiny_model_dir, tmp_path):
     assert owl["engine"]["owl"] == {"m": 5.0, "lam": 0.08}
 
 
+@pytest.mark.slow
+def test_calibration_partly_sampled_is_one_file_for_every_row(tiny_model_dir, tmp_path):
+    bp = load_bench_prune()
+    text = tmp_path / "small.txt"
+    text.write_text(" ".join(f"word{i % 97} and then some more text number {i}." for i in range(3000)))
+    results = tmp_path / "mix.json"
+    common = ["--model", str(tiny_model_dir), "--nsamples", "4", "--seqlen", "32", "--corpora", str(text),
+              "--results", str(results), "--work-dir", str(tmp_path / "work"), "--threads", "1",
+              "--calib-samples", "0.5", "--patterns", "50%"]
+    bp.main([*common, "--methods", "magnitude,sparsegpt"])
+    bp.main([*common, "--methods", "wanda"])  # a later chunk reads the sampled file, never samples again
+    recs = json.loads(results.read_text())
+    assert {r["method"] for r in recs} == {"magnitude", "sparsegpt", "wanda"}
+    assert len({r["calib_sha256"] for r in recs}) == 1 and len({r["calib_sampling_seconds"] for r in recs}) == 1
+    assert all(r["calib_samples"] == 0.5 and r["calib_sampling_seconds"] > 0 for r in recs)
+    assert recs[0]["calib_text"].startswith("2 of 4 windows sampled from the dense model itself")
+    assert len(list((tmp_path / "work").glob("calib-*-samples0.5-*.sampled.pt"))) == 1
+    assert "Sampling the calibration windows from the dense model" in results.with_suffix(".md").read_text()
+
+
 PEERS_PY = Path(__file__).resolve().parents[2] / ".venv-peers" / "bin" / "python"
 
 

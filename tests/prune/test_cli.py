@@ -86,6 +86,8 @@ def test_resume_continues_an_interrupted_run(tiny_model_dir, tmp_path):
         (["--pattern", "3:7"], "the 3:7 pattern needs input widths divisible by 7"),
         (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
         (["--owl-lambda", "0.6", "--sparsity-profile", "owl", "--sparsity", "0.5"], "lower --owl-lambda"),
+        (["--calib-samples", "1.5"], "--calib-samples is a share"),
+        (["--calib-samples", "-0.1"], "--calib-samples is a share"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tiny_model_dir, tmp_path, extra, message, capsys):
@@ -162,3 +164,24 @@ def test_compressed_bfloat16_owl_run_saves_a_smaller_model_that_leanml_reloads(t
     assert w.dtype == torch.bfloat16
     assert float((w == 0).float().mean()) == pytest.approx(requested[0], abs=0.01)
     assert "compressed" in capsys.readouterr().out
+
+
+def test_calibration_partly_sampled_from_the_model(tiny_model_dir, tmp_path, capsys):
+    """--calib-samples 0.5: half the calibration windows come from the model itself, reported with their
+    sampling time; the run is reproducible (same seed, same pruned weights)."""
+    from transformers import AutoModelForCausalLM
+
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        assert main(["prune", "--model", str(tiny_model_dir), "--method", "sparsegpt", "--nsamples", "4",
+                     "--seqlen", "32", "--calib-samples", "0.5", "--no-eval", "--out", str(out)]) == 0
+    cal = json.loads((outs[0] / "report.json").read_text())["calibration"]
+    assert cal["sampled_windows"] == 2 and cal["corpus_windows"] == 2 and cal["share"] == 0.5
+    assert cal["sampling_seconds"] > 0 and cal["start_token"] is not None
+    assert "2 windows sampled from the model" in capsys.readouterr().out
+    a, b = (AutoModelForCausalLM.from_pretrained(o).model.layers[0].mlp.up_proj.weight for o in outs)
+    assert torch.equal(a, b)
+    plain = json.loads((tmp_path / "c" / "report.json").read_text())["calibration"] if main(
+        ["prune", "--model", str(tiny_model_dir), "--method", "sparsegpt", "--nsamples", "4", "--seqlen", "32",
+         "--no-eval", "--out", str(tmp_path / "c")]) == 0 else None
+    assert plain is not None and "sampled_windows" not in plain

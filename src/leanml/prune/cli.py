@@ -19,6 +19,7 @@ PRUNE_EPILOG = """examples:
   leanml prune --model ./my-llama --method fista --sparsity 0.5 --calib shakespeare --nsamples 64 --out out/f
   leanml prune --model smollm2-135m --method fasp --sparsity 0.2 --out out/fasp20
   leanml prune --model smollm2-135m --method wanda --sparsity 0.7 --sparsity-profile owl --out out/owl70
+  leanml prune --model smollm2-135m --method fista --calib-samples 0.5 --out out/f-mix   # half self-generated
   leanml prune --model ./big-model --dtype bfloat16 --device cuda --save-format compressed --out out/big
   torchrun --nproc_per_node=2 -m leanml prune --method fista --mode dense --out out/fista-par
   leanml prune ... --resume        # continue an interrupted run from its last finished layer
@@ -72,6 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="owl: largest deviation of a layer's sparsity from the target (default 0.08)")
     p.add_argument("--calib", default="shakespeare", help="calibration corpus (shakespeare, a .txt, wikitext2, c4, ptb)")
     p.add_argument("--nsamples", type=int, default=64, help="calibration windows")
+    p.add_argument("--calib-samples", type=float, default=0.0, metavar="F",
+                   help="share F in [0, 1] of the calibration windows sampled from the model itself (temperature 1, "
+                        "from its BOS token; self-generated calibration beside --calib); default 0")
     p.add_argument("--seed", type=int, default=0, help="calibration sampling seed")
     p.add_argument(
         "--mode", choices=["sequential", "dense"], default="sequential",
@@ -204,8 +208,35 @@ def peek_config(spec: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def run_prune(args: argparse.Namespace) -> int:
+def _calibration(model: Any, tokenizer: Any, args: argparse.Namespace,
+                 device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The calibration windows: corpus windows only, or with a share sampled from the model itself.
+
+    Sampling runs the whole model on ``device``: it visits the device for the sampling and goes back to
+    the CPU, where the layer-wise engine expects it."""
+    from leanml.data.sampling import calibration_with_samples
     from leanml.data.text import calibration_windows
+
+    if not args.calib_samples:
+        return calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen, args.seed), {}
+    on_cpu = device.type == "cpu"
+    try:
+        if not on_cpu:
+            model.to(device)
+        ids, info = calibration_with_samples(model, tokenizer, args.calib, args.nsamples, args.seqlen,
+                                             args.calib_samples, seed=args.seed, device=device)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise LeanmlError(f"the model does not fit on {device} to sample calibration windows from it; "
+                          "drop --calib-samples or sample on a larger device") from exc
+    finally:
+        if not on_cpu:
+            model.to("cpu")
+    print(f"calibration: {info['sampled_windows']} windows sampled from the model in "
+          f"{info['sampling_seconds']:.1f} s, {info['corpus_windows']} from {args.calib}")
+    return ids, info
+
+
+def run_prune(args: argparse.Namespace) -> int:
     from leanml.models import (
         check_dtype,
         count_parameters,
@@ -227,6 +258,8 @@ def run_prune(args: argparse.Namespace) -> int:
         raise LeanmlError(f"--sparsity must be in (0, 1), got {args.sparsity}")
     if args.nsamples < 1:
         raise LeanmlError(f"--nsamples must be at least 1, got {args.nsamples}")
+    if not 0.0 <= args.calib_samples <= 1.0:
+        raise LeanmlError(f"--calib-samples is a share of the calibration windows in [0, 1], got {args.calib_samples}")
     if args.sparsity_profile != "uniform" and (pattern is not None or cls.structured):
         what = f"the {args.pattern} pattern" if pattern is not None else f"structured {args.method}"
         raise LeanmlError(f"--sparsity-profile {args.sparsity_profile} sets unstructured per-layer sparsities; "
@@ -257,7 +290,7 @@ def run_prune(args: argparse.Namespace) -> int:
     adapter = get_adapter(model)
     _check_seqlen(model, args.seqlen)
     with Timer() as t_calib:
-        calib = calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen, args.seed)
+        calib, calib_info = _calibration(model, tokenizer, args, device)
     params_before = count_parameters(model)
 
     before = None
@@ -274,7 +307,7 @@ def run_prune(args: argparse.Namespace) -> int:
         sparsity_profile=args.sparsity_profile,
         owl={"m": args.owl_m, "lam": args.owl_lambda},
         fingerprint={"model": args.model, "calib": args.calib, "seed": args.seed, "seqlen": args.seqlen,
-                     "dtype": args.dtype},
+                     "dtype": args.dtype, "calib_samples": args.calib_samples},
     )
     if world > 1:
         from leanml.prune.parallel import prune_distributed
@@ -298,7 +331,7 @@ def run_prune(args: argparse.Namespace) -> int:
         "calibration": {"corpus": args.calib, "split": "calib", "nsamples": args.nsamples, "seqlen": args.seqlen,
                         "seed": args.seed,
                         "note": "shakespeare stands in for WikiText-2 offline (split by play)"
-                        if args.calib == "shakespeare" else ""},
+                        if args.calib == "shakespeare" else "", **calib_info},
         "measured_sparsity": sparsity,
         "perplexity_before": before,
         "perplexity_after": after,

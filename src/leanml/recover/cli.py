@@ -272,7 +272,7 @@ def _mix_teacher_samples(windows: Any, teacher: Any, teacher_name: str, tokenize
 
     import torch
 
-    from leanml.recover.sampling import sample_windows, start_token
+    from leanml.data.sampling import sample_windows, start_token
 
     total = cfg.steps * cfg.batch_size
     n_teacher = min(total, max(1, round(share * total)))

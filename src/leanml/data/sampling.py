@@ -1,13 +1,16 @@
-"""Training windows sampled from the teacher, for distillation beyond the recovery corpus.
+"""Windows of text sampled from a model itself, where a corpus covers one domain only.
 
-A model distilled only on one corpus learns the teacher where that corpus lives (Shakespeare) and drifts
-elsewhere. Windows drawn from the teacher itself (ancestral sampling, temperature 1, no top-k/top-p, from
-the start token) carry the teacher's own distribution of text, so the distillation targets cover what the
-teacher knows rather than one domain. ``leanml recover --teacher-samples F`` replaces a share ``F`` of the
-training windows with such samples; the sampling time counts in the run's time.
+A model distilled or calibrated on one corpus learns (or fits) the model where that corpus lives
+(Shakespeare) and drifts elsewhere. Windows drawn from the model itself (ancestral sampling, temperature
+1, no top-k/top-p, from the start token) carry its own distribution of text. Two users:
+
+- ``leanml recover --teacher-samples F``: a share ``F`` of the training windows sampled from the
+  teacher; the sampling time counts in the run's time;
+- ``leanml prune --calib-samples F``: a share ``F`` of the calibration windows sampled from the model
+  being pruned (self-generated calibration data), beside the calibration corpus.
 
 Sampling uses the model's KV cache, one token per forward for the whole batch, and a seeded
-:class:`torch.Generator`, so the windows depend on the teacher, the seed and the batch size only.
+:class:`torch.Generator`, so the windows depend on the model, the seed and the batch size only.
 """
 
 from __future__ import annotations
@@ -80,3 +83,43 @@ def start_token(tokenizer: object) -> int:
             return int(tid)
     raise LeanmlError("the teacher's tokenizer has neither a BOS nor an EOS token to start samples from; "
                       "drop --teacher-samples")
+
+
+def calibration_with_samples(
+    model: nn.Module,
+    tokenizer: object,
+    corpus: str,
+    nsamples: int,
+    seqlen: int,
+    share: float,
+    *,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> tuple[torch.Tensor, dict]:
+    """``nsamples`` calibration windows: ``round(share * nsamples)`` sampled from ``model`` itself (seeded
+    by ``seed``), the rest seeded random windows of the calibration split of ``corpus``; samples first.
+
+    Returns the ``(nsamples, seqlen)`` ids and what they are (counts, start token, sampling seconds).
+    ``share`` 0 gives exactly :func:`leanml.data.text.calibration_windows`.
+    """
+    import time
+
+    from leanml.data.text import calibration_windows
+
+    if not 0.0 <= share <= 1.0:
+        raise LeanmlError(f"the share of sampled calibration windows must be in [0, 1], got {share}")
+    n_samples = round(share * nsamples)
+    n_corpus = nsamples - n_samples
+    parts, seconds, start = [], 0.0, None
+    if n_samples:
+        start = start_token(tokenizer)
+        t0 = time.perf_counter()
+        parts.append(sample_windows(model, n_samples, seqlen, start_id=start, seed=seed, device=device,
+                                    progress=progress))
+        seconds = time.perf_counter() - t0
+    if n_corpus:
+        parts.append(calibration_windows(tokenizer, corpus, n_corpus, seqlen, seed=seed))
+    info = {"corpus": corpus, "corpus_windows": n_corpus, "sampled_windows": n_samples, "share": share,
+            "start_token": start, "sampling_seconds": seconds}
+    return torch.cat(parts), info

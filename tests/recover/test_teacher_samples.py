@@ -1,5 +1,5 @@
-"""Teacher samples for distillation: the KV-cached sampler against a full-recompute reference, seeds, and
-the CLI's mix of samples and corpus windows."""
+"""``leanml recover --teacher-samples``: the CLI's mix of teacher samples and corpus windows, kept for a
+resumed run."""
 
 from __future__ import annotations
 
@@ -10,60 +10,8 @@ import torch
 
 from builders import tiny_llama
 from leanml.cli import main
-from leanml.recover.sampling import sample_windows, start_token
 from leanml.utils import LeanmlError
 from recover.helpers import save_dir, text, tiny_tokenizer
-
-
-def _reference(model: torch.nn.Module, n: int, seqlen: int, start: int, seed: int, batch_size: int) -> torch.Tensor:
-    """Sampling without a KV cache: the whole prefix goes through the model at every step."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for lo in range(0, n, batch_size):
-        ids = torch.full((min(batch_size, n - lo), 1), start, dtype=torch.long)
-        for _ in range(seqlen):
-            with torch.no_grad():
-                logits = model(input_ids=ids, use_cache=False).logits[:, -1].float()
-            ids = torch.cat([ids, torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)], 1)
-        rows.append(ids[:, 1:])
-    return torch.cat(rows)
-
-
-def test_cached_sampling_equals_full_recompute():
-    torch.manual_seed(0)
-    model = tiny_llama(vocab=64).double().eval()
-    got = sample_windows(model, 5, 12, start_id=3, seed=7, batch_size=2, progress=False)
-    assert got.shape == (5, 12) and got.dtype == torch.long and int(got.max()) < 64
-    assert torch.equal(got, _reference(model, 5, 12, 3, 7, 2))
-    assert torch.equal(got, sample_windows(model, 5, 12, start_id=3, seed=7, batch_size=2, progress=False))
-    assert not torch.equal(got, sample_windows(model, 5, 12, start_id=3, seed=8, batch_size=2, progress=False))
-    assert model.training is False
-
-
-def test_samples_follow_the_teacher_distribution():
-    """A model whose head is replaced by fixed logits, so every next-token distribution is ``probs``:
-    sample frequencies over 2,000 tokens match it."""
-    torch.manual_seed(0)
-    model = tiny_llama(vocab=8).eval()
-    probs = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0])
-
-    class Fixed(torch.nn.Module):
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            return torch.log(probs.clamp_min(1e-30)).expand(*h.shape[:-1], 8)
-
-    model.lm_head = Fixed()
-    got = sample_windows(model, 50, 40, start_id=0, seed=0, batch_size=25, progress=False)
-    freq = torch.bincount(got.flatten(), minlength=8).double() / got.numel()
-    assert torch.allclose(freq, probs.double(), atol=0.02) and int(freq[6:].sum()) == 0
-
-
-def test_bad_sampling_settings_raise():
-    model = tiny_llama(vocab=16)
-    for kwargs in ({"n": 0, "seqlen": 4}, {"n": 2, "seqlen": 0}, {"n": 2, "seqlen": 4, "temperature": 0.0},
-                   {"n": 2, "seqlen": 4, "batch_size": 0}):
-        with pytest.raises(LeanmlError):
-            sample_windows(model, start_id=0, progress=False, **kwargs)
-    assert start_token(tiny_tokenizer()) == tiny_tokenizer().eos_token_id
 
 
 def test_cli_mixes_teacher_samples_into_training(tmp_path, capsys):
