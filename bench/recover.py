@@ -30,6 +30,7 @@ Pruned and recovered models live in $LEANML_CACHE/bench-recover (never in git).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -145,6 +146,44 @@ def model_path(key: str) -> str:
     return DENSE if key == "dense" else str(work_dir() / key)
 
 
+def model_sha256(path: str | Path) -> str:
+    """SHA-256 over a model directory's weight files (names and bytes, in name order): which pruned model
+    a chunk saw. A pruned model lost with the cache and pruned again (by newer code, or a run resumed
+    across versions) need not be the same model."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).glob("*.safetensors")):
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def pruned_eval(chunks: dict[str, Any], model: str, train: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The evaluation of the pruned model ``model``: with a recovery chunk ``train``, the evaluation of the
+    very model it started from (the same weights hash; chunks of runs that recorded no hash pair with each
+    other), else the latest one (chunk ``eval:MODEL``; earlier models' evaluations are kept as
+    ``eval:MODEL@N``)."""
+    if train is None:
+        return chunks.get(f"eval:{model}")
+    sha = train.get("start_model_sha256")
+    keys = [f"eval:{model}", *sorted(k for k in chunks if k.startswith(f"eval:{model}@"))]
+    return next((chunks[k] for k in keys if k in chunks and chunks[k].get("model_sha256") == sha), None)
+
+
+def store_chunk(chunks: dict[str, Any], key: str, result: dict[str, Any]) -> None:
+    """Put a chunk's result under ``key``; a prune or evaluation of another pruned model (another weights
+    hash) already there moves to ``KEY@N`` instead of being overwritten, so the recoveries that started
+    from it keep their pruned perplexity."""
+    old = chunks.get(key)
+    if old is not None and "model_sha256" in result and old.get("model_sha256") != result["model_sha256"]:
+        n = 1
+        while f"{key}@{n}" in chunks:
+            n += 1
+        chunks[f"{key}@{n}"] = old
+    chunks[key] = result
+
+
 def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
     out = work_dir() / name
     args = ["prune", "--model", DENSE, *PRUNED[name][2], "--no-eval", "--out", str(out)]
@@ -156,7 +195,7 @@ def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
     return {"command": "leanml " + " ".join(args), "seconds": seconds, "prune_seconds": rep.get("prune_seconds"),
             "resumed": bool(seconds is not None and resume),  # prune_seconds then covers the resumed part only
             "measured_sparsity": rep.get("measured_sparsity"), "params_after": rep["model"]["params_after"],
-            "params_before": rep["model"]["params_before"]}
+            "params_before": rep["model"]["params_before"], "model_sha256": model_sha256(out)}
 
 
 def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +215,7 @@ def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     ckpt = out.with_name(out.name + ".ckpt")
     if ckpt.exists():
         args.append("--resume")
+    start_sha = model_sha256(model_path(model)) if model in PRUNED else None
     wall = run_logged(leanml_cmd(*args), s["threads"])
     rep = json.loads((out / "report.json").read_text())
     mem, tm = rep["memory"], rep["timings"]
@@ -194,6 +234,7 @@ def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
         "tokens_seen": rep["data"]["tokens_seen"], "resumed_from_step": rep["resumed_from_step"],
         "measured_steps": len(mem.get("measured_steps") or []),
         "teacher_samples": rep["data"].get("teacher_samples"),
+        **({"start_model_sha256": start_sha} if start_sha else {}),
     }
 
 
@@ -209,6 +250,8 @@ def chunk_eval(key: str, s: dict[str, Any]) -> dict[str, Any]:
     model, tok = load_model(model_path(key))
     out: dict[str, Any] = {"sparsity": linear_sparsity(model), "params": count_parameters(model), "ppl": {},
                            "windows": {}, "seconds": {}}
+    if key in PRUNED:
+        out["model_sha256"] = model_sha256(model_path(key))
     for label, corpus in CORPORA.items():
         windows = token_windows(tok, load_text(corpus, "test"), s["eval_seqlen"])
         t0 = time.perf_counter()
@@ -247,8 +290,8 @@ def build_records(data: dict[str, Any]) -> list[dict[str, Any]]:
         for teacher in TEACHERS:
             train = chunks.get(f"train:{model}:{teacher}")
             dense_ft = chunks.get(f"eval:{rec_name('dense', teacher)}")
-            need = [chunks.get("eval:dense"), chunks.get(f"eval:{model}"), chunks.get(f"eval:{rec_name(model, teacher)}"),
-                    dense_ft, train]
+            need = [chunks.get("eval:dense"), pruned_eval(chunks, model, train) if train else None,
+                    chunks.get(f"eval:{rec_name(model, teacher)}"), dense_ft, train]
             if any(x is None for x in need):
                 continue
             ev_dense, ev_pruned, ev_rec = need[0], need[1], need[2]
@@ -357,18 +400,41 @@ def _missing_row(chunks: dict[str, Any], model: str, method: str, pattern: str, 
         c = chunks.get(f"eval:{key}")
         return f"{c['ppl'][corpus]:.2f}" if c else "not run"
 
-    pruned = chunks.get(f"eval:{model}")
+    train = chunks.get(f"train:{model}:{teacher}")  # a recovery trained but not yet evaluated shows its run
+    pruned = pruned_eval(chunks, model, train) if train else pruned_eval(chunks, model)
     cells = [method, pattern, teacher, corpus,
              f"{pruned['sparsity']:.4f}" if pruned else "not run", "not run",
              f"{pruned['params'] / 1e6:.2f} M (pruned)" if pruned else "-",
-             ppl("dense"), ppl(rec_name("dense", teacher)), ppl(model),
-             "not run", "not run"]
-    train = chunks.get(f"train:{model}:{teacher}")  # a recovery trained but not yet evaluated shows its run
+             ppl("dense"), ppl(rec_name("dense", teacher)),
+             f"{pruned['ppl'][corpus]:.2f}" if pruned else "not run", "not run", "not run"]
     mib = 2**20
     cells += ([f"{train['peak_bytes'] / mib:.0f}", fmt(train["budget_bytes"] and train["budget_bytes"] / mib, ".0f"),
                f"{train['train_seconds']:.0f}", fmt(train["median_step_s"])] if train else
               ["not run", "not run", "not run", "-"])
     return "| " + " | ".join(cells) + " |"
+
+
+def _pruned_models_lines(chunks: dict[str, Any]) -> list[str]:
+    """Where a pruned model was pruned more than once (the cache lost, newer code): each version, its
+    perplexities and the recoveries compared with it."""
+    lines = []
+    for model in PRUNED:
+        keys = [k for k in (f"eval:{model}", *sorted(k for k in chunks if k.startswith(f"eval:{model}@")))
+                if k in chunks]
+        if len(keys) < 2:
+            continue
+        parts = []
+        for k in keys:
+            c = chunks[k]
+            sha = c.get("model_sha256")
+            runs = [t for t in TEACHERS if (tr := chunks.get(f"train:{model}:{t}")) is not None
+                    and tr.get("start_model_sha256") == sha]
+            parts.append(f"`{k}` (weights {'sha256 ' + sha[:12] if sha else 'hash not recorded'}; "
+                         + ", ".join(f"{corpus} {c['ppl'][corpus]:.2f}" for corpus in CORPORA)
+                         + f"; recoveries {', '.join(runs) or 'none'})")
+        lines.append(f"{model} was pruned {len(keys)} times with the same command; each recovery is compared "
+                     "with the model it started from: " + "; ".join(parts) + ".")
+    return ["", *lines] if lines else []
 
 
 def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: list[dict[str, Any]]) -> str:
@@ -411,6 +477,7 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
                 r = next((r for r in records if (r["model"], r["teacher"], r["corpus"]) == (model, teacher, corpus)),
                          None)
                 lines.append(_record_row(r) if r else _missing_row(chunks, model, method, pattern, teacher, corpus))
+    lines += _pruned_models_lines(chunks)
     lines += ["", "Training runs (the dense rows are the fine-tuned references):", "",
               "| run | sparsity in | sparsity out | peak MiB | unoptimized MiB | budget MiB | within | loss first "
               "| loss last 10 | train s | teacher s | sampling s | CPU s | load | metered steps | plan |",
@@ -537,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_chunk(chunk.strip(), settings)
             data = load_json(path)  # merge into the latest file (other chunks may have finished meanwhile)
             data.setdefault("settings", settings)
-            data["chunks"][chunk.strip()] = result
+            store_chunk(data["chunks"], chunk.strip(), result)
             from leanml.utils import write_json
 
             write_json(path, data)

@@ -93,3 +93,30 @@ def test_teacher_samples_setting_counts_its_sampling_time() -> None:
     assert b.teacher_label("distill", {}) == "dense teacher, kd weight 1"
     args = b.all_chunks()
     assert args.index("train:fasp30:mix") > args.index("eval:rec-sgpt24-distill")
+
+
+def test_a_pruned_model_pruned_again_keeps_each_recovery_with_its_own_start(tmp_path) -> None:
+    """sgpt50 pruned twice (another weights hash): the second evaluation moves the first to eval:sgpt50@1,
+    recoveries that recorded no start hash stay compared with it, a new one with the new model."""
+    b = load_bench_recover()
+    d = data(70)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"weights one")
+    sha = b.model_sha256(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"weights two")
+    assert b.model_sha256(tmp_path / "m") != sha and len(sha) == 64
+    b.store_chunk(d["chunks"], "eval:sgpt50", {**ev(70, 100), "model_sha256": sha})
+    assert d["chunks"]["eval:sgpt50@1"]["ppl"]["hamlet"] == 60 and d["chunks"]["eval:sgpt50"]["ppl"]["hamlet"] == 70
+    b.store_chunk(d["chunks"], "eval:sgpt50", {**ev(70, 100), "model_sha256": sha})  # the same model: replaced
+    assert "eval:sgpt50@2" not in d["chunks"]
+    d["chunks"]["train:dense:mix"] = train("mix", kd=1.0)
+    d["chunks"]["eval:rec-dense-mix"] = ev(40, 40, 0.0)
+    d["chunks"]["train:sgpt50:mix"] = {**train("mix", kd=1.0), "start_model_sha256": sha}
+    d["chunks"]["eval:rec-sgpt50-mix"] = ev(55, 85)
+    recs = {(r["teacher"], r["corpus"]): r for r in b.build_records(d) if r["model"] == "sgpt50"}
+    assert recs[("distill", "hamlet")]["ppl_pruned"] == 60 and recs[("mix", "hamlet")]["ppl_pruned"] == 70
+    assert abs(recs[("mix", "reviews")]["gap_closed"] - (1 - (85 - 40) / (100 - 40))) < 1e-12
+    lines = " ".join(b._pruned_models_lines(d["chunks"]))
+    assert "sgpt50 was pruned 2 times" in lines and "recoveries mix" in lines and "recoveries none, distill" in lines
+    d["chunks"]["train:sgpt50:mix"]["start_model_sha256"] = "another"
+    assert not [r for r in b.build_records(d) if (r["model"], r["teacher"]) == ("sgpt50", "mix")]
