@@ -36,6 +36,7 @@ def sample_windows(
     batch_size: int = 32,
     device: str | torch.device | None = None,
     progress: bool = True,
+    desc: str = "teacher samples",
 ) -> torch.Tensor:
     """``(n, seqlen)`` token ids sampled from ``teacher`` after ``start_id`` (not included in the window).
 
@@ -55,7 +56,7 @@ def sample_windows(
     cache_arg = "cache" if "cache" in inspect.signature(teacher.forward).parameters else "past_key_values"
     gen = torch.Generator().manual_seed(seed)
     out = torch.empty(n, seqlen, dtype=torch.long)
-    bar = tqdm(total=n * seqlen, desc="teacher samples", unit="tok", unit_scale=True, disable=not progress)
+    bar = tqdm(total=n * seqlen, desc=desc, unit="tok", unit_scale=True, disable=not progress)
     try:
         for lo in range(0, n, batch_size):
             b = min(batch_size, n - lo)
@@ -116,7 +117,7 @@ def calibration_with_samples(
         start = start_token(tokenizer)
         t0 = time.perf_counter()
         parts.append(sample_windows(model, n_samples, seqlen, start_id=start, seed=seed, device=device,
-                                    progress=progress))
+                                    progress=progress, desc="calibration samples"))
         seconds = time.perf_counter() - t0
     if n_corpus:
         parts.append(calibration_windows(tokenizer, corpus, n_corpus, seqlen, seed=seed))
