@@ -24,7 +24,9 @@ bench/results/recover.json by chunk key, so any chunk can be rerun alone:
     python bench/recover.py --only train:sgpt50:dense   # one chunk (wrap it in flock yourself)
     python bench/recover.py --render-only       # tables, plot, targets and docs/recover.md from the JSON
 
-Pruned and recovered models live in $LEANML_CACHE/bench-recover (never in git).
+Pruned and recovered models live in $LEANML_CACHE/bench-recover (never in git). Prune, eval and train
+chunks record the pruned weights' SHA-256, and each recovery is compared with the pruned model it started
+from: a model pruned again (the cache lost) that differs keeps the earlier evaluation as ``eval:MODEL@N``.
 """
 
 from __future__ import annotations
