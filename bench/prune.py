@@ -131,16 +131,26 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def calib_text(name: str, samples: float = 0.0, nsamples: int = 0) -> str:
+def calib_text(name: str, sampling: dict[str, Any] | None = None) -> str:
+    """What the calibration windows are; ``sampling``: what ``calibration_with_samples`` reported, if used."""
     if name == "shakespeare":
         text = f"the shakespeare calib split ({len(SHAKESPEARE_CALIB)} plays, none of {SHAKESPEARE_TEST + SHAKESPEARE_VAL})"
     else:
         text = f"the {name} calib split"
-    if not samples:
+    if not sampling:
         return text
-    n = round(samples * nsamples)
-    return (f"{n} of {nsamples} windows sampled from the dense model itself (temperature 1, from its BOS token), "
-            f"the rest from {text}")
+    n = sampling["sampled_windows"]
+    return (f"{n} of {n + sampling['corpus_windows']} windows sampled from the dense model itself (temperature 1, "
+            f"from its BOS token), the rest from {text}")
+
+
+def check_calibration_kind(path: Path, calib_samples: float) -> None:
+    """Refuse to merge rows of another calibration kind into ``path``: records are keyed by method, pattern,
+    profile, seed and corpus, so a ``--calib-samples`` run would silently replace corpus-only rows."""
+    kinds = {r.get("calib_samples", 0.0) for r in H.load_records(path) if r["method"] != "dense"}
+    if kinds - {calib_samples}:
+        raise LeanmlError(f"{path} holds rows calibrated with --calib-samples {', '.join(f'{k:g}' for k in sorted(kinds))}, "
+                          f"this run uses {calib_samples:g}; pass another --results file")
 
 
 def eval_text(name: str) -> str:
@@ -324,7 +334,7 @@ def run_row(ctx: Context, method: str, pattern: str, profile: str, seed: int | N
         sparsity, _ = H.parse_pattern(pattern)
         calib_path, ids = ctx.calibration(seed)
         base.update(sparsity=sparsity, nsamples=a.nsamples, calib=a.calib,
-                    calib_text=calib_text(a.calib, a.calib_samples, a.nsamples), calib_sha256=ids_sha256(ids),
+                    calib_text=calib_text(a.calib, ctx.sampling.get(seed)), calib_sha256=ids_sha256(ids),
                     calib_samples=a.calib_samples)
         if seed in ctx.sampling:  # measured once per seed, when the file was first written; shared by every row
             base["calib_sampling_seconds"] = ctx.sampling[seed]["sampling_seconds"]
@@ -406,6 +416,10 @@ def main(argv: list[str] | None = None) -> None:
         write_outputs(merge_records([], results), results)
         print(results.with_suffix(".md").read_text())
         return
+    try:
+        check_calibration_kind(results, args.calib_samples)
+    except LeanmlError as exc:
+        ap.error(str(exc))
     methods = [m for m in args.methods.split(",") if m]
     patterns = [p for p in args.patterns.split(",") if p]
     profiles = [p for p in args.profiles.split(",") if p]

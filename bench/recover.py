@@ -169,8 +169,13 @@ def pruned_eval(chunks: dict[str, Any], model: str, train: dict[str, Any] | None
     if train is None:
         return chunks.get(f"eval:{model}")
     sha = train.get("start_model_sha256")
-    keys = [f"eval:{model}", *sorted(k for k in chunks if k.startswith(f"eval:{model}@"))]
-    return next((chunks[k] for k in keys if k in chunks and chunks[k].get("model_sha256") == sha), None)
+    return next((chunks[k] for k in pruned_eval_keys(chunks, model) if chunks[k].get("model_sha256") == sha), None)
+
+
+def pruned_eval_keys(chunks: dict[str, Any], model: str) -> list[str]:
+    """The chunks evaluating versions of the pruned model ``model``: the latest, then ``eval:MODEL@N`` by N."""
+    earlier = sorted((k for k in chunks if k.startswith(f"eval:{model}@")), key=lambda k: int(k.rpartition("@")[2]))
+    return [k for k in (f"eval:{model}", *earlier) if k in chunks]
 
 
 def store_chunk(chunks: dict[str, Any], key: str, result: dict[str, Any]) -> None:
@@ -292,7 +297,7 @@ def build_records(data: dict[str, Any]) -> list[dict[str, Any]]:
         for teacher in TEACHERS:
             train = chunks.get(f"train:{model}:{teacher}")
             dense_ft = chunks.get(f"eval:{rec_name('dense', teacher)}")
-            need = [chunks.get("eval:dense"), pruned_eval(chunks, model, train) if train else None,
+            need = [chunks.get("eval:dense"), pruned_eval(chunks, model, train),
                     chunks.get(f"eval:{rec_name(model, teacher)}"), dense_ft, train]
             if any(x is None for x in need):
                 continue
@@ -403,7 +408,7 @@ def _missing_row(chunks: dict[str, Any], model: str, method: str, pattern: str, 
         return f"{c['ppl'][corpus]:.2f}" if c else "not run"
 
     train = chunks.get(f"train:{model}:{teacher}")  # a recovery trained but not yet evaluated shows its run
-    pruned = pruned_eval(chunks, model, train) if train else pruned_eval(chunks, model)
+    pruned = pruned_eval(chunks, model, train)
     cells = [method, pattern, teacher, corpus,
              f"{pruned['sparsity']:.4f}" if pruned else "not run", "not run",
              f"{pruned['params'] / 1e6:.2f} M (pruned)" if pruned else "-",
@@ -421,8 +426,7 @@ def _pruned_models_lines(chunks: dict[str, Any]) -> list[str]:
     perplexities and the recoveries compared with it."""
     lines = []
     for model in PRUNED:
-        keys = [k for k in (f"eval:{model}", *sorted(k for k in chunks if k.startswith(f"eval:{model}@")))
-                if k in chunks]
+        keys = pruned_eval_keys(chunks, model)
         if len(keys) < 2:
             continue
         parts = []

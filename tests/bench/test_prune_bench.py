@@ -310,6 +310,10 @@ def test_calibration_partly_sampled_is_one_file_for_every_row(tiny_model_dir, tm
     assert recs[0]["calib_text"].startswith("2 of 4 windows sampled from the dense model itself")
     assert len(list((tmp_path / "work").glob("calib-*-samples0.5-*.sampled.pt"))) == 1
     assert "Sampling the calibration windows from the dense model" in results.with_suffix(".md").read_text()
+    before = results.read_text()
+    with pytest.raises(SystemExit):  # corpus-only rows would replace the sampled ones of the same key
+        bp.main([*[a for a in common if a not in ("--calib-samples", "0.5")], "--methods", "magnitude"])
+    assert results.read_text() == before
 
 
 PEERS_PY = Path(__file__).resolve().parents[2] / ".venv-peers" / "bin" / "python"

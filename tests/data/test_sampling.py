@@ -61,6 +61,8 @@ def test_bad_sampling_settings_raise():
         with pytest.raises(LeanmlError):
             sample_windows(model, start_id=0, progress=False, **kwargs)
     assert start_token(tiny_tokenizer()) == tiny_tokenizer().eos_token_id
+    with pytest.raises(LeanmlError, match="drop --calib-samples"):
+        start_token(object(), "--calib-samples")
 
 
 def test_calibration_with_samples_is_samples_then_corpus_windows(smollm2_dir):

@@ -76,14 +76,14 @@ def sample_windows(
     return out
 
 
-def start_token(tokenizer: object) -> int:
-    """The token a sample starts from: the tokenizer's BOS, else its EOS (a document boundary)."""
+def start_token(tokenizer: object, option: str = "--teacher-samples") -> int:
+    """The token a sample starts from: the tokenizer's BOS, else its EOS (a document boundary).
+    ``option``: the command-line option that asked for samples, named in the error."""
     for name in ("bos_token_id", "eos_token_id"):
         tid = getattr(tokenizer, name, None)
         if tid is not None:
             return int(tid)
-    raise LeanmlError("the teacher's tokenizer has neither a BOS nor an EOS token to start samples from; "
-                      "drop --teacher-samples")
+    raise LeanmlError(f"the tokenizer has neither a BOS nor an EOS token to start samples from; drop {option}")
 
 
 def calibration_with_samples(
@@ -114,7 +114,7 @@ def calibration_with_samples(
     n_corpus = nsamples - n_samples
     parts, seconds, start = [], 0.0, None
     if n_samples:
-        start = start_token(tokenizer)
+        start = start_token(tokenizer, "--calib-samples")
         t0 = time.perf_counter()
         parts.append(sample_windows(model, n_samples, seqlen, start_id=start, seed=seed, device=device,
                                     progress=progress, desc="calibration samples"))
