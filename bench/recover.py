@@ -5,7 +5,7 @@ Models: SmolLM2-135M pruned by ``leanml prune`` with its defaults except the met
 recovered by ``leanml recover`` on the Shakespeare train split (every play but Hamlet) for a fixed
 number of steps under ``--memory adacc --memory-budget 0.5``, once without and once with the dense
 model as teacher (labels + distillation, pure distillation, and pure distillation on windows half
-sampled from the teacher itself). The reference is the dense model fine-tuned the same way (``--no-mask``, same
+sampled from the teacher itself, also with twice the steps at lr 2e-4). The reference is the dense model fine-tuned the same way (``--no-mask``, same
 teacher setting), because fine-tuning on Shakespeare also moves the dense model:
 
     gap before = ppl(pruned) - ppl(dense)
@@ -56,7 +56,10 @@ PRUNED = {
 #: recovery settings: no teacher; the dense teacher mixed with the labels (``--kd-weight`` setting, 0.5);
 #: pure distillation from the dense teacher (``--distill-kd-weight``, 1.0: the labels unused); the same
 #: with a share ``--teacher-samples`` (0.5) of the training windows sampled from the teacher (``mix``)
-TEACHERS = ("none", "dense", "distill", "mix")
+#: ``mixlong``: ``mix`` with twice the steps at a higher peak learning rate (:data:`VARIANTS`)
+TEACHERS = ("none", "dense", "distill", "mix", "mixlong")
+#: settings that are another setting with some training options changed: name -> (base setting, changes)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"mixlong": ("mix", {"steps": 300, "lr": 2e-4})}
 CORPORA = {"hamlet": "shakespeare", "reviews": "reviews"}
 #: gap_closed targets (issue): these methods, both corpora
 TARGET_METHODS = ("sgpt50", "fasp30")
@@ -66,8 +69,19 @@ DEFAULTS = {"steps": 150, "batch_size": 2, "seqlen": 256, "lr": 1e-4, "memory": 
             "kd_weight": 0.5, "distill_kd_weight": 1.0, "teacher_samples": 0.5, "eval_seqlen": 512, "threads": 2}
 
 
+def base_setting(teacher: str) -> str:
+    """The teacher setting a recovery setting builds on (itself unless it is one of :data:`VARIANTS`)."""
+    return VARIANTS[teacher][0] if teacher in VARIANTS else teacher
+
+
+def run_settings(teacher: str, s: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark settings ``s`` with the changes a variant setting makes."""
+    return {**s, **VARIANTS[teacher][1]} if teacher in VARIANTS else s
+
+
 def kd_weight(teacher: str, s: dict[str, Any]) -> float | None:
     """The distillation weight of a recovery setting (None: no teacher)."""
+    teacher = base_setting(teacher)
     if teacher == "none":
         return None
     return float(s["kd_weight"] if teacher == "dense" else s.get("distill_kd_weight", DEFAULTS["distill_kd_weight"]))
@@ -75,6 +89,7 @@ def kd_weight(teacher: str, s: dict[str, Any]) -> float | None:
 
 def teacher_share(teacher: str, s: dict[str, Any]) -> float:
     """The share of training windows sampled from the teacher in a recovery setting."""
+    teacher = base_setting(teacher)
     return float(s.get("teacher_samples", DEFAULTS["teacher_samples"])) if teacher == "mix" else 0.0
 
 
@@ -88,7 +103,9 @@ def teacher_label(teacher: str, s: dict[str, Any]) -> str:
     if w is None:
         return "no teacher"
     share = teacher_share(teacher, s)
-    return f"dense teacher, kd weight {w:g}" + (f", {share:.0%} of the windows sampled from it" if share else "")
+    changes = "".join(f", {k} {v:g}" for k, v in VARIANTS.get(teacher, ("", {}))[1].items())
+    return (f"dense teacher, kd weight {w:g}" + (f", {share:.0%} of the windows sampled from it" if share else "")
+            + changes)
 
 
 def work_dir() -> Path:
@@ -136,7 +153,7 @@ def all_chunks() -> list[str]:
               *run("dense", "dense"), *run("sgpt50", "dense")]
     for model in ["fasp30", "sgpt24"]:
         chunks += [f"prune:{model}", f"eval:{model}", *run(model, "none"), *run(model, "dense")]
-    for teacher in ("distill", "mix"):
+    for teacher in ("distill", "mix", "mixlong"):
         for model in ["dense", "fasp30", "sgpt50", "sgpt24"]:
             chunks += run(model, teacher)
     assert len(set(chunks)) == len(chunks) == 1 + len(PRUNED) * 2 + (1 + len(PRUNED)) * len(TEACHERS) * 2
@@ -206,6 +223,7 @@ def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
+    s = run_settings(teacher, s)
     out = work_dir() / rec_name(model, teacher)
     args = ["recover", "--model", model_path(model), "--data", "shakespeare", "--steps", str(s["steps"]),
             "--batch-size", str(s["batch_size"]), "--seqlen", str(s["seqlen"]), "--lr", str(s["lr"]),
@@ -276,7 +294,10 @@ def run_chunk(chunk: str, s: dict[str, Any]) -> dict[str, Any]:
         result = chunk_prune(rest, s)
     elif kind == "train":
         model, teacher = rest.split(":")
+        if teacher not in TEACHERS:
+            raise SystemExit(f"unknown recovery setting {teacher!r}; one of: {', '.join(TEACHERS)}")
         result = chunk_train(model, teacher, s)
+        s = run_settings(teacher, s)  # the record keeps the settings the run had
     elif kind == "eval":
         result = chunk_eval(rest, s)
     else:
@@ -311,7 +332,7 @@ def build_records(data: dict[str, Any]) -> list[dict[str, Any]]:
                     "sparsity_in": ev_pruned["sparsity"], "sparsity_out": ev_rec["sparsity"],
                     "params": ev_rec["params"], "teacher": teacher,
                     "kd_weight": train.get("kd_weight", kd_weight(teacher, train["settings"])),
-                    "steps": train["settings"]["steps"],
+                    "steps": train["settings"]["steps"], "lr": train["settings"]["lr"],
                     "memory": train["settings"]["memory"], "budget_fraction": train["budget_fraction"],
                     "peak_bytes": train["peak_bytes"], "budget_bytes": train["budget_bytes"],
                     "unoptimized_peak_bytes": train["unoptimized_peak_bytes"], "within_budget": train["within_budget"],
@@ -463,7 +484,8 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
         "distillation, the labels unused; its dense reference is trained the same way); rows `mix`: the same "
         f"pure distillation with `--teacher-samples {s.get('teacher_samples', DEFAULTS['teacher_samples'])}` "
         "(that share of the training windows sampled from the dense teacher, temperature 1, from its BOS "
-        "token, the rest Shakespeare; the sampling time is in train s). Pruning: `leanml prune` defaults except method and sparsity "
+        "token, the rest Shakespeare; the sampling time is in train s); rows `mixlong`: `mix` with "
+        + ", ".join(f"{k} {v:g}" for k, v in VARIANTS["mixlong"][1].items()) + ". Pruning: `leanml prune` defaults except method and sparsity "
         f"(64 x 512 calibration tokens). Perplexity: SparseGPT protocol, {s['eval_seqlen']}-token windows, "
         f"Hamlet (all test windows) and the last 300 Women's Clothing reviews.",
         "",
@@ -535,7 +557,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     models = list(PRUNED)
     width = 0.8 / len(TEACHERS)
     labels = {"none": "no teacher", "dense": "dense teacher + labels", "distill": "pure distillation",
-              "mix": "pure distillation, half teacher samples"}
+              "mix": "pure distillation, half teacher samples",
+              "mixlong": "the same, " + ", ".join(f"{k} {v:g}" for k, v in VARIANTS["mixlong"][1].items())}
     for ax, corpus in zip(axes, CORPORA):
         for j, teacher in enumerate(TEACHERS):
             vals = []

@@ -120,3 +120,31 @@ def test_a_pruned_model_pruned_again_keeps_each_recovery_with_its_own_start(tmp_
     assert "sgpt50 was pruned 2 times" in lines and "recoveries mix" in lines and "recoveries none, distill" in lines
     d["chunks"]["train:sgpt50:mix"]["start_model_sha256"] = "another"
     assert not [r for r in b.build_records(d) if (r["model"], r["teacher"]) == ("sgpt50", "mix")]
+
+
+def test_a_variant_setting_trains_with_its_own_options_and_counts_for_the_one_setting_target() -> None:
+    """``mixlong`` is ``mix`` with more steps at another learning rate: same teacher and samples, its own
+    steps and lr in the chunk settings and the records, its own dense reference; it alone can meet the
+    one-setting target."""
+    b = load_bench_recover()
+    base = {"steps": 150, "memory": "adacc", "lr": 1e-4, "kd_weight": 0.5, "teacher_samples": 0.5}
+    s = b.run_settings("mixlong", base)
+    assert s["lr"] == b.VARIANTS["mixlong"][1]["lr"] != base["lr"] and base["lr"] == 1e-4  # the base is not changed
+    assert s["steps"] == b.VARIANTS["mixlong"][1]["steps"] != base["steps"]
+    assert b.run_settings("mix", base) == base
+    assert b.kd_weight("mixlong", base) == b.kd_weight("mix", base) == 1.0
+    assert b.teacher_share("mixlong", base) == b.teacher_share("mix", base) == 0.5
+    assert b.teacher_label("mixlong", base).startswith(b.teacher_label("mix", base) + ", steps 300, lr ")
+    d = data(75)  # distill misses fasp30's reviews (30 %)
+    for model in ("dense", "sgpt50", "fasp30"):
+        d["chunks"][f"train:{model}:mixlong"] = {**train("mixlong", kd=1.0), "settings": s}
+    d["chunks"]["eval:rec-dense-mixlong"] = ev(42, 41, 0.0)
+    d["chunks"]["eval:rec-sgpt50-mixlong"] = ev(50, 60)
+    d["chunks"]["eval:rec-fasp30-mixlong"] = ev(46, 70, 0.05)  # 1 - (70 - 41) / 50 = 42 %
+    recs = [r for r in b.build_records(d) if r["teacher"] == "mixlong"]
+    assert len(recs) == 4 and all(r["lr"] == s["lr"] and r["steps"] == s["steps"] for r in recs)
+    r = next(r for r in recs if (r["model"], r["corpus"]) == ("fasp30", "reviews"))
+    assert abs(r["gap_closed"] - (1 - (70 - 41) / (90 - 40))) < 1e-12 and r["ppl_dense_ft"] == 41
+    one = next(t for t in b.targets(b.build_records(d), d) if t["target"].startswith("one recovery setting"))
+    assert one["met"] is True and one["detail"].count("met by") == 1 and ", steps 300, lr " in one["detail"]
+    assert "train:fasp30:mixlong" in b.all_chunks()
