@@ -5,8 +5,9 @@ Models: SmolLM2-135M pruned by ``leanml prune`` with its defaults except the met
 recovered by ``leanml recover`` on the Shakespeare train split (every play but Hamlet) for a fixed
 number of steps under ``--memory adacc --memory-budget 0.5``, once without and once with the dense
 model as teacher (labels + distillation, pure distillation, and pure distillation on windows half
-sampled from the teacher itself, also with twice the steps at lr 2e-4). The reference is the dense model fine-tuned the same way (``--no-mask``, same
-teacher setting), because fine-tuning on Shakespeare also moves the dense model:
+sampled from the teacher itself, also with twice the steps at lr 2e-4). The reference is the dense
+model fine-tuned the same way (``--no-mask``, same teacher setting), because fine-tuning on
+Shakespeare also moves the dense model:
 
     gap before = ppl(pruned) - ppl(dense)
     gap after  = ppl(pruned + recover) - ppl(dense + the same fine-tune)
@@ -79,6 +80,11 @@ def run_settings(teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     return {**s, **VARIANTS[teacher][1]} if teacher in VARIANTS else s
 
 
+def variant_changes(teacher: str) -> str:
+    """The options a variant setting changes, as ``"steps 300, lr 0.0002"`` ("" for other settings)."""
+    return ", ".join(f"{k} {v:g}" for k, v in VARIANTS[teacher][1].items()) if teacher in VARIANTS else ""
+
+
 def kd_weight(teacher: str, s: dict[str, Any]) -> float | None:
     """The distillation weight of a recovery setting (None: no teacher)."""
     teacher = base_setting(teacher)
@@ -103,9 +109,9 @@ def teacher_label(teacher: str, s: dict[str, Any]) -> str:
     if w is None:
         return "no teacher"
     share = teacher_share(teacher, s)
-    changes = "".join(f", {k} {v:g}" for k, v in VARIANTS.get(teacher, ("", {}))[1].items())
+    changes = variant_changes(teacher)
     return (f"dense teacher, kd weight {w:g}" + (f", {share:.0%} of the windows sampled from it" if share else "")
-            + changes)
+            + (f", {changes}" if changes else ""))
 
 
 def work_dir() -> Path:
@@ -223,7 +229,7 @@ def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
-    s = run_settings(teacher, s)
+    """One recovery run; ``s``: the settings of this run (:func:`run_settings` applied)."""
     out = work_dir() / rec_name(model, teacher)
     args = ["recover", "--model", model_path(model), "--data", "shakespeare", "--steps", str(s["steps"]),
             "--batch-size", str(s["batch_size"]), "--seqlen", str(s["seqlen"]), "--lr", str(s["lr"]),
@@ -296,8 +302,8 @@ def run_chunk(chunk: str, s: dict[str, Any]) -> dict[str, Any]:
         model, teacher = rest.split(":")
         if teacher not in TEACHERS:
             raise SystemExit(f"unknown recovery setting {teacher!r}; one of: {', '.join(TEACHERS)}")
+        s = run_settings(teacher, s)  # the run, and its record, use the variant's settings
         result = chunk_train(model, teacher, s)
-        s = run_settings(teacher, s)  # the record keeps the settings the run had
     elif kind == "eval":
         result = chunk_eval(rest, s)
     else:
@@ -485,7 +491,7 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
         f"pure distillation with `--teacher-samples {s.get('teacher_samples', DEFAULTS['teacher_samples'])}` "
         "(that share of the training windows sampled from the dense teacher, temperature 1, from its BOS "
         "token, the rest Shakespeare; the sampling time is in train s); rows `mixlong`: `mix` with "
-        + ", ".join(f"{k} {v:g}" for k, v in VARIANTS["mixlong"][1].items()) + ". Pruning: `leanml prune` defaults except method and sparsity "
+        + variant_changes("mixlong") + ". Pruning: `leanml prune` defaults except method and sparsity "
         f"(64 x 512 calibration tokens). Perplexity: SparseGPT protocol, {s['eval_seqlen']}-token windows, "
         f"Hamlet (all test windows) and the last 300 Women's Clothing reviews.",
         "",
@@ -558,7 +564,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     width = 0.8 / len(TEACHERS)
     labels = {"none": "no teacher", "dense": "dense teacher + labels", "distill": "pure distillation",
               "mix": "pure distillation, half teacher samples",
-              "mixlong": "the same, " + ", ".join(f"{k} {v:g}" for k, v in VARIANTS["mixlong"][1].items())}
+              "mixlong": "the same, " + variant_changes("mixlong")}
     for ax, corpus in zip(axes, CORPORA):
         for j, teacher in enumerate(TEACHERS):
             vals = []
