@@ -59,3 +59,53 @@ def test_mixed_windows_are_kept_for_a_resumed_run(tmp_path):
     with pytest.raises(LeanmlError, match="corpus has 40"):
         _mix_teacher_samples(corpus, teacher, "t", tok, RecoverConfig(steps=50, batch_size=2), 0.1,
                              tmp_path / "c2", "cpu")
+
+
+def test_samples_are_cached_across_runs_with_the_same_teacher(tmp_path):
+    """A second run with the same teacher weights and settings reads the first run's samples from the cache
+    (the same windows a fresh sampling gives) and reports the first run's sampling time; another teacher
+    (one weight changed), another count or another seed samples again."""
+    from leanml.recover.api import RecoverConfig
+    from leanml.recover.cli import _mix_teacher_samples
+
+    torch.manual_seed(0)
+    tok = tiny_tokenizer()
+    teacher = tiny_llama(vocab=len(tok))
+    corpus = torch.arange(40 * 8).view(40, 8) % len(tok)
+    cfg = RecoverConfig(steps=5, batch_size=2, seed=3)
+    cache = tmp_path / "cache"
+    first, info = _mix_teacher_samples(corpus, teacher, "t", tok, cfg, 0.3, tmp_path / "a", "cpu", cache_dir=cache)
+    assert info["reused_from_cache"] is None and info["sampling_seconds"] > 0 and len(list(cache.iterdir())) == 1
+    fresh, _ = _mix_teacher_samples(corpus, teacher, "t", tok, cfg, 0.3, tmp_path / "b", "cpu")  # no cache
+    again, info2 = _mix_teacher_samples(corpus, teacher, "other name", tok, cfg, 0.3, tmp_path / "c", "cpu",
+                                        cache_dir=cache)
+    assert torch.equal(first, fresh) and torch.equal(first, again)
+    assert info2["reused_from_cache"] and not info2["reused_from_checkpoint"]
+    assert info2["sampling_seconds"] == info["sampling_seconds"]  # the time the sampling took, where it was done
+    # the reused samples went into the run's checkpoint: a resumed run keeps them without the cache
+    _, info3 = _mix_teacher_samples(corpus, teacher, "other name", tok, cfg, 0.3, tmp_path / "c", "cpu")
+    assert info3["reused_from_checkpoint"] and info3["sampling_seconds"] == info["sampling_seconds"]
+    for changed_cfg, share in ((RecoverConfig(steps=5, batch_size=2, seed=4), 0.3), (cfg, 0.5)):
+        _, info4 = _mix_teacher_samples(corpus, teacher, "t", tok, changed_cfg, share, tmp_path / f"d{share}",
+                                        "cpu", cache_dir=cache)
+        assert info4["reused_from_cache"] is None
+    with torch.no_grad():
+        next(teacher.parameters()).view(-1)[0] += 1.0
+    _, info5 = _mix_teacher_samples(corpus, teacher, "t", tok, cfg, 0.3, tmp_path / "e", "cpu", cache_dir=cache)
+    assert info5["reused_from_cache"] is None and len(list(cache.iterdir())) == 4
+
+
+def test_cache_option_needs_samples_and_a_directory(tmp_path, capsys):
+    tok = tiny_tokenizer()
+    save_dir(tiny_llama(vocab=len(tok)), tok, tmp_path / "dense")
+    (tmp_path / "text.txt").write_text(text())
+    (tmp_path / "afile").write_text("x")
+    base = ["recover", "--model", str(tmp_path / "dense"), "--no-mask", "--data", str(tmp_path / "text.txt"),
+            "--seqlen", "32", "--steps", "4", "--batch-size", "2", "--memory", "none", "--no-eval",
+            "--out", str(tmp_path / "x")]
+    assert main([*base, "--teacher-samples-cache", str(tmp_path / "c")]) == 2
+    assert "pass --teacher-samples too" in capsys.readouterr().err
+    assert main([*base, "--teacher", str(tmp_path / "dense"), "--teacher-samples", "0.5",
+                 "--teacher-samples-cache", str(tmp_path / "afile")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "c").exists()

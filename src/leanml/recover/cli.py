@@ -18,6 +18,8 @@ EPILOG = """examples:
   leanml recover --model out/sgpt24 --teacher smollm2-135m --kd-weight 0.5 --out out/sgpt24-kd
   leanml recover --model out/fasp30 --teacher source --memory checkpoint --out out/fasp30-rec
   leanml recover --model out/fasp30 --teacher smollm2-135m --kd-weight 1 --teacher-samples 0.5 --out out/f30-mix
+  leanml recover --model out/sgpt50 --teacher smollm2-135m --kd-weight 1 --teacher-samples 0.5 \
+      --teacher-samples-cache out/samples --out out/s50-mix   # a later run with the same teacher reuses them
   leanml recover --model smollm2-135m --no-mask --steps 200 --out out/dense-ft   # the dense reference
   leanml recover --model out/sgpt50 --save-format compressed --dtype bfloat16 --out out/sgpt50-rec-small
   leanml recover ... --resume        # continue a killed run from its last checkpoint (DIR.ckpt)
@@ -37,6 +39,9 @@ distillation:
   activation peak and Adacc's budget. --teacher-samples F replaces a share F of the steps x batch-size
   training windows with windows sampled from the teacher (temperature 1, from its BOS token), so the
   student learns the teacher beyond the domain of --data; the sampling time counts in the run's time.
+  --teacher-samples-cache DIR keeps the samples (keyed by a hash of the teacher's weights, the window
+  count and length, the seed and the start token) so that runs with the same teacher sample once; a run
+  that reuses them reports the seconds the sampling took where it was done.
 
 --memory-budget (--memory adacc only; default 0.5) is a fraction of the unoptimized activation peak of
 one step, bytes, or a size (2GB); a budget below the smallest feasible plan is refused before training.
@@ -84,6 +89,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--teacher-samples", type=float, default=0.0,
                    help="share of the training windows sampled from the teacher instead of read from --data, "
                         "in [0, 1] (needs --teacher; default 0)")
+    p.add_argument("--teacher-samples-cache", default=None, metavar="DIR",
+                   help="keep the teacher's samples in DIR and reuse them in later runs with the same teacher "
+                        "weights, window count, length, seed and start token (the report keeps the sampling time)")
     p.add_argument("--pattern", default=None, help="N:M pattern the zeros must follow (checked; default: report.json's)")
     p.add_argument("--no-mask", action="store_true", help="train every weight (a dense fine-tune; sparsity is not kept)")
     p.add_argument("--eval-data", default="shakespeare,reviews",
@@ -174,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
         raise LeanmlError(f"--teacher-samples is a share of the training windows, in [0, 1]; got {args.teacher_samples}")
     if args.teacher_samples > 0 and args.teacher is None:
         raise LeanmlError("--teacher-samples draws training windows from the teacher: pass --teacher too")
+    if args.teacher_samples_cache is not None and not args.teacher_samples > 0:
+        raise LeanmlError("--teacher-samples-cache keeps the teacher's samples: pass --teacher-samples too")
+    if args.teacher_samples_cache is not None and Path(args.teacher_samples_cache).is_file():
+        raise LeanmlError(f"--teacher-samples-cache {args.teacher_samples_cache} is a file; it must be a directory")
     if args.no_mask and args.pattern:
         raise LeanmlError("--no-mask trains every weight, so --pattern cannot be kept; drop one of them")
     parse_nm(args.pattern)
@@ -214,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
     samples_info = None
     if args.teacher_samples > 0:
         windows, samples_info = _mix_teacher_samples(windows, teacher, teacher_spec, tokenizer, cfg,
-                                                     args.teacher_samples, ckpt, device)
+                                                     args.teacher_samples, ckpt, device,
+                                                     cache_dir=args.teacher_samples_cache)
     eval_sets = {}
     for name in eval_names:
         w = token_windows(tokenizer, load_text(name, "test"), args.eval_seqlen)
@@ -262,17 +275,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+#: sequences sampled at once (the samples depend on it: part of the cache key)
+SAMPLE_BATCH = 32
+
+
+def teacher_fingerprint(teacher: Any) -> str:
+    """SHA-256 over a model's parameters and buffers (names, dtypes, shapes, bytes), in name order."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted({**dict(teacher.named_parameters()), **dict(teacher.named_buffers())}.items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def _mix_teacher_samples(windows: Any, teacher: Any, teacher_name: str, tokenizer: Any, cfg: Any, share: float,
-                         ckpt: Path, device: Any) -> tuple[Any, dict[str, Any]]:
+                         ckpt: Path, device: Any, cache_dir: str | Path | None = None) -> tuple[Any, dict[str, Any]]:
     """The training windows with a share ``share`` of the ``steps x batch_size`` windows training reads
     sampled from the teacher and the rest drawn (seeded) from the corpus. The samples are kept in the
     checkpoint directory, so a resumed run trains on the same windows; samples of another teacher
-    (``teacher_name``) or other settings are drawn again, and the run's checkpoint then refuses the data."""
+    (``teacher_name``) or other settings are drawn again, and the run's checkpoint then refuses the data.
+    ``cache_dir``: samples are also looked up in (and written to) this directory, keyed by a hash of the
+    teacher's weights and the sampling settings, so runs with the same teacher sample once. ``seconds``
+    in the result is this run's time to get the samples; ``sampling_seconds`` the time the sampling took
+    (in this run, or in the run that cached or checkpointed them)."""
+    import hashlib
+    import json
     import time
 
     import torch
 
     from leanml.data.sampling import sample_windows, start_token
+    from leanml.utils import atomic_file
 
     total = cfg.steps * cfg.batch_size
     n_teacher = min(total, max(1, round(share * total)))
@@ -284,21 +322,37 @@ def _mix_teacher_samples(windows: Any, teacher: Any, teacher_name: str, tokenize
     key = {"teacher": teacher_name, "n": n_teacher, "seqlen": int(windows.shape[1]), "seed": cfg.seed, "start": start}
     path = ckpt / "teacher_samples.pt"
     t0 = time.perf_counter()
-    samples, reused = None, False
+    samples, reused, cached, sampling_seconds = None, False, None, None
     if path.exists():
         saved = torch.load(path, weights_only=True)
         if saved.get("key") == key:
-            samples, reused = saved["windows"], True
+            samples, reused, sampling_seconds = saved["windows"], True, saved.get("sampling_seconds")
+    cache_file = None
+    if cache_dir is not None:
+        ckey = {"teacher_sha256": teacher_fingerprint(teacher), "n": n_teacher, "seqlen": key["seqlen"],
+                "seed": cfg.seed, "start": start, "batch_size": SAMPLE_BATCH, "temperature": 1.0}
+        digest = hashlib.sha256(json.dumps(ckey, sort_keys=True).encode()).hexdigest()[:20]
+        cache_file = Path(cache_dir) / f"teacher-samples-{digest}.pt"
+        if samples is None and cache_file.exists():
+            saved = torch.load(cache_file, weights_only=True)
+            if saved.get("key") == ckey and tuple(saved["windows"].shape) == (n_teacher, key["seqlen"]):
+                samples, cached, sampling_seconds = saved["windows"], str(cache_file), saved.get("sampling_seconds")
     if samples is None:
         samples = sample_windows(teacher, n_teacher, int(windows.shape[1]), start_id=start, seed=cfg.seed,
-                                 device=device)
+                                 batch_size=SAMPLE_BATCH, device=device)
+        sampling_seconds = time.perf_counter() - t0
+    if cache_file is not None and not cache_file.exists():
+        with atomic_file(cache_file) as tmp:
+            torch.save({"key": ckey, "windows": samples, "sampling_seconds": sampling_seconds}, tmp)
+    if not reused:
         ckpt.mkdir(parents=True, exist_ok=True)
-        torch.save({"key": key, "windows": samples}, path)
+        torch.save({"key": key, "windows": samples, "sampling_seconds": sampling_seconds}, path)
     seconds = time.perf_counter() - t0
     order = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:n_corpus]
     mixed = torch.cat([samples, windows[order]])
     return mixed, {"share": share, "windows": n_teacher, "corpus_windows": n_corpus, "seqlen": key["seqlen"],
-                   "start_token": start, "seconds": seconds, "reused_from_checkpoint": reused}
+                   "start_token": start, "seconds": seconds, "sampling_seconds": sampling_seconds,
+                   "reused_from_checkpoint": reused, "reused_from_cache": cached}
 
 
 def _write_losses(path: Path, log: dict[str, list]) -> None:
