@@ -57,10 +57,14 @@ PRUNED = {
 #: recovery settings: no teacher; the dense teacher mixed with the labels (``--kd-weight`` setting, 0.5);
 #: pure distillation from the dense teacher (``--distill-kd-weight``, 1.0: the labels unused); the same
 #: with a share ``--teacher-samples`` (0.5) of the training windows sampled from the teacher (``mix``)
-#: ``mixlong``: ``mix`` with twice the steps at a higher peak learning rate (:data:`VARIANTS`)
-TEACHERS = ("none", "dense", "distill", "mix", "mixlong")
+#: ``mixlong``: ``mix`` with twice the steps at a higher peak learning rate; ``mixlong75``: ``mixlong`` with
+#: three quarters of the windows sampled from the teacher (:data:`VARIANTS`)
+TEACHERS = ("none", "dense", "distill", "mix", "mixlong", "mixlong75")
 #: settings that are another setting with some training options changed: name -> (base setting, changes)
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"mixlong": ("mix", {"steps": 300, "lr": 2e-4})}
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixlong": ("mix", {"steps": 300, "lr": 2e-4}),
+    "mixlong75": ("mix", {"steps": 300, "lr": 2e-4, "teacher_samples": 0.75}),
+}
 CORPORA = {"hamlet": "shakespeare", "reviews": "reviews"}
 #: gap_closed targets (issue): these methods, both corpora
 TARGET_METHODS = ("sgpt50", "fasp30")
@@ -80,9 +84,11 @@ def run_settings(teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     return {**s, **VARIANTS[teacher][1]} if teacher in VARIANTS else s
 
 
-def variant_changes(teacher: str) -> str:
-    """The options a variant setting changes, as ``"steps 300, lr 0.0002"`` ("" for other settings)."""
-    return ", ".join(f"{k} {v:g}" for k, v in VARIANTS[teacher][1].items()) if teacher in VARIANTS else ""
+def variant_changes(teacher: str, skip: tuple[str, ...] = ()) -> str:
+    """The options a variant setting changes, as ``"steps 300, lr 0.0002"`` ("" for other settings);
+    options in ``skip`` left out."""
+    changes = VARIANTS[teacher][1] if teacher in VARIANTS else {}
+    return ", ".join(f"{k} {v:g}" for k, v in changes.items() if k not in skip)
 
 
 def kd_weight(teacher: str, s: dict[str, Any]) -> float | None:
@@ -100,16 +106,19 @@ def teacher_share(teacher: str, s: dict[str, Any]) -> float:
 
 
 def sampling_seconds(train: dict[str, Any]) -> float | None:
-    """Seconds a training chunk spent sampling windows from its teacher (None: it sampled none)."""
-    return (train.get("teacher_samples") or {}).get("seconds")
+    """Seconds the sampling of a training chunk's teacher windows took (None: it used none): measured in
+    the run, or, where the run reused cached samples, in the run that drew them (a run on its own pays it)."""
+    ts = train.get("teacher_samples") or {}
+    return ts.get("sampling_seconds", ts.get("seconds"))
 
 
 def teacher_label(teacher: str, s: dict[str, Any]) -> str:
+    """A recovery setting in words; ``s``: the benchmark's settings (a variant's changes applied here)."""
     w = kd_weight(teacher, s)
     if w is None:
         return "no teacher"
-    share = teacher_share(teacher, s)
-    changes = variant_changes(teacher)
+    share = teacher_share(teacher, run_settings(teacher, s))
+    changes = variant_changes(teacher, skip=("teacher_samples",))  # the share is said already
     return (f"dense teacher, kd weight {w:g}" + (f", {share:.0%} of the windows sampled from it" if share else "")
             + (f", {changes}" if changes else ""))
 
@@ -159,7 +168,7 @@ def all_chunks() -> list[str]:
               *run("dense", "dense"), *run("sgpt50", "dense")]
     for model in ["fasp30", "sgpt24"]:
         chunks += [f"prune:{model}", f"eval:{model}", *run(model, "none"), *run(model, "dense")]
-    for teacher in ("distill", "mix", "mixlong"):
+    for teacher in ("distill", "mix", *VARIANTS):
         for model in ["dense", "fasp30", "sgpt50", "sgpt24"]:
             chunks += run(model, teacher)
     assert len(set(chunks)) == len(chunks) == 1 + len(PRUNED) * 2 + (1 + len(PRUNED)) * len(TEACHERS) * 2
@@ -241,8 +250,8 @@ def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     if w is not None:
         args += ["--teacher", DENSE, "--kd-weight", str(w)]
     share = teacher_share(teacher, s)
-    if share:
-        args += ["--teacher-samples", str(share)]
+    if share:  # runs with the same teacher and share draw the same windows: sampled once, then reused
+        args += ["--teacher-samples", str(share), "--teacher-samples-cache", str(work_dir() / "teacher-samples")]
     ckpt = out.with_name(out.name + ".ckpt")
     if ckpt.exists():
         args.append("--resume")
@@ -339,6 +348,7 @@ def build_records(data: dict[str, Any]) -> list[dict[str, Any]]:
                     "params": ev_rec["params"], "teacher": teacher,
                     "kd_weight": train.get("kd_weight", kd_weight(teacher, train["settings"])),
                     "steps": train["settings"]["steps"], "lr": train["settings"]["lr"],
+                    "teacher_samples": teacher_share(teacher, train["settings"]),
                     "memory": train["settings"]["memory"], "budget_fraction": train["budget_fraction"],
                     "peak_bytes": train["peak_bytes"], "budget_bytes": train["budget_bytes"],
                     "unoptimized_peak_bytes": train["unoptimized_peak_bytes"], "within_budget": train["within_budget"],
@@ -490,8 +500,9 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
         "distillation, the labels unused; its dense reference is trained the same way); rows `mix`: the same "
         f"pure distillation with `--teacher-samples {s.get('teacher_samples', DEFAULTS['teacher_samples'])}` "
         "(that share of the training windows sampled from the dense teacher, temperature 1, from its BOS "
-        "token, the rest Shakespeare; the sampling time is in train s); rows `mixlong`: `mix` with "
-        + variant_changes("mixlong") + ". Pruning: `leanml prune` defaults except method and sparsity "
+        "token, the rest Shakespeare; the sampling time is in train s, also for runs that reuse the samples an earlier "
+        "run of the same teacher and share drew, `--teacher-samples-cache`, marked cached); "
+        + "; ".join(f"rows `{t}`: `{VARIANTS[t][0]}` with {variant_changes(t)}" for t in VARIANTS) + ". Pruning: `leanml prune` defaults except method and sparsity "
         f"(64 x 512 calibration tokens). Perplexity: SparseGPT protocol, {s['eval_seqlen']}-token windows, "
         f"Hamlet (all test windows) and the last 300 Women's Clothing reviews.",
         "",
@@ -529,7 +540,7 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
             f"| {fmt(c['unoptimized_peak_bytes'] and c['unoptimized_peak_bytes'] / mib, '.0f')} "
             f"| {fmt(c['budget_bytes'] and c['budget_bytes'] / mib, '.0f')} | {c['within_budget']} "
             f"| {c['loss_first']:.3f} | {c['loss_last10']:.3f} | {c['train_seconds']:.0f} | {c['teacher_seconds']:.0f} "
-            f"| {fmt(sampling_seconds(c), '.0f')} "
+            f"| {fmt(sampling_seconds(c), '.0f')}{' (cached)' if (c.get('teacher_samples') or {}).get('reused_from_cache') else ''} "
             f"| {c['train_cpu_seconds']:.0f} | {c['load_before'][0]:.2f} | {fmt(c.get('measured_steps'), 'd')} "
             f"| {plan} |")
     for name, trial in (data.get("trials") or {}).items():
@@ -564,7 +575,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     width = 0.8 / len(TEACHERS)
     labels = {"none": "no teacher", "dense": "dense teacher + labels", "distill": "pure distillation",
               "mix": "pure distillation, half teacher samples",
-              "mixlong": "the same, " + variant_changes("mixlong")}
+              **{t: "the same, " + variant_changes(t) for t in VARIANTS}}
     for ax, corpus in zip(axes, CORPORA):
         for j, teacher in enumerate(TEACHERS):
             vals = []

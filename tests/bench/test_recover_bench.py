@@ -148,3 +148,27 @@ def test_a_variant_setting_trains_with_its_own_options_and_counts_for_the_one_se
     one = next(t for t in b.targets(b.build_records(d), d) if t["target"].startswith("one recovery setting"))
     assert one["met"] is True and one["detail"].count("met by") == 1 and ", steps 300, lr " in one["detail"]
     assert "train:fasp30:mixlong" in b.all_chunks()
+
+
+def test_a_variant_that_changes_the_teacher_share_says_and_records_its_own_share() -> None:
+    """``mixlong75`` samples three quarters of its windows from the teacher: its label says 75 % (not the
+    base setting's 50 %, and not the raw option a second time), its chunk runs with that share, and its
+    records carry it."""
+    b = load_bench_recover()
+    base = {"steps": 150, "memory": "adacc", "lr": 1e-4, "kd_weight": 0.5, "teacher_samples": 0.5}
+    s = b.run_settings("mixlong75", base)
+    assert b.teacher_share("mixlong75", s) == 0.75 and b.teacher_share("mix", base) == 0.5
+    label = b.teacher_label("mixlong75", base)
+    assert "75% of the windows sampled" in label and "50%" not in label and "teacher_samples" not in label
+    assert label.endswith(", steps 300, lr 0.0002")
+    assert b.variant_changes("mixlong75").endswith("teacher_samples 0.75")
+    d = data(75)
+    d["chunks"]["train:fasp30:mixlong75"] = {**train("mixlong75", kd=1.0), "settings": s}
+    d["chunks"]["train:dense:mixlong75"] = {**train("mixlong75", kd=1.0), "settings": s}
+    d["chunks"]["eval:rec-dense-mixlong75"] = ev(41, 41, 0.0)
+    d["chunks"]["eval:rec-fasp30-mixlong75"] = ev(46, 70, 0.05)
+    recs = [r for r in b.build_records(d) if r["teacher"] == "mixlong75"]
+    assert len(recs) == 2 and all(r["teacher_samples"] == 0.75 and r["steps"] == 300 for r in recs)
+    assert [r["teacher_samples"] for r in b.build_records(d) if r["teacher"] == "none"] == [0.0] * 4
+    assert ["train:dense:mixlong75", "eval:rec-dense-mixlong75"] == [
+        c for c in b.all_chunks() if c.endswith("dense:mixlong75") or c.endswith("dense-mixlong75")]
