@@ -303,13 +303,12 @@ def _mix_teacher_samples(windows: Any, teacher: Any, teacher_name: str, tokenize
     teacher's weights and the sampling settings, so runs with the same teacher sample once. ``seconds``
     in the result is this run's time to get the samples; ``sampling_seconds`` the time the sampling took
     (in this run, or in the run that cached or checkpointed them)."""
-    import hashlib
-    import json
     import time
 
     import torch
 
     from leanml.data.sampling import sample_windows, start_token
+    from leanml.recover.api import _fingerprint
     from leanml.utils import atomic_file
 
     total = cfg.steps * cfg.batch_size
@@ -331,11 +330,10 @@ def _mix_teacher_samples(windows: Any, teacher: Any, teacher_name: str, tokenize
     if cache_dir is not None:
         ckey = {"teacher_sha256": teacher_fingerprint(teacher), "n": n_teacher, "seqlen": key["seqlen"],
                 "seed": cfg.seed, "start": start, "batch_size": SAMPLE_BATCH, "temperature": 1.0}
-        digest = hashlib.sha256(json.dumps(ckey, sort_keys=True).encode()).hexdigest()[:20]
-        cache_file = Path(cache_dir) / f"teacher-samples-{digest}.pt"
+        cache_file = Path(cache_dir) / f"teacher-samples-{_fingerprint(ckey)}.pt"
         if samples is None and cache_file.exists():
             saved = torch.load(cache_file, weights_only=True)
-            if saved.get("key") == ckey and tuple(saved["windows"].shape) == (n_teacher, key["seqlen"]):
+            if saved.get("key") == ckey:  # the key holds the count and the length
                 samples, cached, sampling_seconds = saved["windows"], str(cache_file), saved.get("sampling_seconds")
     if samples is None:
         samples = sample_windows(teacher, n_teacher, int(windows.shape[1]), start_id=start, seed=cfg.seed,
