@@ -89,6 +89,10 @@ def run(method: str, mode: str, args: argparse.Namespace, model, calib) -> dict[
         windows = token_windows(args.tokenizer, load_text("shakespeare", args.eval), args.seqlen)
         quality = {"eval_split": args.eval, "eval_windows": int(windows.shape[0]),
                    "ppl": perplexity(m, windows, batch_size=8, progress=False)}
+        # the reviews' validation split: modern English the calibration plays never touch
+        rwin = token_windows(args.tokenizer, load_text("reviews", args.eval), args.seqlen)
+        quality.update({"reviews_eval_windows": int(rwin.shape[0]),
+                        "reviews_ppl": perplexity(m, rwin, batch_size=8, progress=False)})
     return {**quality,
         "code": args.code, "rev": args.rev or _git_rev(), "method": method,
         "method_config": report.get("method_config"), "mode": mode,
@@ -296,12 +300,13 @@ def render(records: list[dict[str, Any]]) -> str:
              "brackets; the oldest reports have no `forward`/`report` split: that time is inside `other`).", "",
              "Commands: " + "; ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in recs)) + ".", "",
              "`val ppl`: perplexity of the pruned model on the whole validation split (two held-out plays, "
-             "never used for calibration or testing), where measured. `rel err`: the pruned layers' relative "
+             "never used for calibration or testing), where measured; `reviews val`: on the reviews' "
+             "validation split (Women's Clothing reviews before the test split), where measured. `rel err`: the pruned layers' relative "
              "output error against the dense model (the engine's `rel_output_error`), mean over layers, where "
              "recorded.", "",
              "| code | method | mode | layers | calibration | wall s | cpu s | " + " | ".join(PHASES) +
-             " | rel err | val ppl | threads | load |",
-             "|---|---|---|---:|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|---|"]
+             " | rel err | val ppl | reviews val | threads | load |",
+             "|---|---|---|---:|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|---:|---|"]
     for r in recs:
         mode = r["mode"] + ("" if r["mode"] != "default" else f" ({'intra' if r['intra_layer'] else 'one-pass'})")
         lines.append(f"| {r['code']} ({r['rev']}) | {r['method']} | {mode} | {r['layers_pruned']} | "
@@ -309,6 +314,7 @@ def render(records: list[dict[str, Any]]) -> str:
                      + " | ".join("-" if r[p + "_s"] is None else f"{r[p + '_s']:.1f}" for p in PHASES)
                      + (f" | {r['rel_output_error_mean']:.4f}" if "rel_output_error_mean" in r else " | -")
                      + (f" | {r['ppl']:.2f}" if "ppl" in r else " | -")
+                     + (f" | {r['reviews_ppl']:.2f}" if "reviews_ppl" in r else " | -")
                      + f" | {r['threads']} | {r['load_before']:.1f} / {r['load_after']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -369,7 +375,8 @@ def main() -> int:
     ap.add_argument("--code", default="after", help="label of the code under test (before / after)")
     ap.add_argument("--rev", default=None, help="revision of the code under test (default: git of leanml)")
     ap.add_argument("--eval", default=None, choices=["val"],
-                    help="also measure perplexity on this Shakespeare split (val: two held-out plays)")
+                    help="also measure perplexity on this split of Shakespeare (val: two held-out plays) and of "
+                    "the reviews")
     ap.add_argument("--torchrun", type=int, default=0,
                     help="run each method layer-parallel with this many processes through the CLI instead")
     ap.add_argument("--solver-study", action="store_true",

@@ -230,6 +230,54 @@ def test_fista_prune_from_cross_product_equals_from_G(refine_method):
     torch.testing.assert_close(b.error, direct)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_correction_blends_the_target(beta):
+    """``correction=beta`` solves for the explicit target ``beta W X + (1 - beta) W X*`` on inputs ``X*``:
+    the same weights and errors as handing that target's cross moment and energy in directly."""
+    X, W, _, _ = _problem(n=32, m=6)
+    g = torch.Generator().manual_seed(5)
+    Xp = X + 0.2 * torch.randn(X.shape, generator=g, dtype=X.dtype)
+    N = len(X)
+    Hp = Xp.T @ Xp / N
+    Y = beta * X @ W.T + (1 - beta) * Xp @ W.T  # the blended target, token by token
+    kw = dict(rounds=2, iters=10, refine_iters=5, precondition=True)
+    got = fista_prune(W, Hp, MaskSpec(0.5), C=W @ (X.T @ Xp / N), dense_const=((X @ W.T) ** 2).mean(0),
+                      correction=beta, **kw)
+    ref = fista_prune(W, Hp, MaskSpec(0.5), C=Y.T @ Xp / N, dense_const=(Y**2).mean(0), **kw)
+    torch.testing.assert_close(got.W, ref.W)
+    torch.testing.assert_close(got.error, ref.error)
+    torch.testing.assert_close(got.error, ((Xp @ got.W.T - Y) ** 2).mean(0))
+    with pytest.raises(ValueError, match="correction"):
+        fista_prune(W, Hp, MaskSpec(0.5), correction=1.5)
+
+
+def test_ridge_equals_appended_calibration_rows():
+    """``ridge=rho`` solves the problem whose data gain rows ``sqrt(N r) I`` -> ``sqrt(N r) W``
+    (r = rho * mean diag H): the ridge toward the dense weights, built here from the data side."""
+    X, W, _, _ = _problem(n=24, m=5)
+    g = torch.Generator().manual_seed(7)
+    Xp = X + 0.2 * torch.randn(X.shape, generator=g, dtype=X.dtype)
+    N, n = X.shape
+    Hp = Xp.T @ Xp / N
+    rho = 0.05
+    r = rho * float(torch.diagonal(Hp).mean())
+    Xa = torch.cat([Xp, (N * r) ** 0.5 * torch.eye(n, dtype=X.dtype)])
+    Ya = torch.cat([X @ W.T, (N * r) ** 0.5 * W.T])
+    kw = dict(rounds=2, iters=10, refine_iters=5, precondition=True)
+    got = fista_prune(W, Hp, MaskSpec(0.5), C=W @ (X.T @ Xp / N), dense_const=((X @ W.T) ** 2).mean(0), ridge=rho,
+                      L=power_iteration(Hp) * 1.001, **kw)
+    ref = fista_prune(W, Xa.T @ Xa / N, MaskSpec(0.5), C=Ya.T @ Xa / N, dense_const=(Ya**2).sum(0) / N, **kw)
+    torch.testing.assert_close(got.W, ref.W)
+    torch.testing.assert_close(got.error, ref.error)
+    torch.testing.assert_close(got.error, ((Xa @ got.W.T - Ya) ** 2).sum(0) / N)
+    # the pull shows: kept weights move less from the dense ones than without it
+    free = fista_prune(W, Hp, MaskSpec(0.5), C=W @ (X.T @ Xp / N), dense_const=((X @ W.T) ** 2).mean(0), **kw)
+    keep = got.W != 0
+    assert ((got.W - W)[keep] ** 2).sum() < ((free.W - W)[free.W != 0] ** 2).sum()
+    with pytest.raises(ValueError, match="ridge"):
+        fista_prune(W, Hp, MaskSpec(0.5), ridge=-1.0)
+
+
 def test_preconditioned_tuning_solves_the_same_problem():
     # badly scaled inputs (a few loud features, as in LLM activations)
     X, W, H, C = _problem(n=32, m=4)

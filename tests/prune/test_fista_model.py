@@ -131,6 +131,9 @@ def test_cli_options_and_registry():
         (["--fista-xi", "-0.3"], "--fista-xi"),
         (["--fista-damp", "-1"], "--fista-damp"),
         (["--fista-refine", "-2"], "--fista-refine"),
+        (["--fista-correction", "1.2"], "--fista-correction"),
+        (["--fista-correction", "nan"], "--fista-correction"),
+        (["--fista-ridge", "-0.1"], "--fista-ridge"),
     ],
 )
 def test_bad_values_give_one_line_errors(argv, needle):

@@ -546,6 +546,8 @@ def fista_prune(
     dense_const: torch.Tensor | None = None,
     refine_method: str = "apg",
     C: torch.Tensor | None = None,
+    correction: float = 1.0,
+    ridge: float = 0.0,
 ) -> TuneResult:
     """Prune one weight matrix ``W`` (m x n) to ``spec`` with FISTAPruner.
 
@@ -557,8 +559,16 @@ def fista_prune(
     the Lipschitz constant of the (damped) ``H`` when several linears share it. ``precondition``
     solves in diagonally rescaled variables (same minimiser, faster; see :func:`tune_lambda`).
     ``dense_const`` may pass the per-row ``w Hd w^T`` (the dense output's mean square) instead of ``Hd``,
-    and ``C`` the product ``W G`` instead of ``G``.
+    and ``C`` the product ``W G`` instead of ``G``. ``correction`` (beta in [0, 1]) blends the target:
+    ``beta Y_dense + (1 - beta) W X*``, the dense model's outputs and the dense layer's outputs on the
+    pruned-path inputs; 1 (default) is the paper's objective, 0 SparseGPT's. ``ridge`` (rho >= 0) adds
+    ``rho * mean(diag H) * ||W* - W||^2`` per row (the reported errors include it); a given ``L`` is for
+    ``H`` without it.
     """
+    if ridge < 0:
+        raise ValueError("ridge must be >= 0")
+    if not 0.0 <= correction <= 1.0:
+        raise ValueError("correction must be in [0, 1]")
     if lam < 0:
         raise ValueError("lambda must be >= 0")
     if lambda_scope not in ("row", "layer"):
@@ -575,6 +585,21 @@ def fista_prune(
         dense_const = ((Wc @ Hdc) * Wc).sum(1)
     else:
         dense_const = dense_const.to(dtype)
+    if correction < 1.0:
+        # target b Y + (1-b) W X*: cross moment b C + (1-b) W H, energy per row
+        # b^2 |y|^2 + 2 b (1-b) <y, w x*> + (1-b)^2 w H w^T, with <y, w x*> = (C * W).sum(1)
+        b = correction
+        WH = Wc @ Hc
+        dense_const = b * b * dense_const + 2 * b * (1 - b) * (C * Wc).sum(1) + (1 - b) ** 2 * (WH * Wc).sum(1)
+        C = b * C + (1 - b) * WH
+    if ridge > 0:
+        # as if N * r rows of sqrt(r) * I (inputs) and sqrt(r) * W (targets) joined the calibration data
+        r = ridge * float(torch.diagonal(Hc).mean())
+        Hc = Hc + r * torch.eye(Hc.shape[0], dtype=dtype, device=Hc.device)
+        C = C + r * Wc
+        dense_const = dense_const + r * (Wc * Wc).sum(1)
+        if L is not None:
+            L = L + r
     Hs = Hc
     if damp > 0:
         Hs = Hc + damp * float(torch.diagonal(Hc).mean()) * torch.eye(Hc.shape[0], dtype=dtype, device=Hc.device)

@@ -67,7 +67,13 @@ class FistaPruner(Pruner):
         tol: float = 0.0,
         precondition: bool = True,
         refine_method: str = "apg",
+        correction: float = 0.5,
+        ridge: float = 0.1,
     ) -> None:
+        if not (math.isfinite(ridge) and ridge >= 0):
+            raise LeanmlError(f"--fista-ridge must be a finite number >= 0, got {ridge}")
+        if not (math.isfinite(correction) and 0.0 <= correction <= 1.0):
+            raise LeanmlError(f"--fista-correction must be a number in [0, 1], got {correction}")
         if not (math.isfinite(lam) and lam >= 0):
             raise LeanmlError(f"--fista-lambda must be a finite number >= 0, got {lam}")
         if iters < 1:
@@ -101,6 +107,8 @@ class FistaPruner(Pruner):
         self.tol = tol
         self.precondition = precondition
         self.refine_method = refine_method
+        self.correction = correction
+        self.ridge = ridge
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -146,6 +154,17 @@ class FistaPruner(Pruner):
             "--fista-no-precondition", action="store_true",
             help="run FISTA on H itself instead of the diagonally rescaled problem (same minimiser, slower)",
         )  # fmt: skip
+        g.add_argument(
+            "--fista-correction", type=float, default=d["correction"],
+            help="weight in [0, 1] of the dense model's outputs in each layer's target: 1 = the dense model's "
+            "activations (corrects the error of the layers pruned before; the paper's), 0 = the dense layer "
+            "on the pruned model's inputs (SparseGPT's target), between = a blend (default %(default)s)",
+        )  # fmt: skip
+        g.add_argument(
+            "--fista-ridge", type=float, default=d["ridge"],
+            help="pull the kept weights toward the dense ones: adds R * mean(diag H) * ||W* - W||^2 to each "
+            "layer's objective (default %(default)s)",
+        )  # fmt: skip
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FistaPruner:
@@ -161,6 +180,8 @@ class FistaPruner(Pruner):
             tol=args.fista_tol,
             precondition=not args.fista_no_precondition,
             refine_method=args.fista_refine_method,
+            correction=args.fista_correction,
+            ridge=args.fista_ridge,
         )
 
     def config(self) -> dict[str, Any]:
@@ -176,6 +197,8 @@ class FistaPruner(Pruner):
             "tol": self.tol,
             "precondition": self.precondition,
             "refine_method": self.refine_method,
+            "correction": self.correction,
+            "ridge": self.ridge,
         }
 
     def prune_group(self, group: Group, stats: GroupStats, spec: LinearSpecs) -> dict[str, dict[str, Any]]:
@@ -215,6 +238,8 @@ class FistaPruner(Pruner):
                 L=L,
                 precondition=self.precondition,
                 refine_method=self.refine_method,
+                correction=self.correction,
+                ridge=self.ridge,
             )
             lin.weight.data.copy_(res.W.to(W.dtype))
             err, start_err = float(res.error.sum()), float(res.start_error.sum())
