@@ -117,7 +117,7 @@ class FistaPruner(Pruner):
         g = parser.add_argument_group("fista (FISTAPruner)")
         g.add_argument(
             "--fista-lambda", type=float, default=d["lam"],
-            help="initial l1 weight, relative to each row's zeroing lambda max|W G| (default %(default)s)",
+            help="initial l1 weight, relative to each row's zeroing lambda max|C| (C: the cross moment of its target; W G for the paper's) (default %(default)s)",
         )  # fmt: skip
         g.add_argument("--fista-iters", type=int, default=d["iters"],
                        help="K: FISTA iterations per round (default %(default)s)")
