@@ -62,6 +62,11 @@ def power_iteration(H: torch.Tensor, iters: int = 100, tol: float = 1e-6, seed: 
     return float(max(est, float((v.T @ (H @ v)).squeeze())))
 
 
+def shift_diagonal(H: torch.Tensor, value: float) -> torch.Tensor:
+    """``H + value * I`` (a new tensor)."""
+    return H + value * torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+
+
 def soft_threshold(X: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
     """``sign(x) * max(|x| - tau, 0)`` elementwise; ``tau`` (>= 0) is a scalar or broadcasts (e.g. (m, 1)).
 
@@ -563,7 +568,7 @@ def fista_prune(
     ``beta Y_dense + (1 - beta) W X*``, the dense model's outputs and the dense layer's outputs on the
     pruned-path inputs; 1 (default) is the paper's objective, 0 SparseGPT's. ``ridge`` (rho >= 0) adds
     ``rho * mean(diag H) * ||W* - W||^2`` per row (the reported errors include it); a given ``L`` is for
-    ``H`` without it.
+    ``H`` (damped) without it. Ridge and damping both scale with ``mean(diag H)`` of ``H`` itself.
     """
     if ridge < 0:
         raise ValueError("ridge must be >= 0")
@@ -592,17 +597,16 @@ def fista_prune(
         WH = Wc @ Hc
         dense_const = b * b * dense_const + 2 * b * (1 - b) * (C * Wc).sum(1) + (1 - b) ** 2 * (WH * Wc).sum(1)
         C = b * C + (1 - b) * WH
+    mean_diag = float(torch.diagonal(Hc).mean())  # the scale of ridge and damp alike (before either)
     if ridge > 0:
-        # as if N * r rows of sqrt(r) * I (inputs) and sqrt(r) * W (targets) joined the calibration data
-        r = ridge * float(torch.diagonal(Hc).mean())
-        Hc = Hc + r * torch.eye(Hc.shape[0], dtype=dtype, device=Hc.device)
+        # as if one row sqrt(N r) e_j -> sqrt(N r) W e_j per input feature j joined the N calibration tokens
+        r = ridge * mean_diag
+        Hc = shift_diagonal(Hc, r)
         C = C + r * Wc
         dense_const = dense_const + r * (Wc * Wc).sum(1)
         if L is not None:
             L = L + r
-    Hs = Hc
-    if damp > 0:
-        Hs = Hc + damp * float(torch.diagonal(Hc).mean()) * torch.eye(Hc.shape[0], dtype=dtype, device=Hc.device)
+    Hs = shift_diagonal(Hc, damp * mean_diag) if damp > 0 else Hc
     if L is None:
         L = power_iteration(Hs) * 1.001
     lam_max = C.abs().amax(1)

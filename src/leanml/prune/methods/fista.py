@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
-from leanml.prune.fista import REFINE_METHODS, fista_prune, power_iteration
+from leanml.prune.fista import REFINE_METHODS, fista_prune, power_iteration, shift_diagonal
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
 
@@ -206,7 +206,7 @@ class FistaPruner(Pruner):
         H = stats.H.to(torch.promote_types(stats.H.dtype, torch.float32))
         Hs = H
         if self.damp > 0:
-            Hs = H + self.damp * float(torch.diagonal(H).mean()) * torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+            Hs = shift_diagonal(H, self.damp * float(torch.diagonal(H).mean()))
         L = power_iteration(Hs) * 1.001
         shared = None
         if self.warm_start == "sparsegpt":
