@@ -46,8 +46,11 @@ def _git_rev() -> str:
         import leanml
 
         root = Path(leanml.__file__).resolve().parents[2]
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() or "?"
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip() or "?"
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src"], capture_output=True,
+                               text=True).stdout.strip()
+        return rev + ("+changes" if dirty else "")
     except Exception:  # noqa: BLE001 - an exported tree has no git
         return "?"
 
@@ -284,7 +287,8 @@ def solver_study(args: argparse.Namespace, model, tok) -> list[dict[str, Any]]:
 
 
 def key(r: dict[str, Any]) -> tuple:
-    return (r["code"], r["method"], r["mode"], r["layers_pruned"], r["nsamples"], r["seqlen"], r.get("eval_split"))
+    return (r["code"], r["rev"], r["method"], r["mode"], r["layers_pruned"], r["nsamples"], r["seqlen"],
+            r.get("eval_split"))
 
 
 def render(records: list[dict[str, Any]]) -> str:

@@ -238,3 +238,43 @@ def test_reusing_finished_parts_changes_nothing(monkeypatch, family, method):
         assert torch.equal(x, y), na
     assert [r["rel_output_error"] for r in ra["layers"]] == [r["rel_output_error"] for r in rb["layers"]]
     assert calls[True] < calls[False]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_parts_short_cut_by_their_finishing_linear(monkeypatch, family):
+    """Once the MLP's output projection is pruned, the final forward computes the MLP as that linear on
+    the input its statistics pass kept, so the MLP's input projections run once per batch fewer; the
+    result is bit-identical to full recomputation. A part whose output is not that linear's alone (a
+    broken check) is computed in full, with identical results too."""
+    from builders import tiny_family
+    from leanml.prune import engine
+
+    def run(reuse: bool, break_check: bool = False):
+        monkeypatch.setattr(engine, "REUSE_FINISHED_PARTS", reuse)
+        if break_check:  # the kept input is off by one ulp: the exact check must refuse the short cut
+            orig = engine._FinishedParts.keep_input
+            monkeypatch.setattr(engine._FinishedParts, "keep_input",
+                                lambda self, p, n, b, x: orig(self, p, n, b, torch.nextafter(x, x + 1)))
+        model = tiny_family(family, seed=5)
+        adapter = get_adapter(model)
+        lins = adapter.linears(adapter.layers()[-1])
+        mlp_in = [n for n in lins if n.startswith("mlp.")][0]
+        count = [0]
+        lins[mlp_in].register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+        pruner = pruner_class("fista")(rounds=1, iters=3)
+        rep = prune_model(model, IDS, pruner, MaskSpec(0.5), progress=False, batch_size=5, intra_layer=True)
+        monkeypatch.undo()
+        return model, rep, count[0]
+
+    a, ra, ca = run(True)
+    b, rb, cb = run(False)
+    c, rc, cc = run(True, break_check=True)
+    for (na, x), y, z in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
+        assert torch.equal(x, y), na
+        assert torch.equal(z, y), na
+    errs = [r["rel_output_error"] for r in rb["layers"]]
+    assert [r["rel_output_error"] for r in ra["layers"]] == errs
+    assert [r["rel_output_error"] for r in rc["layers"]] == errs
+    batches = -(-IDS.shape[0] // 5)
+    assert ca == cb - batches + 1  # the final forward ran the MLP in full on its first batch only
+    assert cc == cb

@@ -221,7 +221,7 @@ class _Capture:
                 y = out.reshape(-1, out.shape[-1]).float()
                 if module.bias is not None:
                     y = y - module.bias.float()
-                self.out_sq[name] = (y * y).sum(0)
+                self.out_sq[name] = torch.linalg.vecdot(y, y, dim=0)  # no n-wide temporary
                 if name in keep:
                     self.outputs[name] = y
 
@@ -357,7 +357,15 @@ class _FinishedParts:
     that runs it completely records its output per batch (on the CPU), and the later passes and the
     final forward return a copy instead of computing it. The results are identical to recomputing
     (tested). A part called more than once per forward is never reused; recording stops at
-    ``budget`` bytes."""
+    ``budget`` bytes.
+
+    A part finished by a one-linear group (LLaMA: ``o_proj`` finishes ``self_attn``, ``down_proj``
+    finishes ``mlp``) may also be *short-cut*: that group's statistics pass already produced the
+    linear's input for every batch (:meth:`keep_input`), so once the part is final its output is the
+    linear applied to that input, without recomputing what feeds it. The first batch that runs the
+    part checks this exactly (the part's real output must equal the linear on the kept input, the rest
+    of a tuple output being ``None``); a part that fails the check, or is called more than once per
+    forward, is computed in full."""
 
     def __init__(self, layer: nn.Module, pending: set[str], budget: int) -> None:
         self.parts = {name: {f"{name}.{n}" if n else name for n, m in child.named_modules() if isinstance(m, nn.Linear)}
@@ -369,10 +377,86 @@ class _FinishedParts:
         self.outputs: dict[str, list[Any]] = {}
         self._recording: dict[str, list[Any]] = {}
         self._refused: set[str] = set()
+        #: part -> (its finishing linear's name, that linear's input per batch on the CPU)
+        self._inputs: dict[str, tuple[str, list[torch.Tensor]]] = {}
+        #: parts whose short cut passed the check, with the structure of their output (index of the tensor)
+        self._cut: dict[str, int | None] = {}
+        self._cut_refused: set[str] = set()
 
     def pruned(self, names: Sequence[str]) -> None:
         """``names`` are final from now on."""
         self.pending -= set(names)
+
+    def finishes(self, group: Group) -> str | None:
+        """The part that ``group`` finishes, when its input can short-cut that part: a group of one
+        linear, no producers, the last pending linear of its part."""
+        if len(group.linears) != 1 or group.producers:
+            return None
+        name = next(iter(group.linears))
+        for part, lins in self.parts.items():
+            if name in lins and name != part and lins & self.pending == {name} and part not in self._cut_refused:
+                return part
+        return None
+
+    def keep_input(self, part: str, linear: str, b: int, x: torch.Tensor) -> bool:
+        """Keep batch ``b``'s input of ``part``'s finishing ``linear`` (within the budget); ``False``
+        once the budget refuses it (nothing is kept for the part then)."""
+        size = _nbytes(x)
+        if part in self._cut_refused or size > self.budget:
+            self._drop_inputs(part)
+            return False
+        name, xs = self._inputs.setdefault(part, (linear, []))
+        if len(xs) != b:
+            self._drop_inputs(part)
+            return False
+        xs.append(x.detach().to("cpu", copy=x.device.type != "cpu"))
+        self.budget -= size
+        return True
+
+    def _drop_inputs(self, part: str) -> None:
+        self._cut_refused.add(part)
+        _, xs = self._inputs.pop(part, ("", []))
+        self.budget += sum(_nbytes(x) for x in xs)
+
+    def _cut_output(self, part: str, b: int, device: torch.device) -> Any:
+        """The short-cut output of ``part`` for batch ``b``: its finishing linear on the kept input,
+        in the structure the check saw (a tensor, or a tuple of it followed by ``None``)."""
+        linear, xs = self._inputs[part]
+        y = self.modules[part].get_submodule(linear[len(part) + 1:])(xs[b].to(device))
+        size = self._cut[part]
+        return y if size == 0 else (y, *([None] * (size - 1)))
+
+    def _check_cut(self, part: str, b: int, device: torch.device, out: Any, calls: list[int]) -> None:
+        """Compare ``part``'s real output on batch ``b`` with the short cut (first call only)."""
+        calls[0] += 1
+        if calls[0] > 1:
+            return
+        if isinstance(out, torch.Tensor):
+            size, real = 0, out
+        elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and all(o is None for o in out[1:]):
+            size, real = len(out), out[0]
+        else:
+            calls[0] = -(10**9)  # any other structure: never short-cut
+            return
+        self._cut[part] = size
+        with torch.no_grad():
+            cut = self._cut_output(part, b, device)
+        del self._cut[part]
+        if not torch.equal(cut if size == 0 else cut[0], real):
+            calls[0] = -(10**9)
+        else:
+            calls.append(size)
+
+    def _end_check(self, part: str, calls: list[int]) -> None:
+        if calls[0] == 1 and len(calls) == 2:
+            self._cut[part] = calls[1]
+        elif calls[0] != 0:  # not run by this pass (stopped before it): check on a later one
+            self._drop_inputs(part)
+
+    @property
+    def active(self) -> bool:
+        """Whether any part is reused or may be short-cut."""
+        return bool(self.outputs or self._inputs)
 
     def _final(self) -> list[str]:
         return [p for p, lins in self.parts.items() if not lins & self.pending and p not in self.outputs
@@ -387,7 +471,18 @@ class _FinishedParts:
             for name, outs in self.outputs.items():
                 stack.enter_context(patched_forward(self.modules[name],
                                                     lambda *a, _o=outs[b], **k: _clone(_o, device)))
-            for name in self._final() if record else []:
+            for name in self._cut:
+                if name not in self.outputs:
+                    stack.enter_context(patched_forward(
+                        self.modules[name], lambda *a, _p=name, **k: self._cut_output(_p, b, device)))
+            finals = self._final()
+            for name in finals:
+                if name in self._inputs and name not in self._cut and name not in self._cut_refused:
+                    check: list[int] = [0]
+                    handles.append(self.modules[name].register_forward_hook(
+                        lambda mod, args, out, _p=name, _c=check: self._check_cut(_p, b, device, out, _c)))
+                    stack.callback(self._end_check, name, check)
+            for name in finals if record else []:
                 rec = self._recording.setdefault(name, [])
                 calls = [0]
 
@@ -417,6 +512,10 @@ class _FinishedParts:
             if len(outs) == n_batches and size <= self.budget:
                 self.outputs[name] = outs
                 self.budget -= size
+                if name in self._inputs:  # the recorded outputs replace the short cut
+                    _, xs = self._inputs.pop(name)
+                    self._cut.pop(name, None)
+                    self.budget += sum(_nbytes(x) for x in xs)
         self._recording.clear()
 
 
@@ -439,10 +538,15 @@ def _group_stats_intra(
     m: _Moments | None = None
     dense_in = streams.dense_or_pruned()
     batches = _batches(streams.pruned.shape[0], batch_size)
+    part = finished.finishes(group) if finished is not None else None
     for b, s, e in batches:
         cap = _Capture(layer, [group.leader], stop_at=group.leader)
         with finished.batch(b, device) if finished is not None else contextlib.nullcontext():
             cap.run(layer, streams.pruned[s:e].to(device), kw[b])
+        if part is not None:
+            assert finished is not None
+            if not finished.keep_input(part, group.leader, b, cap.inputs[group.leader]):
+                part = None
         xs = _flat(cap.inputs[group.leader])
         x = None
         out_sq = None
@@ -472,7 +576,7 @@ def _run_pruned(
     finished: _FinishedParts | None,
 ) -> torch.Tensor:
     """The pruned layer on ``x`` (what the next layer reads), reusing finished parts' outputs."""
-    if finished is None or not finished.outputs:
+    if finished is None or not finished.active:
         return run_layer(layer, x, kw, batch_size, device)
     outs = []
     for b, s, e in _batches(x.shape[0], batch_size):

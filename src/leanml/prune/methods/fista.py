@@ -42,7 +42,8 @@ class FistaPruner(Pruner):
     """FISTAPruner (convex l1 layer-wise pruning, FISTA solver, lambda tuning, exact hard threshold).
 
     Options (CLI ``--fista-*``): ``lam`` initial lambda relative to each row's zeroing lambda
-    ``max_j |C_rj|``; ``iters`` K FISTA iterations per round; ``rounds`` T lambda-tuning rounds; ``xi``
+    ``max_j |C_rj|``; ``iters`` K FISTA iterations per round; ``rounds`` T lambda-tuning rounds (default 1:
+    one FISTA run at the initial lambda; the paper's 3 rounds cost about 3x the solve); ``xi``
     the target of ``E_round / E_total``; ``warm_start``; ``lambda_scope`` one lambda per row or per
     layer; ``damp`` damping of ``H`` (fraction of its mean diagonal); ``refine`` iterations of a
     least-squares refit of the kept weights after the hard threshold (0 = the paper's procedure);
@@ -58,7 +59,7 @@ class FistaPruner(Pruner):
         self,
         lam: float = 1e-3,
         iters: int = 20,
-        rounds: int = 3,
+        rounds: int = 1,
         xi: float = 0.3,
         warm_start: str = "sparsegpt",
         lambda_scope: str = "row",
@@ -66,7 +67,7 @@ class FistaPruner(Pruner):
         refine: int = 20,
         tol: float = 0.0,
         precondition: bool = True,
-        refine_method: str = "apg",
+        refine_method: str = "cg",
         correction: float = 0.5,
         ridge: float = 0.1,
     ) -> None:
