@@ -379,8 +379,9 @@ class _FinishedParts:
         self._refused: set[str] = set()
         #: part -> (its finishing linear's name, that linear's input per batch on the CPU)
         self._inputs: dict[str, tuple[str, list[torch.Tensor]]] = {}
-        #: parts whose short cut passed the check, with the structure of their output (index of the tensor)
-        self._cut: dict[str, int | None] = {}
+        #: parts whose short cut passed the check, with the structure of their output (0: a tensor;
+        #: k > 0: a tuple of k, the tensor first and ``None`` after it)
+        self._cut: dict[str, int] = {}
         self._cut_refused: set[str] = set()
 
     def pruned(self, names: Sequence[str]) -> None:
@@ -405,7 +406,7 @@ class _FinishedParts:
         if part in self._cut_refused or size > self.budget:
             self._drop_inputs(part)
             return False
-        name, xs = self._inputs.setdefault(part, (linear, []))
+        _, xs = self._inputs.setdefault(part, (linear, []))
         if len(xs) != b:
             self._drop_inputs(part)
             return False
