@@ -243,7 +243,8 @@ def test_reusing_finished_parts_changes_nothing(monkeypatch, family, method):
 @pytest.mark.parametrize("family", ["llama", "gpt_neox"])
 def test_parts_short_cut_by_their_finishing_linear(monkeypatch, family):
     """Once the MLP's output projection is pruned, the final forward computes the MLP as that linear on
-    the input its statistics pass kept, so the MLP's input projections run once per batch fewer; the
+    the input its statistics pass kept, so the MLP's input projections run once per batch fewer (and
+    the attention's, in the pass after its output projection is pruned); the
     result is bit-identical to full recomputation. A part whose output is not that linear's alone (a
     broken check) is computed in full, with identical results too."""
     from builders import tiny_family
@@ -259,16 +260,18 @@ def test_parts_short_cut_by_their_finishing_linear(monkeypatch, family):
         adapter = get_adapter(model)
         lins = adapter.linears(adapter.layers()[-1])
         mlp_in = [n for n in lins if n.startswith("mlp.")][0]
-        count = [0]
-        lins[mlp_in].register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+        attn_in = next(iter(lins))  # the attention's input projection
+        count = {mlp_in: 0, attn_in: 0}
+        for n in count:
+            lins[n].register_forward_hook(lambda *a, n=n: count.__setitem__(n, count[n] + 1))
         pruner = pruner_class("fista")(rounds=1, iters=3)
         rep = prune_model(model, IDS, pruner, MaskSpec(0.5), progress=False, batch_size=5, intra_layer=True)
         monkeypatch.undo()
-        return model, rep, count[0]
+        return model, rep, count[mlp_in], count[attn_in]
 
-    a, ra, ca = run(True)
-    b, rb, cb = run(False)
-    c, rc, cc = run(True, break_check=True)
+    a, ra, ca, qa = run(True)
+    b, rb, cb, qb = run(False)
+    c, rc, cc, qc = run(True, break_check=True)
     for (na, x), y, z in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
         assert torch.equal(x, y), na
         assert torch.equal(z, y), na
@@ -278,3 +281,7 @@ def test_parts_short_cut_by_their_finishing_linear(monkeypatch, family):
     batches = -(-IDS.shape[0] // 5)
     assert ca == cb - batches + 1  # the final forward ran the MLP in full on its first batch only
     assert cc == cb
+    # the attention: the pass after its output projection is pruned ran it in full on the first batch
+    # only (then recorded it); with the check failing, on every batch
+    assert qa == qc - batches + 1
+    assert qb > qc

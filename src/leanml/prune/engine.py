@@ -221,7 +221,7 @@ class _Capture:
                 y = out.reshape(-1, out.shape[-1]).float()
                 if module.bias is not None:
                     y = y - module.bias.float()
-                self.out_sq[name] = torch.linalg.vecdot(y, y, dim=0)  # no n-wide temporary
+                self.out_sq[name] = torch.linalg.vecdot(y, y, dim=0)  # no tokens x outputs temporary
                 if name in keep:
                     self.outputs[name] = y
 
@@ -377,8 +377,8 @@ class _FinishedParts:
         self.outputs: dict[str, list[Any]] = {}
         self._recording: dict[str, list[Any]] = {}
         self._refused: set[str] = set()
-        #: part -> (its finishing linear's name, that linear's input per batch on the CPU)
-        self._inputs: dict[str, tuple[str, list[torch.Tensor]]] = {}
+        #: part -> (its finishing linear, that linear's input per batch on the CPU)
+        self._inputs: dict[str, tuple[nn.Module, list[torch.Tensor]]] = {}
         #: parts whose short cut passed the check, with the structure of their output (0: a tensor;
         #: k > 0: a tuple of k, the tensor first and ``None`` after it)
         self._cut: dict[str, int] = {}
@@ -406,52 +406,50 @@ class _FinishedParts:
         if part in self._cut_refused or size > self.budget:
             self._drop_inputs(part)
             return False
-        _, xs = self._inputs.setdefault(part, (linear, []))
-        if len(xs) != b:
-            self._drop_inputs(part)
-            return False
-        xs.append(x.detach().to("cpu", copy=x.device.type != "cpu"))
+        module = self.modules[part].get_submodule(linear[len(part) + 1:])
+        self._inputs.setdefault(part, (module, []))[1].append(x.detach().to("cpu", copy=x.device.type != "cpu"))
         self.budget -= size
         return True
 
-    def _drop_inputs(self, part: str) -> None:
-        self._cut_refused.add(part)
-        _, xs = self._inputs.pop(part, ("", []))
+    def _drop_inputs(self, part: str, refuse: bool = True) -> None:
+        if refuse:
+            self._cut_refused.add(part)
+        self._cut.pop(part, None)
+        _, xs = self._inputs.pop(part, (None, []))
         self.budget += sum(_nbytes(x) for x in xs)
 
-    def _cut_output(self, part: str, b: int, device: torch.device) -> Any:
-        """The short-cut output of ``part`` for batch ``b``: its finishing linear on the kept input,
-        in the structure the check saw (a tensor, or a tuple of it followed by ``None``)."""
+    def _linear_on_kept(self, part: str, b: int, device: torch.device) -> torch.Tensor:
         linear, xs = self._inputs[part]
-        y = self.modules[part].get_submodule(linear[len(part) + 1:])(xs[b].to(device))
+        return linear(xs[b].to(device))
+
+    def _cut_output(self, part: str, b: int, device: torch.device) -> Any:
+        """The short-cut output of ``part`` for batch ``b``, in the structure the check saw."""
+        y = self._linear_on_kept(part, b, device)
         size = self._cut[part]
         return y if size == 0 else (y, *([None] * (size - 1)))
 
-    def _check_cut(self, part: str, b: int, device: torch.device, out: Any, calls: list[int]) -> None:
-        """Compare ``part``'s real output on batch ``b`` with the short cut (first call only)."""
-        calls[0] += 1
-        if calls[0] > 1:
+    def _check_cut(self, part: str, b: int, device: torch.device, out: Any, check: dict[str, Any]) -> None:
+        """Compare ``part``'s real output on batch ``b`` with its linear on the kept input (first call
+        only); ``check`` collects the number of calls and the verdict (the output's structure, or None)."""
+        check["calls"] += 1
+        if check["calls"] > 1:
             return
         if isinstance(out, torch.Tensor):
             size, real = 0, out
         elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and all(o is None for o in out[1:]):
             size, real = len(out), out[0]
-        else:
-            calls[0] = -(10**9)  # any other structure: never short-cut
+        else:  # any other structure: never short-cut
             return
-        self._cut[part] = size
         with torch.no_grad():
-            cut = self._cut_output(part, b, device)
-        del self._cut[part]
-        if not torch.equal(cut if size == 0 else cut[0], real):
-            calls[0] = -(10**9)
-        else:
-            calls.append(size)
+            if torch.equal(self._linear_on_kept(part, b, device), real):
+                check["size"] = size
 
-    def _end_check(self, part: str, calls: list[int]) -> None:
-        if calls[0] == 1 and len(calls) == 2:
-            self._cut[part] = calls[1]
-        elif calls[0] != 0:  # not run by this pass (stopped before it): check on a later one
+    def _end_check(self, part: str, check: dict[str, Any]) -> None:
+        if check["calls"] == 0:  # not run by this pass (stopped before it): check on a later one
+            return
+        if check["calls"] == 1 and check["size"] is not None:
+            self._cut[part] = check["size"]
+        else:
             self._drop_inputs(part)
 
     @property
@@ -472,14 +470,13 @@ class _FinishedParts:
             for name, outs in self.outputs.items():
                 stack.enter_context(patched_forward(self.modules[name],
                                                     lambda *a, _o=outs[b], **k: _clone(_o, device)))
-            for name in self._cut:
-                if name not in self.outputs:
-                    stack.enter_context(patched_forward(
-                        self.modules[name], lambda *a, _p=name, **k: self._cut_output(_p, b, device)))
+            for name in self._cut:  # (a part whose outputs were recorded left _cut then)
+                stack.enter_context(patched_forward(
+                    self.modules[name], lambda *a, _p=name, **k: self._cut_output(_p, b, device)))
             finals = self._final()
             for name in finals:
-                if name in self._inputs and name not in self._cut and name not in self._cut_refused:
-                    check: list[int] = [0]
+                if name in self._inputs and name not in self._cut:
+                    check: dict[str, Any] = {"calls": 0, "size": None}
                     handles.append(self.modules[name].register_forward_hook(
                         lambda mod, args, out, _p=name, _c=check: self._check_cut(_p, b, device, out, _c)))
                     stack.callback(self._end_check, name, check)
@@ -513,10 +510,7 @@ class _FinishedParts:
             if len(outs) == n_batches and size <= self.budget:
                 self.outputs[name] = outs
                 self.budget -= size
-                if name in self._inputs:  # the recorded outputs replace the short cut
-                    _, xs = self._inputs.pop(name)
-                    self._cut.pop(name, None)
-                    self.budget += sum(_nbytes(x) for x in xs)
+                self._drop_inputs(name, refuse=False)  # the recorded outputs replace any short cut
         self._recording.clear()
 
 
