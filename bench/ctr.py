@@ -251,7 +251,8 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
                                       train_s=time.perf_counter() - t))
     if data.item_labels is not None:  # the content ceiling (generator's own content), same models and seeds
         oracle = content_oracle(data)
-        ceiling = [c for c in out.get("ceiling", []) if c["dataset"] != name or c["seed"] not in seeds]
+        ceiling = [c for c in out.get("ceiling", [])
+                   if c["dataset"] != name or c["seed"] not in seeds or c["model"] not in models]
         for seed in tqdm(seeds, desc=f"{name} content oracle"):
             for model in [m for m in TARGET_MODELS if m in models]:
                 cfg = CTRConfig(model=model, features="raw", seed=seed)
