@@ -59,7 +59,7 @@ ALL = [("none", 1.0, False), ("checkpoint", 1.0, False), ("sac", 1.0, False),
        ("adacc", 0.25, False), ("adacc", 0.5, False), ("adacc", 0.75, False),
        ("adacc", 0.25, True), ("adacc", 0.5, True), ("adacc", 0.75, True)]
 BF16 = [("none", 1.0, False), ("checkpoint", 1.0, False), ("compile", 0.5, False), ("compile", 0.25, False),
-        ("adacc", 0.25, False), ("adacc", 0.5, False)]
+        ("adacc", 0.25, False), ("adacc", 0.5, False), ("adacc", 0.25, True), ("adacc", 0.5, True)]
 LOSS = [("none", 1.0, False), ("adacc", 0.5, False)]
 # SmolLM2 chunks of about 20 minutes: each target's comparison runs side by side within one part
 PARTS = {"a": {"none", "checkpoint", "sac", "compile@100%", "compile@75%", "adacc@75%", "adacc+compile@75%"},
@@ -319,7 +319,12 @@ def coverage(records: list[dict[str, Any]], section: str) -> list[str]:
              + f", {'/'.join(map(str, reps)) or 0} repeat(s) each of {REPEATS} asked, at least {timed} timed steps "
              f"per strategy ({MIN_TIMED} asked): {'complete' if full else '**incomplete**: the met/missed verdicts below rest on fewer runs than asked'}."]
     bf16 = [r for r in records if r["section"] == "bf16" and not r.get("error")]
-    lines.append(f"- bf16 run: {len(bf16)} strategies recorded" if bf16 else "- bf16 run: **not run** (no records).")
+    if bf16:
+        reps = len({r["repeat"] for r in bf16})
+        lines.append(f"- bf16 run: {len({r['label'] for r in bf16})}/{len(BF16)} strategies recorded, "
+                     f"{reps} repeat(s).")
+    else:
+        lines.append("- bf16 run: **not run** (no records).")
     seeds = sorted({r["seed"] for r in records if r["section"] == "loss" and not r.get("error")})
     if len(seeds) < LOSS_SEEDS:
         lines.append(f"- Loss within 1% after 200 steps: **not measured** ({len(seeds)}/{LOSS_SEEDS} seeds recorded).")
