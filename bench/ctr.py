@@ -264,6 +264,16 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
     out["seeds"] = sorted({r["seed"] for r in records})
 
 
+def _grid_covers(key: str, stage: str, seeds: set[int], models: set[str]) -> bool:
+    """Whether the grid stage ``key`` ("grid:<dataset> seeds 0,1 models lr,dnn") ran only seeds and models
+    that a new run of ``stage`` over ``seeds`` x ``models`` recomputes."""
+    head, _, rest = key.partition(" seeds ")
+    if head != stage or " models " not in rest:
+        return False
+    old_seeds, _, old_models = rest.partition(" models ")
+    return {int(x) for x in old_seeds.split(",")} <= seeds and set(old_models.split(",")) <= models
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(f"{s}:{d}" for d in DATASETS for s in ("select", "grid")),
@@ -295,7 +305,11 @@ def main() -> int:
             with Stage(stage) as st:
                 stage_select(name, out) if kind == "select" else stage_grid(name, out, seeds, models)
             key = stage if kind == "select" else f"{stage} seeds {args.seeds} models {','.join(models)}"
-            out.setdefault("stages", {})[key] = {**st.info, "command": command}
+            stages = out.setdefault("stages", {})
+            if kind == "grid":  # an earlier grid chunk whose records this one all replaced is no longer a source
+                for old in [k for k in stages if _grid_covers(k, stage, set(seeds), set(models))]:
+                    del stages[old]
+            stages[key] = {**st.info, "command": command}
             out["machine"], out["machine_line"] = machine_info(), machine_line()
             out["ctr_defaults"] = {k: v for k, v in CTRConfig().__dict__.items() if k not in ("features", "model")}
             args.out.mkdir(parents=True, exist_ok=True)

@@ -320,9 +320,8 @@ def coverage(records: list[dict[str, Any]], section: str) -> list[str]:
              f"per strategy ({MIN_TIMED} asked): {'complete' if full else '**incomplete**: the met/missed verdicts below rest on fewer runs than asked'}."]
     bf16 = [r for r in records if r["section"] == "bf16" and not r.get("error")]
     if bf16:
-        reps = len({r["repeat"] for r in bf16})
         lines.append(f"- bf16 run: {len({r['label'] for r in bf16})}/{len(BF16)} strategies recorded, "
-                     f"{reps} repeat(s).")
+                     f"{len({r['repeat'] for r in bf16})} repeat(s).")
     else:
         lines.append("- bf16 run: **not run** (no records).")
     seeds = sorted({r["seed"] for r in records if r["section"] == "loss" and not r.get("error")})
