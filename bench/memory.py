@@ -61,6 +61,10 @@ ALL = [("none", 1.0, False), ("checkpoint", 1.0, False), ("sac", 1.0, False),
 BF16 = [("none", 1.0, False), ("checkpoint", 1.0, False), ("compile", 0.5, False), ("compile", 0.25, False),
         ("adacc", 0.25, False), ("adacc", 0.5, False), ("adacc", 0.25, True), ("adacc", 0.5, True)]
 LOSS = [("none", 1.0, False), ("adacc", 0.5, False)]
+# the planner's times pooled over identical layers (the default) against each layer's own times, side by side
+# with compile at the same budgets (a 4th element False: per-layer times)
+TIMINGS = [("compile", 0.5, False), ("adacc", 0.5, True, False), ("adacc", 0.5, True),
+           ("compile", 0.25, False), ("adacc", 0.25, True, False), ("adacc", 0.25, True)]
 # SmolLM2 chunks of about 20 minutes: each target's comparison runs side by side within one part
 PARTS = {"a": {"none", "checkpoint", "sac", "compile@100%", "compile@75%", "adacc@75%", "adacc+compile@75%"},
          "b": {"checkpoint", "compile@50%", "compile@25%", "adacc@25%", "adacc@50%", "adacc+compile@25%",
@@ -77,13 +81,15 @@ SECTIONS = {
     "bf16": dict(model="smollm2-135m", dtype="bfloat16", batch=2, seqlen=512, warmup=2, timed=10, plan=BF16,
                  layers=EVERY_THIRD),
     "small": dict(model="small", dtype="float32", batch=4, seqlen=256, warmup=2, timed=10, plan=QUICK, layers=None),
+    "timings": dict(model="smollm2-135m", dtype="float32", batch=2, seqlen=512, warmup=2, timed=10, plan=TIMINGS,
+                    layers=EVERY_THIRD),
     "loss": dict(model="smollm2-135m", dtype="float32", batch=2, seqlen=128, warmup=2, timed=198, plan=LOSS,
                  layers=EVERY_THIRD),
 }
 
 
-def label(strategy: str, budget: float, compile_blocks: bool) -> str:
-    cfg = TrainConfig(strategy=strategy, budget=budget, compile_blocks=compile_blocks)
+def label(strategy: str, budget: float, compile_blocks: bool, pool_layers: bool = True) -> str:
+    cfg = TrainConfig(strategy=strategy, budget=budget, compile_blocks=compile_blocks, pool_layers=pool_layers)
     cfg.check()
     return cfg.label
 
@@ -135,7 +141,7 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
     errors: list[dict[str, Any]] = []
     shared_opt = None
     profiles: dict[bool, Any] = {}  # one Adacc profile per kind (eager / compiled options), shared by budgets
-    for strategy, budget, cb in plan:
+    for strategy, budget, cb, *pool in plan:
         if section == "loss":  # independent training runs: own weights, own optimizer
             torch.manual_seed(seed)
             m, _ = load(spec["model"], spec["dtype"], vocab)
@@ -148,7 +154,8 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
             opt = shared_opt
         cfg = TrainConfig(strategy=strategy, budget=budget, batch_size=spec["batch"], steps=steps, lr=lr,
                           warmup=spec["warmup"], progress=False,
-                          compile_blocks=COMPILE_BLOCK_BUDGETS if cb else False, compress_layers=spec["layers"])
+                          compile_blocks=COMPILE_BLOCK_BUDGETS if cb else False, compress_layers=spec["layers"],
+                          pool_layers=pool[0] if pool else True)
         runner = StrategyRunner(m, cfg, unoptimized_peak=base, optimizer=opt, profile=profiles.get(cb))
         t0 = time.perf_counter()
         try:
@@ -460,6 +467,27 @@ def plot(records: list[dict[str, Any]], aggs: list[dict[str, Any]], path: Path) 
     plt.close(fig)
 
 
+def timing_lines(records: list[dict[str, Any]]) -> list[str]:
+    """The planner on pooled times against the planner on each layer's own times (section ``timings``),
+    and which planner each section's Adacc records ran."""
+    out = []
+    for frac in (0.25, 0.5):
+        pooled, own, comp = f"adacc+compile@{frac:.0%}", f"adacc+compile@{frac:.0%} per-layer", f"compile@{frac:.0%}"
+        r = ratio_in_repeats(records, "timings", pooled, own)
+        if r:
+            out.append(f"- {frac:.0%} budget: pooled times ran {_med(r)} the tokens/s of per-layer times; against "
+                       f"{comp}: pooled {_med(ratio_in_repeats(records, 'timings', pooled, comp))}, per-layer "
+                       f"{_med(ratio_in_repeats(records, 'timings', own, comp))} ({len(r)} repeat(s), side by side).")
+    for section in ("smollm2", "bf16", "loss", "small"):
+        rs = [r for r in records if r["section"] == section and r["strategy"] == "adacc" and not r.get("error")]
+        if rs:
+            n = sum(1 for r in rs if r.get("pool_layers"))
+            out.append(f"- Section {section}: {n}/{len(rs)} Adacc records planned from pooled times"
+                       + (" (the others from each layer's own times: recorded before pooling became the default)."
+                          if n < len(rs) else "."))
+    return out
+
+
 def section_header(records: list[dict[str, Any]], section: str, title: str) -> list[str]:
     recs = [r for r in records if r["section"] == section and not r.get("error")]
     if not recs:
@@ -502,13 +530,22 @@ def render(payload: dict[str, Any], out: Path, doc: Path | None = None) -> None:
     lines += tgt
     loss = loss_lines(records)
     lines += loss
-    for section, title in (("bf16", "bfloat16 model"), ("small", "Quick run: small LLaMA config")):
+    for section, title in (("timings", "Planner times pooled over identical layers (default) vs each layer's own "
+                                       "(`per-layer`)"), ("bf16", "bfloat16 model"),
+                           ("small", "Quick run: small LLaMA config")):
         aggs = aggregate(records, section)
         if aggs:
             lines += section_header(records, section, title) + table(aggs) + [""]
+            if section == "timings":
+                lines += timing_lines(records) + [""]
     errs = [r for r in records if r.get("error")]
     if errs:
-        lines += ["## Strategies that did not run", ""] + [f"- {r['section']} {r['label']}: {r['error']}" for r in errs] + [""]
+        seen: dict[str, int] = {}
+        for r in errs:  # the same refusal in several repeats: one line, with its count
+            key = f"{r['section']} {r['label']}: {r['error']}"
+            seen[key] = seen.get(key, 0) + 1
+        lines += ["## Strategies that did not run", ""] + [f"- {k}" + (f" ({n} repeats)" if n > 1 else "")
+                                                          for k, n in seen.items()] + [""]
     (out / "memory.md").write_text("\n".join(lines))
     if smol or records:
         plot(records, smol, out / "memory.png")

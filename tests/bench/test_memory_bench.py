@@ -17,7 +17,7 @@ def load_bench_memory():
 
 def rec(label: str, tokens_s: float, peak_mib: float, repeat: int = 0, over: int = 0, **kw) -> dict:
     strategy = label.split("@")[0].split("+")[0]
-    frac = float(label.split("@")[1].rstrip("%")) / 100 if "@" in label else None
+    frac = float(label.split("@")[1].split("%")[0]) / 100 if "@" in label else None
     budget = frac * 1000 * MIB if frac is not None else None
     r = {"section": "smollm2", "repeat": repeat, "part": "all", "seed": 0, "label": label, "strategy": strategy,
          "compile_blocks": "+compile" in label, "budget_fraction": frac, "budget_bytes": budget,
@@ -73,3 +73,26 @@ def test_render_writes_docs_only_when_asked(tmp_path: Path) -> None:
     text = doc.read_text()
     assert "stale 999" not in text and text.startswith("intro\n") and text.endswith("outro\n")
     assert "### Targets (SmolLM2-135M)" in text and "| adacc@25% | 250.0 |" in text
+
+
+def test_timing_lines_compare_pooled_and_per_layer_side_by_side() -> None:
+    bm = load_bench_memory()
+    records = []
+    for k, (pooled, own) in enumerate([(110, 100), (99, 90)]):
+        for frac in (25, 50):
+            records += [rec(f"compile@{frac}%", 100, 300, k, section="timings"),
+                        rec(f"adacc+compile@{frac}%", pooled, 250, k, section="timings", pool_layers=True),
+                        rec(f"adacc+compile@{frac}% per-layer", own, 250, k, section="timings", pool_layers=False)]
+    records += [rec("adacc@50%", 100, 500, 0, pool_layers=True), rec("adacc@25%", 100, 250, 0)]
+    lines = "\n".join(bm.timing_lines(records))
+    # per repeat: 110/100 = 1.10 and 99/90 = 1.10; against compile 1.10 and 0.99 (pooled), 1.00 and 0.90
+    assert "50% budget: pooled times ran 1.10x (1.10-1.10) the tokens/s of per-layer times" in lines
+    assert "pooled 1.04x (0.99-1.10), per-layer 0.95x (0.90-1.00) (2 repeat(s)" in lines
+    assert "Section smollm2: 1/2 Adacc records planned from pooled times (the others" in lines
+
+
+def test_per_layer_label() -> None:
+    bm = load_bench_memory()
+    assert bm.label("adacc", 0.5, True, False) == "adacc+compile@50% per-layer"
+    assert bm.label("adacc", 0.5, True) == "adacc+compile@50%"
+    assert bm.label("compile", 0.5, False, False) == "compile@50%"

@@ -39,7 +39,7 @@ from leanml.memory.compressors import FLOAT_COMPRESSORS
 from leanml.memory.meter import ActivationMeter, param_tensors
 from leanml.memory.planner import LayerSpec, Option, Problem, Solution, min_peak, min_peak_plan, solve_plan
 from leanml.memory.policy import DriftMonitor, DriftThresholds
-from leanml.memory.profiler import Profile, profile_step
+from leanml.memory.profiler import Profile, pool_timings, profile_step
 from leanml.memory.runtime import BITPACK, RECOMPUTE, RETAIN, SELECTIVE, AppliedPlan, disable_kv_cache
 from leanml.memory.structure import SELF, GroupKey, find_blocks, tensors_in
 from leanml.utils import LeanmlError
@@ -228,7 +228,9 @@ class Adacc:
     shape) or ``"error"``. ``measure_steps``: measure every training step's peak (``step_peaks``).
     ``profile``: a profile of the same architecture and input shape (``other.profile``, e.g. from an Adacc
     on a model sharing these weights, with the same compressors and ``compile_blocks``) to plan the first
-    batch of that shape from instead of profiling again.
+    batch of that shape from instead of profiling again. ``pool_layers``: plan from times pooled over
+    layers that do the same work (median over the measured ones, :func:`~leanml.memory.profiler.pool_timings`)
+    rather than each layer's own, noisier, timing.
     """
 
     def __init__(
@@ -253,6 +255,7 @@ class Adacc:
         max_calibrations: int = 4,
         progress: bool = False,
         profile: Profile | None = None,
+        pool_layers: bool = True,
     ) -> None:
         if on_new_shape not in ("replan", "error"):
             raise LeanmlError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
@@ -272,6 +275,7 @@ class Adacc:
         self.calibrate = calibrate
         self.max_calibrations = max(1, max_calibrations)
         self.compress_layers = compress_layers
+        self.pool_layers = pool_layers
         self.compile_budgets: tuple[float, ...] = (
             DEFAULT_COMPILE_BUDGETS if compile_blocks is True else tuple(compile_blocks or ()))
         self.on_new_shape = on_new_shape
@@ -417,7 +421,8 @@ class Adacc:
 
     def _plan_from(self, profile: Profile, sig: str, reason: str, t0: float) -> None:
         budget = self.budget.to_bytes(profile.peak_bytes)
-        problem, names, post_names = build_problem(profile, self.max_error, self.error_caps, self.compress_head)
+        problem, names, post_names = build_problem(pool_timings(profile) if self.pool_layers else profile,
+                                                   self.max_error, self.error_caps, self.compress_head)
         floor = min_peak(problem)
         entry = _ShapePlan(profile, None, problem, names, post_names, floor)  # type: ignore[arg-type]
         if budget < floor:

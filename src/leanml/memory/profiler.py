@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -112,6 +113,8 @@ class Profile:
     layer_eager_s: list[float] = field(default_factory=list)  # eager forward+backward per layer (0: not timed)
     compile_error: str | None = None
     shape: str = ""
+    measured_layers: list[int] = field(default_factory=list)  # layers whose compressors / compiled runs were timed
+    layer_kinds: list[str] = field(default_factory=list)  # class name of each block
 
     def layer_groups(self, layer: int) -> list[GroupStats]:
         return [g for k, g in self.groups.items() if k.layer == layer]
@@ -127,6 +130,8 @@ class Profile:
             "layer_fwd_s": self.layer_fwd_s,
             "layer_eager_s": self.layer_eager_s,
             "compile_error": self.compile_error,
+            "measured_layers": self.measured_layers,
+            "layer_kinds": self.layer_kinds,
             "compiled": {str(k): [asdict(c) for c in v] for k, v in self.compiled.items()},
             "groups": [asdict(g) | {"label": g.label} for g in self.groups.values()],
         }
@@ -296,7 +301,8 @@ def profile_step(
     layer_fwd = _split_self_time(groups, n_layers)
     peak = sum(g.bytes for g in groups.values())
     return Profile(groups, n_layers, layer_input_bytes, layer_fwd, peak, tuple(compressors), meter.peak,
-                   time.perf_counter() - t_start, compiled, layer_eager_s, compile_error)
+                   time.perf_counter() - t_start, compiled, layer_eager_s, compile_error,
+                   measured_layers=sorted(measured), layer_kinds=[type(b).__qualname__ for b in blocks])
 
 
 def unoptimized_peak(model: nn.Module, blocks: list[nn.Module], run_step: Callable[[], torch.Tensor]) -> int:
@@ -586,3 +592,84 @@ def _measure_compression(g: GroupStats, tensors: list[torch.Tensor], compressors
         if not math.isfinite(err):
             err = 1.0
         g.compress[name] = CompressStat(payload, pack_s, unpack_s, err, max_out)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def layer_classes(profile: Profile) -> list[list[int]]:
+    """Layers that do the same work: same block class, same input bytes and the same groups with the same
+    saved bytes (the decoder layers of one model, on one batch shape). Each class in layer order."""
+    classes: dict[tuple, list[int]] = {}
+    for layer in range(profile.n_layers):
+        kind = profile.layer_kinds[layer] if layer < len(profile.layer_kinds) else ""
+        sig = (kind, profile.layer_input_bytes[layer],
+               tuple(sorted((g.child, g.bytes) for g in profile.layer_groups(layer))))
+        classes.setdefault(sig, []).append(layer)
+    return list(classes.values())
+
+
+def _pool_compress(stats: list[dict[str, CompressStat]]) -> dict[str, CompressStat]:
+    """Per compressor: the median pack and unpack time over ``stats`` (bytes and error of the first, the
+    largest error)."""
+    out = {}
+    for name, first in stats[0].items():
+        same = [s[name] for s in stats if name in s]
+        out[name] = CompressStat(first.payload_bytes, _median([s.pack_s for s in same]),
+                                 _median([s.unpack_s for s in same]), max(s.error for s in same), first.max_out_bytes)
+    return out
+
+
+def pool_timings(profile: Profile) -> Profile:
+    """A copy of ``profile`` whose times are pooled over layers that do the same work.
+
+    Each layer's times come from a few short runs on a machine whose speed drifts, so two identical
+    decoder layers can be timed far apart and the planner would treat them differently (run one
+    compiled and its twin eager) for no real reason. Within each class of :func:`layer_classes`, every
+    time (group forward and selective-recompute times, compressor pack/unpack times, the layer's
+    forward, its eager and compiled forward+backward) becomes the median over the class's measured
+    layers. Bytes, errors and outlier ratios are kept per layer (errors: the largest in the class)."""
+    import copy
+
+    out = copy.deepcopy(profile)
+    measured = set(profile.measured_layers) or set(range(profile.n_layers))
+    for cls in layer_classes(profile):
+        ref = [layer for layer in cls if layer in measured] or cls
+        if len(cls) < 2:
+            continue
+        for child in {g.child for g in profile.layer_groups(cls[0])}:
+            src = [profile.groups[GroupKey(layer, child)] for layer in ref]
+            fwd = _median([g.fwd_s for g in src])
+            sel = _median([g.sel_recompute_s for g in src])
+            comp = _pool_compress([g.compress for g in src]) if all(g.compress for g in src) else None
+            for layer in cls:
+                g = out.groups[GroupKey(layer, child)]
+                g.fwd_s, g.sel_recompute_s = fwd, sel
+                if comp is not None:
+                    g.compress = {n: CompressStat(g.compress[n].payload_bytes if n in g.compress else c.payload_bytes,
+                                                  c.pack_s, c.unpack_s, c.error,
+                                                  g.compress[n].max_out_bytes if n in g.compress else c.max_out_bytes)
+                                  for n, c in comp.items()}
+        if profile.layer_fwd_s:
+            fwd = _median([profile.layer_fwd_s[layer] for layer in ref])
+            for layer in cls:
+                out.layer_fwd_s[layer] = fwd
+        timed = [layer for layer in ref if layer in profile.compiled]
+        if timed:
+            eager = _median([profile.layer_eager_s[layer] for layer in timed])
+            pooled = []
+            for i in range(len(profile.compiled[timed[0]])):
+                src = [profile.compiled[layer][i] for layer in timed]
+                pooled.append((_median([c.time_s for c in src]), _pool_compress([c.compress for c in src])))
+            for layer in cls:
+                if layer not in out.compiled:
+                    continue
+                out.layer_eager_s[layer] = eager
+                for c, (t, comp) in zip(out.compiled[layer], pooled, strict=True):
+                    c.time_s = t
+                    c.compress = {n: CompressStat(c.compress[n].payload_bytes if n in c.compress else s.payload_bytes,
+                                                  s.pack_s, s.unpack_s, s.error,
+                                                  c.compress[n].max_out_bytes if n in c.compress else s.max_out_bytes)
+                                  for n, s in comp.items()}
+    return out

@@ -52,6 +52,7 @@ class TrainConfig:
     progress: bool = True
     compile_blocks: bool | tuple[float, ...] = False
     compress_layers: list[int] | None = None
+    pool_layers: bool = True  # Adacc plans from times pooled over identical layers (False: each layer's own)
 
     def check(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -69,7 +70,8 @@ class TrainConfig:
         """``adacc@50%``, ``compile@25%``, ``checkpoint``..."""
         assert isinstance(self.budget, Budget)
         name = self.strategy + ("+compile" if self.strategy == "adacc" and self.compile_blocks else "")
-        return name + (f"@{self.budget.label()}" if self.strategy in ("adacc", "compile") else "")
+        name += f"@{self.budget.label()}" if self.strategy in ("adacc", "compile") else ""
+        return name + (" per-layer" if self.strategy == "adacc" and not self.pool_layers else "")
 
 
 def remap_vocab(windows: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -175,7 +177,7 @@ class StrategyRunner:
         disable_kv_cache(model)
         if cfg.strategy == "adacc":
             self.adacc = Adacc(model, budget=self.budget, max_error=cfg.max_error, compile_blocks=cfg.compile_blocks,
-                               compress_layers=cfg.compress_layers, profile=self.profile)
+                               compress_layers=cfg.compress_layers, profile=self.profile, pool_layers=cfg.pool_layers)
             record = self.adacc.prepare(input_ids=x, labels=x)
             assert self.adacc.profile is not None
             if self.unoptimized_peak is not None and self.unoptimized_peak != self.adacc.profile.peak_bytes:
@@ -273,6 +275,7 @@ class StrategyRunner:
             "strategy": cfg.strategy,
             "label": cfg.label,
             "compile_blocks": bool(cfg.compile_blocks),
+            "pool_layers": cfg.pool_layers if cfg.strategy == "adacc" else None,
             "compile_budgets": list(self.adacc.compile_budgets) if self.adacc is not None else None,
             "budget_fraction": self.budget.fraction_of(self.unoptimized_peak or 1) if budgeted else None,
             "peak_bytes": max(timed_peaks),
@@ -314,6 +317,10 @@ class StrategyRunner:
                 "compiled": [{"budget": c.budget, "bytes": c.bytes, "time_s": c.time_s, "compile_s": c.compile_s}
                              for c in prof.compiled.get(0, [])],
             }
+            # per measured layer, the compiled blocks' forward+backward time against the eager block, per
+            # compiler budget, as profiled (before any pooling): how far apart identical layers are timed
+            out["compiled_time_s"] = {str(i): {f"{c.budget:g}": c.time_s for c in prof.compiled[i]}
+                                      for i in prof.measured_layers if i in prof.compiled}
             out["compile_error"] = self.adacc.profile.compile_error
         return out
 
