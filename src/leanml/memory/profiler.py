@@ -15,6 +15,7 @@ block runs alone on its recorded inputs, so profiling needs no more memory than 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
@@ -594,10 +595,6 @@ def _measure_compression(g: GroupStats, tensors: list[torch.Tensor], compressors
         g.compress[name] = CompressStat(payload, pack_s, unpack_s, err, max_out)
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def layer_classes(profile: Profile) -> list[list[int]]:
     """Layers that do the same work: same block class, same input bytes and the same groups with the same
     saved bytes (the decoder layers of one model, on one batch shape). Each class in layer order."""
@@ -616,8 +613,8 @@ def _pool_compress(stats: list[dict[str, CompressStat]]) -> dict[str, CompressSt
     out = {}
     for name, first in stats[0].items():
         same = [s[name] for s in stats if name in s]
-        out[name] = CompressStat(first.payload_bytes, _median([s.pack_s for s in same]),
-                                 _median([s.unpack_s for s in same]), max(s.error for s in same), first.max_out_bytes)
+        out[name] = CompressStat(first.payload_bytes, statistics.median([s.pack_s for s in same]),
+                                 statistics.median([s.unpack_s for s in same]), max(s.error for s in same), first.max_out_bytes)
     return out
 
 
@@ -630,8 +627,6 @@ def pool_timings(profile: Profile) -> Profile:
     time (group forward and selective-recompute times, compressor pack/unpack times, the layer's
     forward, its eager and compiled forward+backward) becomes the median over the class's measured
     layers. Bytes, errors and outlier ratios are kept per layer (errors: the largest in the class)."""
-    import copy
-
     out = copy.deepcopy(profile)
     measured = set(profile.measured_layers) or set(range(profile.n_layers))
     for cls in layer_classes(profile):
@@ -640,8 +635,8 @@ def pool_timings(profile: Profile) -> Profile:
             continue
         for child in {g.child for g in profile.layer_groups(cls[0])}:
             src = [profile.groups[GroupKey(layer, child)] for layer in ref]
-            fwd = _median([g.fwd_s for g in src])
-            sel = _median([g.sel_recompute_s for g in src])
+            fwd = statistics.median([g.fwd_s for g in src])
+            sel = statistics.median([g.sel_recompute_s for g in src])
             comp = _pool_compress([g.compress for g in src]) if all(g.compress for g in src) else None
             for layer in cls:
                 g = out.groups[GroupKey(layer, child)]
@@ -652,16 +647,16 @@ def pool_timings(profile: Profile) -> Profile:
                                                   g.compress[n].max_out_bytes if n in g.compress else c.max_out_bytes)
                                   for n, c in comp.items()}
         if profile.layer_fwd_s:
-            fwd = _median([profile.layer_fwd_s[layer] for layer in ref])
+            fwd = statistics.median([profile.layer_fwd_s[layer] for layer in ref])
             for layer in cls:
                 out.layer_fwd_s[layer] = fwd
         timed = [layer for layer in ref if layer in profile.compiled]
         if timed:
-            eager = _median([profile.layer_eager_s[layer] for layer in timed])
+            eager = statistics.median([profile.layer_eager_s[layer] for layer in timed])
             pooled = []
             for i in range(len(profile.compiled[timed[0]])):
                 src = [profile.compiled[layer][i] for layer in timed]
-                pooled.append((_median([c.time_s for c in src]), _pool_compress([c.compress for c in src])))
+                pooled.append((statistics.median([c.time_s for c in src]), _pool_compress([c.compress for c in src])))
             for layer in cls:
                 if layer not in out.compiled:
                     continue
