@@ -607,14 +607,15 @@ def layer_classes(profile: Profile) -> list[list[int]]:
     return list(classes.values())
 
 
-def _pool_compress(stats: list[dict[str, CompressStat]]) -> dict[str, CompressStat]:
-    """Per compressor: the median pack and unpack time over ``stats`` (bytes and error of the first, the
-    largest error)."""
+def _pool_compress(own: dict[str, CompressStat], stats: list[dict[str, CompressStat]]) -> dict[str, CompressStat]:
+    """``own``'s compressors with pack and unpack times the median over ``stats`` (one dict per layer of a
+    class) and the class's largest error; payload and output bytes stay ``own``'s."""
     out = {}
-    for name, first in stats[0].items():
-        same = [s[name] for s in stats if name in s]
-        out[name] = CompressStat(first.payload_bytes, statistics.median([s.pack_s for s in same]),
-                                 statistics.median([s.unpack_s for s in same]), max(s.error for s in same), first.max_out_bytes)
+    for name, mine in own.items():
+        same = [s[name] for s in stats if name in s] or [mine]
+        out[name] = CompressStat(mine.payload_bytes, statistics.median([s.pack_s for s in same]),
+                                 statistics.median([s.unpack_s for s in same]), max(s.error for s in same),
+                                 mine.max_out_bytes)
     return out
 
 
@@ -624,47 +625,34 @@ def pool_timings(profile: Profile) -> Profile:
     Each layer's times come from a few short runs on a machine whose speed drifts, so two identical
     decoder layers can be timed far apart and the planner would treat them differently (run one
     compiled and its twin eager) for no real reason. Within each class of :func:`layer_classes`, every
-    time (group forward and selective-recompute times, compressor pack/unpack times, the layer's
-    forward, its eager and compiled forward+backward) becomes the median over the class's measured
-    layers. Bytes, errors and outlier ratios are kept per layer (errors: the largest in the class)."""
+    time (group forward and selective-recompute times, compressor pack/unpack times, the layer's forward,
+    its eager forward+backward and its compiled ones against it) becomes the median over the class's
+    measured layers. Bytes and outlier ratios stay per layer; a compressor's error becomes
+    the largest in the class."""
     out = copy.deepcopy(profile)
     measured = set(profile.measured_layers) or set(range(profile.n_layers))
     for cls in layer_classes(profile):
-        ref = [layer for layer in cls if layer in measured] or cls
         if len(cls) < 2:
             continue
+        ref = [layer for layer in cls if layer in measured] or cls
         for child in {g.child for g in profile.layer_groups(cls[0])}:
             src = [profile.groups[GroupKey(layer, child)] for layer in ref]
             fwd = statistics.median([g.fwd_s for g in src])
             sel = statistics.median([g.sel_recompute_s for g in src])
-            comp = _pool_compress([g.compress for g in src]) if all(g.compress for g in src) else None
             for layer in cls:
                 g = out.groups[GroupKey(layer, child)]
                 g.fwd_s, g.sel_recompute_s = fwd, sel
-                if comp is not None:
-                    g.compress = {n: CompressStat(g.compress[n].payload_bytes if n in g.compress else c.payload_bytes,
-                                                  c.pack_s, c.unpack_s, c.error,
-                                                  g.compress[n].max_out_bytes if n in g.compress else c.max_out_bytes)
-                                  for n, c in comp.items()}
+                g.compress = _pool_compress(g.compress, [s.compress for s in src])
         if profile.layer_fwd_s:
             fwd = statistics.median([profile.layer_fwd_s[layer] for layer in ref])
             for layer in cls:
                 out.layer_fwd_s[layer] = fwd
         timed = [layer for layer in ref if layer in profile.compiled]
-        if timed:
-            eager = statistics.median([profile.layer_eager_s[layer] for layer in timed])
-            pooled = []
-            for i in range(len(profile.compiled[timed[0]])):
-                src = [profile.compiled[layer][i] for layer in timed]
-                pooled.append((statistics.median([c.time_s for c in src]), _pool_compress([c.compress for c in src])))
-            for layer in cls:
-                if layer not in out.compiled:
-                    continue
-                out.layer_eager_s[layer] = eager
-                for c, (t, comp) in zip(out.compiled[layer], pooled, strict=True):
-                    c.time_s = t
-                    c.compress = {n: CompressStat(c.compress[n].payload_bytes if n in c.compress else s.payload_bytes,
-                                                  s.pack_s, s.unpack_s, s.error,
-                                                  c.compress[n].max_out_bytes if n in c.compress else s.max_out_bytes)
-                                  for n, s in comp.items()}
+        for layer in cls if timed else ():
+            if layer < len(out.layer_eager_s):  # kept consistent with the compiled times, which are relative to it
+                out.layer_eager_s[layer] = statistics.median([profile.layer_eager_s[t] for t in timed])
+            for i, c in enumerate(out.compiled.get(layer, [])):
+                src_c = [profile.compiled[t][i] for t in timed]
+                c.time_s = statistics.median([s.time_s for s in src_c])
+                c.compress = _pool_compress(c.compress, [s.compress for s in src_c])
     return out
