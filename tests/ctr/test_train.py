@@ -157,3 +157,29 @@ def test_residual_id_mode_leaves_new_ads_exactly_to_the_content_model() -> None:
     assert not np.array_equal(base[0][new], drop[0][new])
     with pytest.raises(LeanmlError, match="id_mode"):
         CTRConfig(id_mode="gate")
+
+
+def test_content_tower_joins_raw_and_codeword_into_one_field(tmp_path) -> None:
+    from leanml.ctr.train import load_ctr_run, save_ctr_run
+
+    data = fashion_ads(n_ads=200, n_users=20, per_day=500, seed=5)
+    rng = np.random.default_rng(2)
+    raw, decoded = rng.normal(size=(200, 16)).astype(np.float32), rng.normal(size=(200, 8)).astype(np.float32)
+    items = ItemFeatures(rng.integers(0, 8, (200, 2)), raw, 2, 8, decoded=decoded)
+    common = dict(model="deepfm", features="raw+visual", visual_fields="none", codeword_vector=True, epochs=1)
+    _, apart, _ = run_ctr(data, items, CTRConfig(**common), progress=False)
+    model, tower, rep = run_ctr(data, items, CTRConfig(**common, content_tower=True), progress=False)
+    assert apart.dense_dims == {"raw": 16, "codeword": 8} and tower.dense_dims == {"content": 24}
+    assert model.embeddings.num_fields == 3  # user, context, content: no second field of the same ad
+    _, dense, _ = tower.tensors(data.test)
+    items_of_rows = data.test["item"].to_numpy()
+    assert np.array_equal(dense["content"].numpy(), np.concatenate([raw, decoded], 1)[items_of_rows])
+    # the run reloads with the tower: same predictions
+    save_ctr_run(tmp_path / "run", model, tower, rep)
+    again, b2, _ = load_ctr_run(tmp_path / "run", data)
+    s1, d1, _ = tower.tensors(data.test)
+    s2, d2, _ = b2.tensors(data.test)
+    assert np.allclose(predict(model, s1, d1), predict(again, s2, d2))
+    for bad in (dict(common, features="visual"), dict(common, codeword_vector=False, visual_fields="codes")):
+        with pytest.raises(LeanmlError, match="content_tower"):
+            run_ctr(data, items, CTRConfig(**{**bad, "content_tower": True}), progress=False)

@@ -163,6 +163,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--codeword-vector", action="store_true",
                        help="also feed the codes' codeword vector (a codebook lookup) through an MLP; needs the "
                             "content-ID model, not only a --visual-ids table")
+    train.add_argument("--content-tower", action="store_true",
+                       help="with raw and --codeword-vector: one MLP over both vectors as one field, instead of "
+                            "one field each (which would interact with each other)")
     train.add_argument("--seed-content", type=int, default=None,
                        help="seed of the content-ID fit (default: --seed)")
     train.add_argument("--embed-dim", type=int, default=16)
@@ -300,7 +303,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             items = content_items(data, model)
         cfg = CTRConfig(model=args.model, features=features, embed_dim=args.embed_dim, epochs=args.epochs,
                         lr=args.lr, id_dropout=args.id_dropout, visual_fields=args.visual_fields,
-                        codeword_vector=args.codeword_vector, id_mode=args.id_mode, seed=args.seed)
+                        codeword_vector=args.codeword_vector, content_tower=args.content_tower,
+                        id_mode=args.id_mode, seed=args.seed)
         model_ctr, builder, report = run_ctr(data, items, cfg)
     report.update(extra, seconds=t.seconds, data_args={"name": args.data, "seed": args.seed,
                                                        "on_missing": args.on_missing})

@@ -11,6 +11,10 @@ Feature sets (``--features``, any of ``id``, ``raw``, ``visual`` joined by ``,``
   rows is exactly zero, so adding the ID cannot change a new ad's prediction.
 - ``raw``: the continuous content vector (the content-ID extractor's output before quantization)
   through a small MLP, as one field.
+- ``content_tower``: with both ``raw`` and the codeword vector, feed their concatenation through one MLP
+  as one field instead of one field each. Two fields of the same ad otherwise form a pairwise term
+  (FM / cross) of the ad with itself, which the model fits per training ad and which does not carry
+  over to new ads.
 - ``visual``: the ``M`` content IDs, embedded per ``visual_fields``:
 
   - ``codes`` (default): each position ``m`` is its own field with its own ``K``-row table;
@@ -167,6 +171,7 @@ class CTRConfig:
     visual_fields: str = "codes"  # how the M content IDs become fields (module docstring)
     prefix_buckets: int = 1 << 16  # rows of a prefix field once K^l exceeds it (hashed beyond)
     codeword_vector: bool = False  # also feed the codes' codeword vector (codebook lookup) as a dense field
+    content_tower: bool = False  # raw and codeword vectors through one MLP as one field (module docstring)
     id_mode: str = "dropout"  # "dropout": the ad ID is one field; "residual": a correction on a content model
     seed: int = 0
 
@@ -267,7 +272,13 @@ class FieldBuilder:
                 raise LeanmlError("codeword_vector needs the content-ID model's codebooks (--content-ids), "
                                   "not only a visual-ID table")
             self.dense["codeword"] = items.decoded
+        self.tower = config.content_tower
+        if self.tower and set(self.dense) != {"raw", "codeword"}:
+            raise LeanmlError("content_tower joins the raw vector and the codeword vector into one field; it needs "
+                              "features with both raw and visual, and codeword_vector (--codeword-vector)")
         self.dense_dims = {k: int(v.shape[1]) for k, v in self.dense.items()}
+        if self.tower:
+            self.dense_dims = {"content": sum(self.dense_dims.values())}
 
     def _build(self, data: CTRData, items: ItemFeatures | None, config: CTRConfig) -> None:
         train_items = np.unique(data.train["item"].to_numpy())
@@ -301,6 +312,8 @@ class FieldBuilder:
         for name, ids in self.item_sparse.items():
             sparse[name] = torch.as_tensor(ids[item], dtype=torch.long)
         dense = {k: torch.as_tensor(v[item], dtype=torch.float32) for k, v in self.dense.items()}
+        if self.tower:
+            dense = {"content": torch.cat([dense["raw"], dense["codeword"]], 1)}
         return sparse, dense, torch.tensor(log["label"].to_numpy(), dtype=torch.float32)
 
 
