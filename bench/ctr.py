@@ -159,10 +159,11 @@ def content_oracle(data: CTRData) -> ItemFeatures:
 
 
 def val_runs(val: CTRData, items: ItemFeatures, features: str, **cfg: Any) -> dict[str, float]:
-    """DeepFM on the validation split, averaged over SELECT_SEEDS."""
+    """A CTR model (DeepFM unless ``cfg`` names another) on the validation split, averaged over SELECT_SEEDS."""
     out = []
     for s in SELECT_SEEDS:
-        _, _, rep = run_ctr(val, items, CTRConfig(model="deepfm", features=features, seed=s, **cfg), progress=False)
+        _, _, rep = run_ctr(val, items, CTRConfig(**{"model": "deepfm", **cfg}, features=features, seed=s),
+                            progress=False)
         out.append(rep["metrics"])
     return {k: float(np.mean([m[k] for m in out])) for k in ("auc_new", "auc_old", "gauc_new")}
 
@@ -210,15 +211,27 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
     # how the ad ID is added, per feature set with the ad ID, with the chosen design
     items, _ = fit_items(val, 0, chosen["content"])
     vis_cfg = {"visual_fields": chosen["visual_fields"], "codeword_vector": chosen["codeword_vector"]}
-    refs = {f: val_runs(val, items, f, **vis_cfg) for f in ("raw", "visual", "raw+visual")}
+    # raw and the codeword vector together: one field each, or one content tower (per model)
+    tower_rows = []
+    if chosen["codeword_vector"]:
+        for model in MODELS:
+            row = {"model": model, "raw": val_runs(val, items, "raw", model=model)["auc_new"]}
+            for key, tower in (("apart", False), ("tower", True)):
+                row[key] = val_runs(val, items, "raw+visual", model=model, content_tower=tower, **vis_cfg)["auc_new"]
+            tower_rows.append(row)
+    chosen["tower"] = {r["model"]: bool(r["tower"] > r["apart"]) for r in tower_rows}
+    both_cfg = {**vis_cfg, "content_tower": chosen["tower"].get("deepfm", False)}  # raw and visual together
+    refs = {f: val_runs(val, items, f, **(both_cfg if f == "raw+visual" else vis_cfg))
+            for f in ("raw", "visual", "raw+visual")}
     drop_rows = []
     for features in ("id", "id+raw", "id+visual", "id+raw+visual"):
         for mode, p in ID_OPTIONS:
             drop_rows.append({"features": features, "id_mode": mode, "id_dropout": p, "option": option_name(mode, p),
-                              **val_runs(val, items, features, id_mode=mode, id_dropout=p, **vis_cfg)})
+                              **val_runs(val, items, features, id_mode=mode, id_dropout=p,
+                                         **(both_cfg if features == "id+raw+visual" else vis_cfg))})
     reference = {"id": None, "id+raw": "raw", "id+visual": "visual", "id+raw+visual": "raw+visual"}
     chosen["id"] = {f: choose_id_option(drop_rows, f, refs[r] if r else None) for f, r in reference.items()}
-    out.setdefault("selection", {})[name] = {"candidates": cand_rows, "dropout": drop_rows,
+    out.setdefault("selection", {})[name] = {"candidates": cand_rows, "dropout": drop_rows, "tower": tower_rows,
                                              "references": refs, "chosen": chosen}
 
 
@@ -241,13 +254,15 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
         for model in tqdm(models, desc=f"{name} seed {seed}"):
             for features in FEATURES:
                 how = chosen["id"].get(features, {"id_mode": "dropout", "id_dropout": 0.0, "option": "–"})
+                tower = {"raw", "visual"} <= set(features.split("+")) and chosen.get("tower", {}).get(model, False)
                 cfg = CTRConfig(model=model, features=features, seed=seed, id_dropout=how["id_dropout"],
-                                id_mode=how["id_mode"],
+                                id_mode=how["id_mode"], content_tower=tower,
                                 visual_fields=chosen["visual_fields"], codeword_vector=chosen["codeword_vector"])
                 t = time.perf_counter()
                 _, _, rep = run_ctr(data, items, cfg, progress=False)
                 records.append(record(name, cfg, rep["metrics"], seed_content=seed, bytes_ad=rep["bytes_per_ad"],
                                       id_dropout=how["id_dropout"], id_mode=how["id_mode"], id_option=how["option"],
+                                      content_tower=tower,
                                       train_s=time.perf_counter() - t))
     if data.item_labels is not None:  # the content ceiling (generator's own content), same models and seeds
         oracle = content_oracle(data)
@@ -548,6 +563,13 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
                 text += ". "
             text += (f"In the grid, raw + ad ID reaches {ids['id+raw']:.4f} and id+raw+visual {ids['id+raw+visual']:.4f} "
                      f"(ad ID added by {sel['chosen']['id']['id+raw+visual']['option']}).")
+            trow = [x for x in sel.get("tower", []) if x["model"] == mdl]
+            if trow:
+                t = trow[0]
+                how = "one content tower" if sel["chosen"]["tower"].get(mdl) else "one field each"
+                text += (f" Raw and the codeword vector enter as {how}; on validation raw+visual − raw was "
+                         f"{t['apart'] - t['raw']:+.4f} with one field each and {t['tower'] - t['raw']:+.4f} with "
+                         "one tower.")
             ceil = ceiling_of(out, d, mdl)
             if not math.isnan(ceil):
                 text += (f" The content oracle reaches {ceil:.4f} on new ads: id+raw is {ceil - ids['id+raw']:.4f} "
@@ -598,6 +620,8 @@ def cli_line(dataset: str, chosen: dict[str, Any], features: str = "id+visual", 
     args.append(f"--visual-fields {chosen['visual_fields']}")
     if chosen["codeword_vector"]:
         args.append("--codeword-vector")
+    if {"raw", "visual"} <= set(features.split("+")) and chosen.get("tower", {}).get(model, False):
+        args.append("--content-tower")
     how = chosen["id"].get(features)
     if how is not None:
         args.append("--id-mode residual" if how["id_mode"] == "residual" else f"--id-dropout {how['id_dropout']:g}")
@@ -645,11 +669,23 @@ def render_selection(out: dict[str, Any]) -> list[str]:
                 cells.append(f"{r[0]['auc_new']:.4f} / {r[0]['auc_old']:.4f}" if r else "not tried")
             refv = f"{sel['references'][ref]['auc_new']:.4f}" if ref else "–"
             lines.append(f"| {d} | {f} | " + " | ".join(cells) + f" | {refv} | {sel['chosen']['id'][f]['option']} |")
+    tower = [(d, r) for d, sel in sels.items() for r in sel.get("tower", [])]
+    if tower:
+        lines += ["", "Raw vector and codeword vector together (raw+visual, new-ad AUC on validation, per model, the "
+                  "chosen design): one field each, or one content tower (both vectors through one MLP as one "
+                  "field). Two fields of the same ad also form a pairwise term (FM, cross layers) of the ad with "
+                  "itself. The better of the two is used wherever raw and visual are both features (id+raw+visual "
+                  "rows of the grid).", "",
+                  "| dataset | model | raw | raw+visual, one field each | raw+visual, one tower | chosen |",
+                  "|---|---|---|---|---|---|"]
+        for d, r in tower:
+            pick = "tower" if sels[d]["chosen"]["tower"].get(r["model"]) else "one field each"
+            lines.append(f"| {d} | {r['model']} | {r['raw']:.4f} | {r['apart']:.4f} | {r['tower']:.4f} | {pick} |")
     notes = [f"- {d}: {sel['note']}" for d, sel in sels.items() if sel.get("note")]
     if notes:
         lines += [""] + notes
-    lines += ["", "The chosen settings from the command line (id+visual, DeepFM):", "", "```bash"]
-    lines += [cli_line(d, sel["chosen"]) for d, sel in sels.items()]
+    lines += ["", "The chosen settings from the command line (id+visual and id+raw+visual, DeepFM):", "", "```bash"]
+    lines += [cli_line(d, sel["chosen"], f) for d, sel in sels.items() for f in ("id+visual", "id+raw+visual")]
     lines += ["```", ""]
     return lines
 
