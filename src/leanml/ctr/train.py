@@ -125,14 +125,27 @@ def content_config_for(data: CTRData, **overrides: Any) -> ContentIDConfig:
     return cfg
 
 
+def content_code_hash() -> str:
+    """Hash of the source files that fit content IDs (encoders, quantizers, trainer)."""
+    from leanml.ctr import content_ids
+
+    root = Path(content_ids.__file__).parent
+    h = hashlib.sha256()
+    for name in ("encoders.py", "quantizer.py", "trainer.py"):
+        h.update((root / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def fit_dataset_content_ids(
     data: CTRData, config: ContentIDConfig, use_cache: bool = True, progress: bool = True
 ) -> tuple[ContentIDModel, dict[str, Any]]:
-    """Fit a content-ID model on the *old* items of ``data`` (cached on disk by config + data hash)."""
+    """Fit a content-ID model on the *old* items of ``data`` (cached on disk by config, data and the source
+    of the code that fits it, so a changed trainer never serves an older fit)."""
     from leanml.ctr.content_ids.encoders import embed_texts
 
     old = data.old_items
-    key_src = json.dumps({"cfg": asdict(config), "data": data.summary()}, sort_keys=True, default=str)
+    key_src = json.dumps({"cfg": asdict(config), "data": data.summary(), "code": content_code_hash()},
+                         sort_keys=True, default=str)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
     path = cache_dir() / "content_ids" / f"{data.name}-{key}"
     if use_cache and (path / "model.safetensors").exists():

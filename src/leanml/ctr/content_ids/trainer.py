@@ -32,7 +32,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +222,7 @@ def fit_content_ids(
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     if config.loss == "tokens" and not config.vocab:
-        config.vocab = build_vocab(captions)
+        config = replace(config, vocab=build_vocab(captions))  # the model's own copy; the caller's stays as given
         if not config.vocab:
             raise LeanmlError("captions have no token seen twice; token supervision needs repeated words")
     if config.recon_weight > 0:
