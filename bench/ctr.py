@@ -248,6 +248,8 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
     records = [r for r in out.get("records", [])
                if r["dataset"] != name or r["seed"] not in seeds or r["model"] not in models]
     fits = [f for f in out.get("content_fits", []) if f["dataset"] != name or f["seed_content"] not in seeds]
+    ablation = [a for a in out.get("tower_ablation", [])
+                if a["dataset"] != name or a["seed"] not in seeds or a["model"] not in models]
     for seed in seeds:
         items, fit = fit_items(data, seed, chosen["content"])
         fits.append({"dataset": name, "design": chosen["design"], **fit})
@@ -264,6 +266,12 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
                                       id_dropout=how["id_dropout"], id_mode=how["id_mode"], id_option=how["option"],
                                       content_tower=tower,
                                       train_s=time.perf_counter() - t))
+                if features == "id+raw+visual" and chosen["codeword_vector"] and model in TARGET_MODELS:
+                    # the other way of joining raw and the codeword vector, for the report only (not a choice)
+                    other = CTRConfig(**{**cfg.__dict__, "content_tower": not tower})
+                    _, _, rep = run_ctr(data, items, other, progress=False)
+                    ablation.append({"dataset": name, "model": model, "seed": seed, "content_tower": not tower,
+                                     **{k: rep["metrics"][k] for k in METRICS}})
     if data.item_labels is not None:  # the content ceiling (generator's own content), same models and seeds
         oracle = content_oracle(data)
         ceiling = [c for c in out.get("ceiling", [])
@@ -275,7 +283,7 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
                 ceiling.append({"dataset": name, "model": model, "seed": seed,
                                 **{k: rep["metrics"][k] for k in METRICS}})
         out["ceiling"] = ceiling
-    out["records"], out["content_fits"] = records, fits
+    out["records"], out["content_fits"], out["tower_ablation"] = records, fits, ablation
     out["seeds"] = sorted({r["seed"] for r in records})
 
 
@@ -519,11 +527,41 @@ def render_targets(out: dict[str, Any]) -> list[str]:
                                  f"| {ms([r['auc_new'] for r in group(out['records'], dataset=d, model=mdl, features='id+raw')])} "
                                  f"| {o - mean_of(out['records'], 'auc_new', dataset=d, model=mdl, features='id+raw'):+.4f} |")
         lines.append("")
+    lines += render_tower_ablation(out)
     missed = [r for r in rows if not r["met"]]
     if missed:
         lines += ["### Missed targets: measured reasons", ""]
         lines += explain(out, missed)
         lines.append("")
+    return lines
+
+
+def render_tower_ablation(out: dict[str, Any]) -> list[str]:
+    """id+raw+visual on test with the way of joining raw and the codeword vector that validation did not pick,
+    paired by seed with the grid's row (reported only; nothing is chosen on it)."""
+    abl = out.get("tower_ablation", [])
+    if not abl:
+        return []
+    lines = ["id+raw+visual with raw and the codeword vector joined the other way (one content tower vs one field "
+             "each) than validation chose, same seeds; reported, not used for any choice. Differences are new-ad "
+             "AUC, paired by seed.", "",
+             "| dataset | model | chosen on validation | id+raw+visual (chosen) | id+raw+visual (other) "
+             "| chosen − other | id+raw |", "|---|---|---|---|---|---|---|"]
+    for d in DATASETS:
+        for mdl in TARGET_MODELS:
+            g = group(abl, dataset=d, model=mdl)
+            grid = {r["seed"]: r for r in group(out["records"], dataset=d, model=mdl, features="id+raw+visual")}
+            pairs = [(grid[a["seed"]]["auc_new"], a["auc_new"]) for a in g if a["seed"] in grid]
+            if not pairs:
+                continue
+            seeds = {a["seed"] for a in g if a["seed"] in grid}
+            idraw = [r["auc_new"] for r in group(out["records"], dataset=d, model=mdl, features="id+raw")
+                     if r["seed"] in seeds]
+            chosen = "one tower" if not g[0]["content_tower"] else "one field each"
+            diff = [c - o for c, o in pairs]
+            lines.append(f"| {d} | {mdl} | {chosen} | {ms([c for c, _ in pairs])} | {ms([o for _, o in pairs])} "
+                         f"| {ms(diff)} | {ms(idraw)} |")
+    lines.append("")
     return lines
 
 
