@@ -150,3 +150,30 @@ def test_fit_cache_is_keyed_by_the_fitting_code(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(train_mod, "content_code_hash", lambda: "another-version")
     train_mod.fit_dataset_content_ids(data, cfg, progress=False)
     assert len(calls) == 2 and len(list((tmp_path / "content_ids").iterdir())) == 2
+
+
+def test_reseeding_zeroes_the_optimizer_moments_of_reseeded_codewords_only() -> None:
+    from leanml.ctr.content_ids.trainer import ContentIDModel, embed_all, reseed_dead
+
+    torch.manual_seed(0)
+    cfg = ContentIDConfig(kind="mlp", in_dim=6, dim=8, m=2, k=4, width=2)
+    model = ContentIDModel(cfg)
+    x = torch.randn(40, 6)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(3):  # give every parameter Adam moments
+        z, v, probs = model(x, 1.0)
+        loss = (v**2).sum() + (probs * torch.arange(4.0)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    q = model.quantizer
+    with torch.no_grad():
+        q.codebooks[0, 3] = 1e3  # far from every input: dead
+    _, codes = embed_all(model, x)
+    dead = torch.stack([torch.bincount(torch.as_tensor(codes[:, j]), minlength=4) for j in range(2)]) == 0
+    assert dead[0, 3]
+    before = {k: v.clone() for k, v in opt.state[q.codebooks].items() if torch.is_tensor(v) and v.dim() == 3}
+    assert reseed_dead(model, x, torch.Generator().manual_seed(0), opt) == int(dead.sum())
+    for key, old in before.items():
+        new = opt.state[q.codebooks][key]
+        assert torch.all(new[dead] == 0) and torch.equal(new[~dead], old[~dead]) and old[dead].abs().sum() > 0

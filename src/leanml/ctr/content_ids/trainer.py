@@ -286,7 +286,7 @@ def fit_content_ids(
             bar.update(1)
         entry: dict[str, Any] = {"epoch": epoch, "quantized": quantize, "tau": tau, "loss": float(np.mean(losses))}
         if quantize and config.reseed_dead and epoch < total_epochs - 1:
-            entry["reseeded"] = reseed_dead(model, inputs, gen)
+            entry["reseeded"] = reseed_dead(model, inputs, gen, opt)
         history.append(entry)
     bar.close()
     if not config.joint:  # post-hoc: codebooks are k-means (per sub-space, or level by level) of the final vectors
@@ -307,13 +307,26 @@ def fit_content_ids(
 
 
 @torch.no_grad()
-def reseed_dead(model: ContentIDModel, inputs: torch.Tensor, generator: torch.Generator) -> int:
-    """Re-seed the codewords no item of ``inputs`` uses (hard codes); returns how many were re-seeded."""
+def reseed_dead(model: ContentIDModel, inputs: torch.Tensor, generator: torch.Generator,
+                optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Re-seed the codewords no item of ``inputs`` uses (hard codes); returns how many were re-seeded.
+
+    With ``optimizer``, the re-seeded codewords' rows of its per-parameter state (Adam's moments) are
+    zeroed too: a re-seeded codeword starts fresh instead of being pushed by the moments of the dead one.
+    Without that, training diverged in its last epochs on MovieLens (pq M4 K16 joint: loss 0.21 -> 3.26,
+    30 of 64 codewords dead at the end).
+    """
     z, codes = embed_all(model, inputs)
     q = model.quantizer
     counts = torch.stack([torch.bincount(torch.as_tensor(codes[:, j]), minlength=q.k) for j in range(q.m)])
     level_in = q.level_inputs(torch.as_tensor(z).to(q.codebooks.device)).cpu()
-    return reseed_dead_codes(q.codebooks.data, counts, level_in, generator)
+    total = reseed_dead_codes(q.codebooks.data, counts, level_in, generator)
+    if optimizer is not None and total:
+        dead = (counts == 0).to(q.codebooks.device)
+        for value in optimizer.state.get(q.codebooks, {}).values():
+            if isinstance(value, torch.Tensor) and value.shape == q.codebooks.shape:
+                value[dead] = 0
+    return total
 
 
 @torch.no_grad()
