@@ -68,7 +68,9 @@ class ContentIDConfig:
     batch_size: int = 256
     lr: float = 3e-3
     tau_start: float = 1.0
-    tau_end: float = 0.02
+    # 0.02 let joint residual codes collapse in the last epochs (MovieLens rq M4 K64: 182 of 256 codewords dead,
+    # caption top-1 0.017; at 0.1: 1 dead, 0.959)
+    tau_end: float = 0.1
     straight_through: bool = False
     commit_weight: float = 0.05
     temperature: float = 0.1  # InfoNCE logit temperature
