@@ -283,6 +283,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     check_output_dir(args.out, args.overwrite)
     features = parse_features(args.features)
+    # options are checked before any data is loaded or content IDs are fitted
+    cfg = CTRConfig(model=args.model, features=features, embed_dim=args.embed_dim, epochs=args.epochs,
+                    lr=args.lr, id_dropout=args.id_dropout, visual_fields=args.visual_fields,
+                    codeword_vector=args.codeword_vector, content_tower=args.content_tower,
+                    id_mode=args.id_mode, seed=args.seed)
     data = _load_data(args.data, args.seed)
     items, extra = None, {}
     with Timer() as t:
@@ -301,10 +306,6 @@ def cmd_train(args: argparse.Namespace) -> int:
                 model, cid_report = fit_dataset_content_ids(data, content_config_for(data, **_content_overrides(args)))
                 extra["content_ids"] = {"fitted": True, "usage": cid_report["usage"]}
             items = content_items(data, model)
-        cfg = CTRConfig(model=args.model, features=features, embed_dim=args.embed_dim, epochs=args.epochs,
-                        lr=args.lr, id_dropout=args.id_dropout, visual_fields=args.visual_fields,
-                        codeword_vector=args.codeword_vector, content_tower=args.content_tower,
-                        id_mode=args.id_mode, seed=args.seed)
         model_ctr, builder, report = run_ctr(data, items, cfg)
     report.update(extra, seconds=t.seconds, data_args={"name": args.data, "seed": args.seed,
                                                        "on_missing": args.on_missing})

@@ -199,6 +199,10 @@ class CTRConfig:
             raise LeanmlError(f"id_mode {self.id_mode!r}: use 'dropout' or 'residual'")
         if not 0.0 <= self.id_dropout < 1.0:
             raise LeanmlError(f"id_dropout={self.id_dropout} must be in [0, 1)")
+        if self.content_tower and not ({"raw", "visual"} <= set(parse_features(self.features).split("+"))
+                                       and self.codeword_vector):
+            raise LeanmlError("content_tower joins the raw vector and the codeword vector into one field; it needs "
+                              "features with both raw and visual, and codeword_vector (--codeword-vector)")
 
 
 # DCNv2's cross layers multiply small initial embeddings, so it learns slowly at 5e-3 within 3 epochs
@@ -285,10 +289,7 @@ class FieldBuilder:
                 raise LeanmlError("codeword_vector needs the content-ID model's codebooks (--content-ids), "
                                   "not only a visual-ID table")
             self.dense["codeword"] = items.decoded
-        self.tower = config.content_tower
-        if self.tower and set(self.dense) != {"raw", "codeword"}:
-            raise LeanmlError("content_tower joins the raw vector and the codeword vector into one field; it needs "
-                              "features with both raw and visual, and codeword_vector (--codeword-vector)")
+        self.tower = config.content_tower  # CTRConfig checked that both raw and the codeword vector are fed
         self.dense_dims = {k: int(v.shape[1]) for k, v in self.dense.items()}
         if self.tower:
             self.dense_dims = {"content": sum(self.dense_dims.values())}
