@@ -23,6 +23,7 @@ Writes bench/results/ctr.{json,md,png}; the Markdown is generated from the JSON 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -211,18 +212,24 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
     # how the ad ID is added, per feature set with the ad ID, with the chosen design
     items, _ = fit_items(val, 0, chosen["content"])
     vis_cfg = {"visual_fields": chosen["visual_fields"], "codeword_vector": chosen["codeword_vector"]}
-    # raw and the codeword vector together: one field each, or one content tower (per model)
-    tower_rows = []
+    # raw and the codeword vector together: one field each, or one content tower (per model); DeepFM's runs
+    # are also the references of the ad-ID choice below
+    runs: dict[tuple[str, str, bool], dict[str, float]] = {}  # (model, features, tower) -> validation metrics
     if chosen["codeword_vector"]:
         for model in MODELS:
-            row = {"model": model, "raw": val_runs(val, items, "raw", model=model)["auc_new"]}
-            for key, tower in (("apart", False), ("tower", True)):
-                row[key] = val_runs(val, items, "raw+visual", model=model, content_tower=tower, **vis_cfg)["auc_new"]
-            tower_rows.append(row)
+            runs[model, "raw", False] = val_runs(val, items, "raw", model=model)
+            for tower in (False, True):
+                runs[model, "raw+visual", tower] = val_runs(val, items, "raw+visual", model=model,
+                                                            content_tower=tower, **vis_cfg)
+    tower_rows = [{"model": m, "raw": runs[m, "raw", False]["auc_new"], "apart": runs[m, "raw+visual", False]["auc_new"],
+                   "tower": runs[m, "raw+visual", True]["auc_new"]} for m in MODELS if (m, "raw", False) in runs]
     chosen["tower"] = {r["model"]: bool(r["tower"] > r["apart"]) for r in tower_rows}
     both_cfg = {**vis_cfg, "content_tower": chosen["tower"].get("deepfm", False)}  # raw and visual together
-    refs = {f: val_runs(val, items, f, **(both_cfg if f == "raw+visual" else vis_cfg))
-            for f in ("raw", "visual", "raw+visual")}
+    refs = {}
+    for f in ("raw", "visual", "raw+visual"):
+        cfg = both_cfg if f == "raw+visual" else vis_cfg
+        key = ("deepfm", f, bool(cfg.get("content_tower")))
+        refs[f] = runs[key] if key in runs else val_runs(val, items, f, **cfg)
     drop_rows = []
     for features in ("id", "id+raw", "id+visual", "id+raw+visual"):
         for mode, p in ID_OPTIONS:
@@ -268,7 +275,7 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
                                       train_s=time.perf_counter() - t))
                 if features == "id+raw+visual" and chosen["codeword_vector"] and model in TARGET_MODELS:
                     # the other way of joining raw and the codeword vector, for the report only (not a choice)
-                    other = CTRConfig(**{**cfg.__dict__, "content_tower": not tower})
+                    other = dataclasses.replace(cfg, content_tower=not tower)
                     _, _, rep = run_ctr(data, items, other, progress=False)
                     ablation.append({"dataset": name, "model": model, "seed": seed, "content_tower": not tower,
                                      **{k: rep["metrics"][k] for k in METRICS}})
