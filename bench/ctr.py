@@ -4,8 +4,8 @@ Stages (each one chunk under the CPU lock; results merge into bench/results/ctr.
 can be rerun alone):
 
 - ``select:<dataset>``: choose the content-ID design (codebook, M, K, joint or post-hoc codebooks, how
-  the codes become fields) and how the ad ID is added (ID dropout rate, or the residual mode) for every
-  feature set that has it, on a validation split of the TRAINING period
+  the codes become fields; with DeepFM) and, per model, how the ad ID is added (ID dropout rate, or the
+  residual mode) for every feature set that has it, on a validation split of the TRAINING period
   (``leanml.ctr.data.validation_split``); the test log is not read.
 - ``grid:<dataset>``: the fair grid with the chosen design: feature sets id, raw, visual, id+raw,
   id+visual, id+raw+visual x models LR, DNN, DeepFM, DCNv2 x seeds (default 0-4); seed ``s`` fits the
@@ -209,10 +209,9 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
     assert best is not None
     chosen = {"design": best[1]["design"], "content": best[1]["content"],
               "visual_fields": best[1]["visual_fields"], "codeword_vector": best[1]["codeword_vector"]}
-    # how the ad ID is added, per feature set with the ad ID, with the chosen design
     items, _ = fit_items(val, 0, chosen["content"])
     vis_cfg = {"visual_fields": chosen["visual_fields"], "codeword_vector": chosen["codeword_vector"]}
-    # raw and the codeword vector together: one field each, or one content tower (per model); DeepFM's runs
+    # raw and the codeword vector together: one field each, or one content tower (per model); these runs
     # are also the references of the ad-ID choice below
     runs: dict[tuple[str, str, bool], dict[str, float]] = {}  # (model, features, tower) -> validation metrics
     if chosen["codeword_vector"]:
@@ -224,20 +223,28 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
     tower_rows = [{"model": m, "raw": runs[m, "raw", False]["auc_new"], "apart": runs[m, "raw+visual", False]["auc_new"],
                    "tower": runs[m, "raw+visual", True]["auc_new"]} for m in MODELS if (m, "raw", False) in runs]
     chosen["tower"] = {r["model"]: bool(r["tower"] > r["apart"]) for r in tower_rows}
-    both_cfg = {**vis_cfg, "content_tower": chosen["tower"].get("deepfm", False)}  # raw and visual together
-    refs = {}
-    for f in ("raw", "visual", "raw+visual"):
-        cfg = both_cfg if f == "raw+visual" else vis_cfg
-        key = ("deepfm", f, bool(cfg.get("content_tower")))
-        refs[f] = runs[key] if key in runs else val_runs(val, items, f, **cfg)
-    drop_rows = []
-    for features in ("id", "id+raw", "id+visual", "id+raw+visual"):
-        for mode, p in ID_OPTIONS:
-            drop_rows.append({"features": features, "id_mode": mode, "id_dropout": p, "option": option_name(mode, p),
-                              **val_runs(val, items, features, id_mode=mode, id_dropout=p,
-                                         **(both_cfg if features == "id+raw+visual" else vis_cfg))})
+    # how the ad ID is added: chosen per model and feature set, against the same model without the ad ID
     reference = {"id": None, "id+raw": "raw", "id+visual": "visual", "id+raw+visual": "raw+visual"}
-    chosen["id"] = {f: choose_id_option(drop_rows, f, refs[r] if r else None) for f, r in reference.items()}
+    refs: dict[str, dict[str, dict[str, float]]] = {}
+    drop_rows: list[dict[str, Any]] = []
+    chosen["id"] = {}
+    for model in tqdm(MODELS, desc=f"{name} ad-ID handling"):
+        both_cfg = {**vis_cfg, "content_tower": chosen["tower"].get(model, False)}  # raw and visual together
+        refs[model] = {}
+        for f in ("raw", "visual", "raw+visual"):
+            cfg = both_cfg if f == "raw+visual" else vis_cfg
+            key = (model, f, bool(cfg.get("content_tower")))
+            refs[model][f] = runs[key] if key in runs else val_runs(val, items, f, model=model, **cfg)
+        rows = []
+        for features in ("id", "id+raw", "id+visual", "id+raw+visual"):
+            for mode, p in ID_OPTIONS:
+                rows.append({"model": model, "features": features, "id_mode": mode, "id_dropout": p,
+                             "option": option_name(mode, p),
+                             **val_runs(val, items, features, model=model, id_mode=mode, id_dropout=p,
+                                        **(both_cfg if features == "id+raw+visual" else vis_cfg))})
+        drop_rows += rows
+        chosen["id"][model] = {f: choose_id_option(rows, f, refs[model][r] if r else None)
+                               for f, r in reference.items()}
     out.setdefault("selection", {})[name] = {"candidates": cand_rows, "dropout": drop_rows, "tower": tower_rows,
                                              "references": refs, "chosen": chosen}
 
@@ -262,7 +269,7 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
         fits.append({"dataset": name, "design": chosen["design"], **fit})
         for model in tqdm(models, desc=f"{name} seed {seed}"):
             for features in FEATURES:
-                how = chosen["id"].get(features, {"id_mode": "dropout", "id_dropout": 0.0, "option": "–"})
+                how = chosen["id"][model].get(features, {"id_mode": "dropout", "id_dropout": 0.0, "option": "–"})
                 tower = {"raw", "visual"} <= set(features.split("+")) and chosen.get("tower", {}).get(model, False)
                 cfg = CTRConfig(model=model, features=features, seed=seed, id_dropout=how["id_dropout"],
                                 id_mode=how["id_mode"], content_tower=tower,
@@ -607,7 +614,7 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
                              f"({best_c['design']}; {best_c['id+visual_auc_old']:.4f})")
                 text += ". "
             text += (f"In the grid, raw + ad ID reaches {ids['id+raw']:.4f} and id+raw+visual {ids['id+raw+visual']:.4f} "
-                     f"(ad ID added by {sel['chosen']['id']['id+raw+visual']['option']}).")
+                     f"(ad ID added by {sel['chosen']['id'][mdl]['id+raw+visual']['option']}).")
             trow = [x for x in sel.get("tower", []) if x["model"] == mdl]
             if trow:
                 t = trow[0]
@@ -622,11 +629,11 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
                          f"{0.003 / max(ceil - ids['id+raw'], 1e-9):.0%} of that gap from the vector they are "
                          "computed from.")
         elif r["b"] == "visual":
-            p = sel["chosen"]["id"]["id+visual"]["option"]
-            vrow = [x for x in sel["dropout"] if x["features"] == "id+visual" and x["option"] == p]
-            text += (f"The ad ID added by {p} was chosen on validation, where id+visual reached "
-                     f"{vrow[0]['auc_new']:.4f} against visual {sel['references']['visual']['auc_new']:.4f} "
-                     f"({vrow[0]['auc_new'] - sel['references']['visual']['auc_new']:+.4f})."
+            p = sel["chosen"]["id"][mdl]["id+visual"]["option"]
+            vrow = [x for x in sel["dropout"] if x["model"] == mdl and x["features"] == "id+visual" and x["option"] == p]
+            vref = sel["references"][mdl]["visual"]["auc_new"]
+            text += (f"The ad ID added by {p} was chosen on validation ({mdl}), where id+visual reached "
+                     f"{vrow[0]['auc_new']:.4f} against visual {vref:.4f} ({vrow[0]['auc_new'] - vref:+.4f})."
                      + (" The residual mode leaves a new ad's prediction that of its base model without the ID "
                         "(the correction of an ad without training rows is zero)." if p == "residual" else ""))
         elif r["b"] == "id":
@@ -667,7 +674,7 @@ def cli_line(dataset: str, chosen: dict[str, Any], features: str = "id+visual", 
         args.append("--codeword-vector")
     if {"raw", "visual"} <= set(features.split("+")) and chosen.get("tower", {}).get(model, False):
         args.append("--content-tower")
-    how = chosen["id"].get(features)
+    how = chosen["id"].get(model, {}).get(features)
     if how is not None:
         args.append("--id-mode residual" if how["id_mode"] == "residual" else f"--id-dropout {how['id_dropout']:g}")
     return " ".join(args) + " --out out/run"
@@ -677,7 +684,7 @@ def render_selection(out: dict[str, Any]) -> list[str]:
     sels = out.get("selection", {})
     if not sels:
         return []
-    lines = ["## Chosen on validation (inside the training period; DeepFM, mean of seeds "
+    lines = ["## Chosen on validation (inside the training period; designs with DeepFM, mean of seeds "
              f"{list(SELECT_SEEDS)}, content-ID seed 0)", "",
              "Content-ID designs × how the codes enter the model. The winner has the best mean validation new-ad "
              f"AUC of visual and id+visual (ID dropout {CTRConfig().id_dropout:g}) among designs with ≥ 10× fewer bytes per ad than the "
@@ -700,20 +707,22 @@ def render_selection(out: dict[str, Any]) -> list[str]:
     lines += ["", "How the ad ID is added: ID dropout (DropoutNet-style: a training row's ad ID is replaced by the "
               "unseen-ad row with this probability), or residual (the model is trained without the ad ID, frozen, "
               "and the ID learned as a correction b_ad + <e_ad, e_user> on its logit; zero for an ad without "
-              "training rows). Rule: the best validation old-ad AUC among the options whose validation new-ad AUC is "
+              "training rows). Chosen per model and feature set with that model. Rule: the best validation old-ad AUC among the options whose validation new-ad AUC is "
               "within 0.002 of the same features without the ad ID; if none is, the best new-ad AUC; for `id` "
               "alone, the best mean of new and old.", "",
-              "| dataset | features | " + " | ".join(f"{option_name(*o)}: new / old" for o in ID_OPTIONS)
-              + " | without ID: new | chosen |", "|---|---|" + "---|" * (len(ID_OPTIONS) + 2)]
+              "| dataset | model | features | " + " | ".join(f"{option_name(*o)}: new / old" for o in ID_OPTIONS)
+              + " | without ID: new | chosen |", "|---|---|---|" + "---|" * (len(ID_OPTIONS) + 2)]
     ref_of = {"id": None, "id+raw": "raw", "id+visual": "visual", "id+raw+visual": "raw+visual"}
     for d, sel in sels.items():
-        for f, ref in ref_of.items():
-            cells = []
-            for o in ID_OPTIONS:
-                r = [x for x in sel["dropout"] if x["features"] == f and x["option"] == option_name(*o)]
-                cells.append(f"{r[0]['auc_new']:.4f} / {r[0]['auc_old']:.4f}" if r else "not tried")
-            refv = f"{sel['references'][ref]['auc_new']:.4f}" if ref else "–"
-            lines.append(f"| {d} | {f} | " + " | ".join(cells) + f" | {refv} | {sel['chosen']['id'][f]['option']} |")
+        for mdl, how in sel["chosen"]["id"].items():
+            for f, ref in ref_of.items():
+                cells = []
+                for o in ID_OPTIONS:
+                    r = [x for x in sel["dropout"]
+                         if x["model"] == mdl and x["features"] == f and x["option"] == option_name(*o)]
+                    cells.append(f"{r[0]['auc_new']:.4f} / {r[0]['auc_old']:.4f}" if r else "not tried")
+                refv = f"{sel['references'][mdl][ref]['auc_new']:.4f}" if ref else "–"
+                lines.append(f"| {d} | {mdl} | {f} | " + " | ".join(cells) + f" | {refv} | {how[f]['option']} |")
     tower = [(d, r) for d, sel in sels.items() for r in sel.get("tower", [])]
     if tower:
         lines += ["", "Raw vector and codeword vector together (raw+visual, new-ad AUC on validation, per model, the "
@@ -729,8 +738,10 @@ def render_selection(out: dict[str, Any]) -> list[str]:
     notes = [f"- {d}: {sel['note']}" for d, sel in sels.items() if sel.get("note")]
     if notes:
         lines += [""] + notes
-    lines += ["", "The chosen settings from the command line (id+visual and id+raw+visual, DeepFM):", "", "```bash"]
-    lines += [cli_line(d, sel["chosen"], f) for d, sel in sels.items() for f in ("id+visual", "id+raw+visual")]
+    lines += ["", "The chosen settings from the command line (id+visual and id+raw+visual, DeepFM and DCNv2):", "",
+              "```bash"]
+    lines += [cli_line(d, sel["chosen"], f, m) for d, sel in sels.items() for m in TARGET_MODELS
+              for f in ("id+visual", "id+raw+visual")]
     lines += ["```", ""]
     return lines
 
