@@ -485,6 +485,13 @@ def timing_lines(records: list[dict[str, Any]]) -> list[str]:
             out.append(f"- Section {section}: {n}/{len(rs)} Adacc records planned from pooled times"
                        + (" (the others from each layer's own times: recorded before pooling became the default)."
                           if n < len(rs) else "."))
+            cb = [r for r in rs if r.get("compile_blocks")]
+            if cb:
+                n = sum(1 for r in cb if r.get("compiled_loss"))
+                out.append(f"- Section {section}: {n}/{len(cb)} Adacc-on-compiled-blocks records ran the model's loss "
+                           "as compiled kernels"
+                           + (" (the others ran it eagerly: recorded before the loss was compiled with the blocks)."
+                              if n < len(cb) else "."))
     return out
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from leanml.memory import Adacc
-from leanml.memory.compiled import compiled_option_name, parse_compiled_option
+from leanml.memory.compiled import compile_loss_function, compiled_option_name, parse_compiled_option
+from leanml.memory.meter import ActivationMeter, param_tensors
 
 from .test_runtime import IDS, tiny_llama
 
@@ -36,6 +37,7 @@ def test_adacc_on_compiled_blocks() -> None:
     # the compiler at budget 0 recomputes the block: it saves less than the eager block does
     assert stats.budget == 0.0 and 0 < stats.bytes < sum(g.bytes for g in prof.layer_groups(0))
     assert plan.measured_peak <= plan.budget_bytes
+    assert adacc.compiled_loss and adacc.report()["compiled_loss"]  # compile_blocks compiles the loss too
     assert any(m.startswith("compiled@") for m in plan.layer_modes) or any(plan.layer_checkpoint)
     got = grads()
     adacc.step()
@@ -43,3 +45,41 @@ def test_adacc_on_compiled_blocks() -> None:
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     adacc.remove()
     assert "forward" not in model.model.layers[0].__dict__  # the compiled forward is gone
+    assert "_loss_function" not in model.__dict__  # so is the compiled loss
+
+
+@pytest.mark.slow  # compiles the loss with inductor
+def test_compiled_loss_matches_the_eager_loss_in_value_gradients_and_saved_bytes() -> None:
+    torch.set_num_threads(1)
+    model = tiny_llama()
+    model.config.use_cache = False
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, int]:
+        model.zero_grad(set_to_none=True)
+        meter = ActivationMeter(param_tensors(model))
+        with meter:
+            loss = model(input_ids=IDS, labels=IDS).loss
+            loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), meter.peak
+
+    # independent reference: the eager loss by hand (shifted labels, mean NLL over the vocabulary)
+    with torch.no_grad():
+        logits = model(input_ids=IDS).logits
+    by_hand = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), IDS[:, 1:].reshape(-1))
+    eager_loss, eager_grads, eager_peak = run()
+    torch.testing.assert_close(eager_loss, by_hand)
+    undo = compile_loss_function(model)
+    assert undo is not None and "_loss_function" in model.__dict__
+    loss, grads, peak = run()
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads, eager_grads, rtol=1e-4, atol=1e-6)
+    # the compiled graph saves logits + one log-sum-exp per token instead of the log-probabilities
+    assert abs(peak - eager_peak) <= 0.02 * eager_peak
+    undo()
+    assert "_loss_function" not in model.__dict__
+    # a model without a settable loss_function is left alone, and Adacc says its loss runs eagerly
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert compile_loss_function(plain) is None
+    adacc = Adacc(model, budget=0.9, compressors=(), compile_loss=False)
+    assert not adacc.compiled_loss and "_loss_function" not in model.__dict__
+    adacc.remove()

@@ -61,6 +61,31 @@ def compile_module_forward(module: nn.Module, budget: float) -> Callable[[], Non
     return undo
 
 
+def compile_loss_function(model: nn.Module) -> Callable[[], None] | None:
+    """Run a Hugging Face model's loss (``model.loss_function``: the log-softmax and NLL over the vocabulary
+    after the last block) as compiled kernels; returns an undo, or None for a model without a settable
+    ``loss_function``. Compiled at the full budget: the graph saves what the fastest backward needs (the
+    logits and one log-sum-exp per token, as many bytes as the eager log-probabilities), so the post-block
+    activations the planner sees keep their size and only their time drops."""
+    cls_attr = getattr(type(model), "loss_function", None)
+    if not isinstance(cls_attr, property) or cls_attr.fset is None:
+        return None
+    had = "_loss_function" in model.__dict__
+    before = model.__dict__.get("_loss_function")
+    compiled = torch.compile(model.loss_function, backend=budget_backend(1.0))
+    model.loss_function = compiled
+
+    def undo() -> None:
+        if model.__dict__.get("_loss_function") is not compiled:
+            return
+        if had:
+            model.__dict__["_loss_function"] = before
+        else:
+            del model.__dict__["_loss_function"]
+
+    return undo
+
+
 def compiled_option_name(budget: float, compressor: str | None = None) -> str:
     """``compiled@0.5`` or ``compiled@0.5+int8-token``."""
     return f"compiled@{budget:g}" + (f"+{compressor}" if compressor else "")

@@ -304,6 +304,7 @@ class StrategyRunner:
         }
         if self.adacc is not None and self.adacc.plan is not None:
             out["plan"] = self.adacc.plan.to_json()
+            out["compiled_loss"] = self.adacc.compiled_loss
             out["history"] = self.adacc.history
             assert self.adacc.profile is not None
             out["profile_peak_bytes"] = self.adacc.profile.profile_peak_bytes
