@@ -83,12 +83,16 @@ def test_timing_lines_compare_pooled_and_per_layer_side_by_side() -> None:
             records += [rec(f"compile@{frac}%", 100, 300, k, section="timings"),
                         rec(f"adacc+compile@{frac}%", pooled, 250, k, section="timings", pool_layers=True),
                         rec(f"adacc+compile@{frac}% per-layer", own, 250, k, section="timings", pool_layers=False)]
-    records += [rec("adacc@50%", 100, 500, 0, pool_layers=True), rec("adacc@25%", 100, 250, 0)]
+    records += [rec("adacc@50%", 100, 500, 0, pool_layers=True), rec("adacc@25%", 100, 250, 0),
+                rec("adacc+compile@50%", 100, 500, 0, pool_layers=True, compiled_loss=True),
+                rec("adacc+compile@25%", 100, 250, 0, pool_layers=True, compiled_loss=False)]
     lines = "\n".join(bm.timing_lines(records))
     # per repeat: 110/100 = 1.10 and 99/90 = 1.10; against compile 1.10 and 0.99 (pooled), 1.00 and 0.90
     assert "50% budget: pooled times ran 1.10x (1.10-1.10) the tokens/s of per-layer times" in lines
     assert "pooled 1.04x (0.99-1.10), per-layer 0.95x (0.90-1.00) (2 repeat(s)" in lines
-    assert "Section smollm2: 1/2 Adacc records planned from pooled times (the others" in lines
+    assert "Section smollm2: 3/4 Adacc records planned from pooled times (the others" in lines
+    assert ("Section smollm2: 1/2 Adacc-on-compiled-blocks records ran the model's loss as compiled kernels "
+            "(the others ran it eagerly") in lines
 
 
 def test_per_layer_label() -> None:

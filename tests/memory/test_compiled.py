@@ -68,14 +68,14 @@ def test_compiled_loss_matches_the_eager_loss_in_value_gradients_and_saved_bytes
     by_hand = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), IDS[:, 1:].reshape(-1))
     eager_loss, eager_grads, eager_peak = run()
     torch.testing.assert_close(eager_loss, by_hand)
-    undo = compile_loss_function(model)
-    assert undo is not None and "_loss_function" in model.__dict__
+    compiled = compile_loss_function(model)
+    assert compiled is not None and model.__dict__["_loss_function"] is compiled
     loss, grads, peak = run()
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads, eager_grads, rtol=1e-4, atol=1e-6)
     # the compiled graph saves logits + one log-sum-exp per token instead of the log-probabilities
-    assert abs(peak - eager_peak) <= 0.02 * eager_peak
-    undo()
+    assert abs(peak - eager_peak) <= 0.02 * eager_peak and compiled.active
+    compiled.undo()
     assert "_loss_function" not in model.__dict__
     # a model without a settable loss_function is left alone, and Adacc says its loss runs eagerly
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -83,3 +83,31 @@ def test_compiled_loss_matches_the_eager_loss_in_value_gradients_and_saved_bytes
     adacc = Adacc(model, budget=0.9, compressors=(), compile_loss=False)
     assert not adacc.compiled_loss and "_loss_function" not in model.__dict__
     adacc.remove()
+
+
+def test_a_loss_the_compiler_cannot_take_falls_back_to_eager_and_input_errors_still_raise() -> None:
+    model = tiny_llama()
+    model.config.use_cache = False
+    with torch.no_grad():
+        eager = model(input_ids=IDS, labels=IDS).loss
+    compiled = compile_loss_function(model)
+    assert compiled is not None
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("C++ compile error\nno compiler found")
+
+    compiled._compiled = broken  # what a machine without a working compiler does at the first call
+    bad = IDS.clone()
+    bad[0, 5] = 10_000  # a label outside the vocabulary: the eager loss raises too, so the error is the caller's
+    with torch.no_grad(), pytest.raises(IndexError):
+        model(input_ids=IDS, labels=bad)
+    assert compiled.active  # not blamed on the compiler
+    with torch.no_grad():
+        got = model(input_ids=IDS, labels=IDS).loss
+    torch.testing.assert_close(got, eager)
+    assert not compiled.active and compiled.error == "RuntimeError: C++ compile error"
+    adacc = Adacc(model, budget=0.9, compressors=())  # no compile_blocks: the loss is not compiled
+    assert not adacc.compiled_loss
+    adacc.remove()
+    compiled.undo()
+    assert "_loss_function" not in model.__dict__

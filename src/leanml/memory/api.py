@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from leanml.memory.budget import Budget, BudgetLike
-from leanml.memory.compiled import compile_loss_function, compiled_option_name
+from leanml.memory.compiled import CompiledLoss, compile_loss_function, compiled_option_name
 from leanml.memory.compressors import FLOAT_COMPRESSORS
 from leanml.memory.meter import ActivationMeter, param_tensors
 from leanml.memory.planner import LayerSpec, Option, Problem, Solution, min_peak, min_peak_plan, solve_plan
@@ -305,18 +305,22 @@ class Adacc:
         self._step_meter: ActivationMeter | None = None
         self._last_loss: torch.Tensor | None = None
         disable_kv_cache(model)
-        self._undo_loss: Callable[[], None] | None = None
+        self._loss: CompiledLoss | None = None
         if compile_loss is None:
             compile_loss = bool(self.compile_budgets)
         if compile_loss:
-            self._undo_loss = compile_loss_function(model)
-            if self._undo_loss is None:
+            self._loss = compile_loss_function(model)
+            if self._loss is None:
                 log.info("adacc: the model has no settable loss_function; its loss runs eagerly")
-        self.compiled_loss = self._undo_loss is not None
         self._handles = [
             model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             model.register_forward_hook(self._post_forward, always_call=True),
         ]
+
+    @property
+    def compiled_loss(self) -> bool:
+        """Whether the model's loss runs as compiled kernels (``compile_loss``, and compiling it worked)."""
+        return self._loss is not None and self._loss.active
 
     @property
     def budget_spec(self) -> tuple[str, float]:
@@ -670,9 +674,9 @@ class Adacc:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self._undo_loss is not None:
-            self._undo_loss()
-            self._undo_loss = None
+        if self._loss is not None:
+            self._loss.undo()
+            self._loss = None
 
     def report(self) -> dict[str, Any]:
         """Budget, profile, plan (per shape), measured step peaks and history as JSON-ready data."""

@@ -16,10 +16,13 @@ can run at different budgets.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 _BACKENDS: dict[float, Callable] = {}
 
@@ -61,29 +64,58 @@ def compile_module_forward(module: nn.Module, budget: float) -> Callable[[], Non
     return undo
 
 
-def compile_loss_function(model: nn.Module) -> Callable[[], None] | None:
+class CompiledLoss:
+    """A model's ``loss_function`` replaced by its compiled version (:func:`compile_loss_function`).
+
+    When compiling fails (no working compiler here, an op the compiler cannot take) and the eager loss runs
+    on the same inputs, the eager loss is used from then on and ``error`` says why; an error the eager loss
+    raises as well (bad labels) is the caller's and propagates. :meth:`undo` restores the model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._had = "_loss_function" in model.__dict__
+        self._before = model.__dict__.get("_loss_function")
+        self.eager: Callable = model.loss_function
+        self._compiled = torch.compile(self.eager, backend=budget_backend(1.0))
+        self.error: str | None = None
+        model.loss_function = self
+
+    @property
+    def active(self) -> bool:
+        """Whether the loss still runs compiled."""
+        return self.error is None
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
+        if self.error is None:
+            try:
+                return self._compiled(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the eager loss decides whose error it is
+                out = self.eager(*args, **kwargs)
+                self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                log.warning("adacc: compiling the loss failed (%s); it runs eagerly", self.error)
+                return out
+        return self.eager(*args, **kwargs)
+
+    def undo(self) -> None:
+        """Put back the loss function the model had."""
+        if self._model.__dict__.get("_loss_function") is not self:
+            return
+        if self._had:
+            self._model.__dict__["_loss_function"] = self._before
+        else:
+            del self._model.__dict__["_loss_function"]
+
+
+def compile_loss_function(model: nn.Module) -> CompiledLoss | None:
     """Run a Hugging Face model's loss (``model.loss_function``: the log-softmax and NLL over the vocabulary
-    after the last block) as compiled kernels; returns an undo, or None for a model without a settable
-    ``loss_function``. Compiled at the full budget: the graph saves what the fastest backward needs (the
-    logits and one log-sum-exp per token, as many bytes as the eager log-probabilities), so the post-block
-    activations the planner sees keep their size and only their time drops."""
+    after the last block) as compiled kernels; None for a model without a settable ``loss_function``.
+    Compiled at the full budget: the graph saves what the fastest backward needs (the logits and one
+    log-sum-exp per token, as many bytes as the eager log-probabilities), so the post-block activations the
+    planner sees keep their size and only their time drops."""
     cls_attr = getattr(type(model), "loss_function", None)
     if not isinstance(cls_attr, property) or cls_attr.fset is None:
         return None
-    had = "_loss_function" in model.__dict__
-    before = model.__dict__.get("_loss_function")
-    compiled = torch.compile(model.loss_function, backend=budget_backend(1.0))
-    model.loss_function = compiled
-
-    def undo() -> None:
-        if model.__dict__.get("_loss_function") is not compiled:
-            return
-        if had:
-            model.__dict__["_loss_function"] = before
-        else:
-            del model.__dict__["_loss_function"]
-
-    return undo
+    return CompiledLoss(model)
 
 
 def compiled_option_name(budget: float, compressor: str | None = None) -> str:
