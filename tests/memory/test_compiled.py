@@ -46,6 +46,7 @@ def test_adacc_on_compiled_blocks() -> None:
     adacc.remove()
     assert "forward" not in model.model.layers[0].__dict__  # the compiled forward is gone
     assert "_loss_function" not in model.__dict__  # so is the compiled loss
+    assert adacc.compiled_loss  # what a record written after remove() reads: how the loss ran
 
 
 @pytest.mark.slow  # compiles the loss with inductor

@@ -319,7 +319,8 @@ class Adacc:
 
     @property
     def compiled_loss(self) -> bool:
-        """Whether the model's loss runs as compiled kernels (``compile_loss``, and compiling it worked)."""
+        """Whether the model's loss runs (after :meth:`remove`: ran) as compiled kernels (``compile_loss``, and
+        compiling it worked)."""
         return self._loss is not None and self._loss.active
 
     @property
@@ -674,9 +675,8 @@ class Adacc:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self._loss is not None:
+        if self._loss is not None:  # kept: compiled_loss still says how the loss ran
             self._loss.undo()
-            self._loss = None
 
     def report(self) -> dict[str, Any]:
         """Budget, profile, plan (per shape), measured step peaks and history as JSON-ready data."""
