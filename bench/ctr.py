@@ -65,6 +65,10 @@ ID_OPTIONS: list[tuple[str, float]] = [("dropout", 0.0), ("dropout", 0.1), ("dro
 
 
 
+# each feature set with the ad ID against the same features without it (``id`` alone has no reference)
+ID_REFERENCE = {"id": None, "id+raw": "raw", "id+visual": "visual", "id+raw+visual": "raw+visual"}
+
+
 def option_name(mode: str, p: float) -> str:
     return "residual" if mode == "residual" else f"dropout {p:g}"
 
@@ -224,7 +228,6 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
                    "tower": runs[m, "raw+visual", True]["auc_new"]} for m in MODELS if (m, "raw", False) in runs]
     chosen["tower"] = {r["model"]: bool(r["tower"] > r["apart"]) for r in tower_rows}
     # how the ad ID is added: chosen per model and feature set, against the same model without the ad ID
-    reference = {"id": None, "id+raw": "raw", "id+visual": "visual", "id+raw+visual": "raw+visual"}
     refs: dict[str, dict[str, dict[str, float]]] = {}
     drop_rows: list[dict[str, Any]] = []
     chosen["id"] = {}
@@ -236,7 +239,7 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
             key = (model, f, bool(cfg.get("content_tower")))
             refs[model][f] = runs[key] if key in runs else val_runs(val, items, f, model=model, **cfg)
         rows = []
-        for features in ("id", "id+raw", "id+visual", "id+raw+visual"):
+        for features in ID_REFERENCE:
             for mode, p in ID_OPTIONS:
                 rows.append({"model": model, "features": features, "id_mode": mode, "id_dropout": p,
                              "option": option_name(mode, p),
@@ -244,7 +247,7 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
                                         **(both_cfg if features == "id+raw+visual" else vis_cfg))})
         drop_rows += rows
         chosen["id"][model] = {f: choose_id_option(rows, f, refs[model][r] if r else None)
-                               for f, r in reference.items()}
+                               for f, r in ID_REFERENCE.items()}
     out.setdefault("selection", {})[name] = {"candidates": cand_rows, "dropout": drop_rows, "tower": tower_rows,
                                              "references": refs, "chosen": chosen}
 
@@ -712,10 +715,9 @@ def render_selection(out: dict[str, Any]) -> list[str]:
               "alone, the best mean of new and old.", "",
               "| dataset | model | features | " + " | ".join(f"{option_name(*o)}: new / old" for o in ID_OPTIONS)
               + " | without ID: new | chosen |", "|---|---|---|" + "---|" * (len(ID_OPTIONS) + 2)]
-    ref_of = {"id": None, "id+raw": "raw", "id+visual": "visual", "id+raw+visual": "raw+visual"}
     for d, sel in sels.items():
         for mdl, how in sel["chosen"]["id"].items():
-            for f, ref in ref_of.items():
+            for f, ref in ID_REFERENCE.items():
                 cells = []
                 for o in ID_OPTIONS:
                     r = [x for x in sel["dropout"]
