@@ -100,3 +100,17 @@ def test_per_layer_label() -> None:
     assert bm.label("adacc", 0.5, True, False) == "adacc+compile@50% per-layer"
     assert bm.label("adacc", 0.5, True) == "adacc+compile@50%"
     assert bm.label("compile", 0.5, False, False) == "compile@50%"
+
+
+def test_a_strategy_planned_against_its_own_unoptimized_peak_is_named_and_the_column_uses_the_sections() -> None:
+    bench = load_bench_memory()
+    recs = [rec("adacc+compile@50%", 130, 400, compiled_loss=True), rec("checkpoint", 100, 200),
+            rec("compile@50%", 120, 300)]  # the Adacc record first: the section's peak is still the others'
+    recs[0]["unoptimized_peak_bytes"] = 800 * MIB  # its own profile measured less than the section's 1000 MiB
+    header = bench.section_header(recs, "smollm2", "Headline")
+    line = next(ln for ln in header if ln.startswith("Unoptimized peak measured by Adacc's own profile"))
+    assert "adacc+compile@50%: 800.0 MiB" in line and "against 1000.0 MiB" in line and "compiled kernels" in line
+    row = next(ln for ln in bench.table(bench.aggregate(recs, "smollm2")) if ln.startswith("| adacc+compile@50%"))
+    assert "| 400.0 | 40% |" in row  # against the section's 1000 MiB, not its own 800
+    assert "unoptimized peak 1000.0 MiB" in header[0]
+    assert not any(ln.startswith("Unoptimized peak measured") for ln in bench.section_header(recs[1:], "smollm2", "H"))
