@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import log_loss, roc_auc_score
 
-from leanml.ctr.metrics import auc, ctr_metrics, gauc, logloss
+from leanml.ctr.metrics import auc, bootstrap_auc_diff_se, ctr_metrics, gauc, logloss, weighted_auc
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -56,3 +56,65 @@ def test_ctr_metrics_splits_new_and_old() -> None:
     assert m["auc_old"] == pytest.approx(roc_auc_score(y[~new], p[~new]))
     assert m["logloss_old"] == pytest.approx(log_loss(y[~new], p[~new]))
     assert m["gauc_new"] == pytest.approx(gauc(y[new], p[new], users[new]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_weighted_auc_matches_sklearn_sample_weight_and_repeated_rows(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, 300)
+    s = np.round(rng.random(300), 1)  # many ties
+    w = rng.integers(0, 4, (3, 300))
+    got = weighted_auc(y, s, w)
+    for i in range(3):
+        assert got[i] == pytest.approx(roc_auc_score(y, s, sample_weight=w[i]), abs=1e-12)
+        assert got[i] == pytest.approx(auc(np.repeat(y, w[i]), np.repeat(s, w[i])), abs=1e-12)
+    assert weighted_auc(y, s, np.ones(300))[0] == pytest.approx(auc(y, s), abs=1e-12)
+
+
+def test_weighted_auc_bad_input() -> None:
+    with pytest.raises(ValueError, match="differ in length"):
+        weighted_auc(np.ones(3), np.ones(3), np.ones(4))
+    with pytest.raises(ValueError, match="non-negative"):
+        weighted_auc(np.array([0, 1]), np.array([0.1, 0.2]), np.array([1.0, -1.0]))
+    assert np.isnan(weighted_auc(np.array([0, 1]), np.array([0.1, 0.2]), np.array([1.0, 0.0]))[0])
+
+
+def _delong_diff_se(y: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
+    """DeLong's standard error of AUC(a) - AUC(b) on the same rows, from pairwise placement values."""
+    pos, neg = y == 1, y == 0
+
+    def placements(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        cmp = (s[pos][:, None] > s[neg][None, :]) + 0.5 * (s[pos][:, None] == s[neg][None, :])
+        return cmp.mean(axis=1), cmp.mean(axis=0)
+
+    va, wa = placements(a)
+    vb, wb = placements(b)
+    s10 = np.cov(np.vstack([va, vb]))
+    s01 = np.cov(np.vstack([wa, wb]))
+    var = (s10[0, 0] + s10[1, 1] - 2 * s10[0, 1]) / pos.sum() + (s01[0, 0] + s01[1, 1] - 2 * s01[0, 1]) / neg.sum()
+    return float(np.sqrt(var))
+
+
+def test_bootstrap_auc_diff_se_matches_delong() -> None:
+    rng = np.random.default_rng(7)
+    n = 1500
+    y = (rng.random(n) < 0.3).astype(int)
+    signal = rng.normal(size=n) + 0.8 * y
+    a = signal + 0.5 * rng.normal(size=n)  # two models that share most of their signal: correlated errors
+    b = signal + 0.5 * rng.normal(size=n) + 0.2 * y
+    ref = _delong_diff_se(y, a, b)
+    got = bootstrap_auc_diff_se(y, [a], [b], n_boot=2000, seed=1)
+    assert got == pytest.approx(ref, rel=0.12)
+    # the paired error is far below what two independent AUC errors would give
+    single = bootstrap_auc_diff_se(y, [a], [np.zeros(n)], n_boot=2000, seed=1)  # AUC(b) = 0.5 on every sample
+    assert got < 0.8 * np.sqrt(2) * single
+    # identical runs differ by nothing on any sample
+    assert bootstrap_auc_diff_se(y, [a, b], [a, b], n_boot=50) == 0.0
+
+
+def test_bootstrap_auc_diff_se_bad_input() -> None:
+    y = np.array([0, 1, 0, 1])
+    with pytest.raises(ValueError, match="rows"):
+        bootstrap_auc_diff_se(y, [np.ones(3)], [np.ones(4)])
+    with pytest.raises(ValueError, match="at least one"):
+        bootstrap_auc_diff_se(y, [], [np.ones(4)])

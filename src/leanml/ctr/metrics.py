@@ -77,3 +77,60 @@ def ctr_metrics(
             out[f"gauc_{suffix}"] = gauc(labels[mask], probs[mask], users[mask])
             out[f"logloss_{suffix}"] = logloss(labels[mask], probs[mask])
     return out
+
+
+def weighted_auc(labels: np.ndarray, scores: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """AUC of rows counted ``weights`` times each (ties count one half, as in :func:`auc`).
+
+    ``weights``: one row of non-negative weights per replicate, shape ``(n,)`` or ``(b, n)``; integer
+    weights equal :func:`auc` on the rows repeated that often. Returns one AUC per replicate (``nan``
+    where a replicate has no positive or no negative weight).
+    """
+    y = np.asarray(labels).astype(bool).ravel()
+    s = np.asarray(scores, dtype=np.float64).ravel()
+    w = np.atleast_2d(np.asarray(weights, dtype=np.float64))
+    if w.shape[1] != s.size or y.size != s.size:
+        raise ValueError(f"labels ({y.size}), scores ({s.size}) and weights ({w.shape[1]} per replicate) differ in length")
+    if (w < 0).any():
+        raise ValueError("weights must be non-negative")
+    order = np.argsort(s, kind="stable")
+    s_sorted, y_sorted = s[order], y[order]
+    starts = np.flatnonzero(np.r_[True, s_sorted[1:] != s_sorted[:-1]])  # first row of each tie group
+    ws = w[:, order]
+    pos = np.add.reduceat(ws * y_sorted, starts, axis=1)
+    neg = np.add.reduceat(ws * ~y_sorted, starts, axis=1)
+    below = np.cumsum(neg, axis=1) - neg  # negative weight strictly below each tie group
+    n_pos, n_neg = pos.sum(axis=1), neg.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = (pos * (below + 0.5 * neg)).sum(axis=1) / (n_pos * n_neg)
+    return np.where((n_pos > 0) & (n_neg > 0), out, np.nan)
+
+
+def bootstrap_auc_diff_se(labels: np.ndarray, scores_a: list[np.ndarray], scores_b: list[np.ndarray],
+                          n_boot: int = 1000, seed: int = 0, chunk: int = 100) -> float:
+    """Standard error, over test rows, of ``mean(AUC(a_i)) - mean(AUC(b_j))``.
+
+    ``scores_a`` / ``scores_b``: the scores of one or more runs (seeds) of two models on the SAME rows.
+    Each of ``n_boot`` replicates resamples the rows with replacement once and evaluates every run on
+    that sample, so the correlation between the two models' errors (same rows) is kept, and so is the
+    fact that every seed was tested on the same rows (row error does not average out over seeds).
+    Returns the replicates' standard deviation.
+    """
+    y = np.asarray(labels).astype(bool).ravel()
+    if not scores_a or not scores_b:
+        raise ValueError("pass at least one score vector for each side")
+    for s in (*scores_a, *scores_b):
+        if np.asarray(s).size != y.size:
+            raise ValueError(f"a score vector has {np.asarray(s).size} rows, the labels {y.size}")
+    if n_boot < 2:
+        raise ValueError("n_boot must be at least 2")
+    rng = np.random.default_rng(seed)
+    diffs = []
+    for start in range(0, n_boot, chunk):
+        b = min(chunk, n_boot - start)
+        w = rng.multinomial(y.size, np.full(y.size, 1.0 / y.size), size=b).astype(np.float64)
+        a = np.mean([weighted_auc(y, s, w) for s in scores_a], axis=0)
+        c = np.mean([weighted_auc(y, s, w) for s in scores_b], axis=0)
+        diffs.append(a - c)
+    d = np.concatenate(diffs)
+    return float(np.nanstd(d, ddof=1))
