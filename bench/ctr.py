@@ -38,6 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from leanml.ctr.data import CTRData, image_attributes, load_dataset, validation_split
+from leanml.ctr.metrics import bootstrap_auc_diff_se
 from leanml.ctr.train import (
     DEFAULT_LR,
     CTRConfig,
@@ -46,6 +47,7 @@ from leanml.ctr.train import (
     content_config_for,
     content_items,
     fit_dataset_content_ids,
+    predict,
     record,
     run_ctr,
 )
@@ -57,6 +59,10 @@ MODELS = ("lr", "dnn", "deepfm", "dcnv2")
 FEATURES = ("id", "raw", "visual", "id+raw", "id+visual", "id+raw+visual")
 TARGET_MODELS = ("deepfm", "dcnv2")
 METRICS = ("auc_new", "auc_old", "gauc_new", "gauc_old", "logloss_new", "logloss_old")
+# the feature-set pairs the targets compare; their new-ad scores are kept for the test-row bootstrap
+TARGET_PAIRS = (("id+visual", "id+raw"), ("id+raw+visual", "id+raw"), ("id+visual", "visual"), ("id+visual", "id"))
+TARGET_FEATURES = {f for pair in TARGET_PAIRS for f in pair}
+N_BOOT = 1000
 # how the ad ID is added: (id_mode, id_dropout); "residual" learns the ID as a correction on a frozen
 # model without it, so a new ad's prediction is that model's
 ID_OPTIONS: list[tuple[str, float]] = [("dropout", 0.0), ("dropout", 0.1), ("dropout", 0.25), ("dropout", 0.5),
@@ -267,6 +273,7 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
     fits = [f for f in out.get("content_fits", []) if f["dataset"] != name or f["seed_content"] not in seeds]
     ablation = [a for a in out.get("tower_ablation", [])
                 if a["dataset"] != name or a["seed"] not in seeds or a["model"] not in models]
+    scores: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for seed in seeds:
         items, fit = fit_items(data, seed, chosen["content"])
         fits.append({"dataset": name, "design": chosen["design"], **fit})
@@ -278,7 +285,10 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
                                 id_mode=how["id_mode"], content_tower=tower,
                                 visual_fields=chosen["visual_fields"], codeword_vector=chosen["codeword_vector"])
                 t = time.perf_counter()
-                _, _, rep = run_ctr(data, items, cfg, progress=False)
+                mdl, builder, rep = run_ctr(data, items, cfg, progress=False)
+                if model in TARGET_MODELS and features in TARGET_FEATURES:  # new-ad scores for the row bootstrap
+                    t_sparse, t_dense, _ = builder.tensors(data.test)
+                    scores.setdefault((model, features), {})[seed] = predict(mdl, t_sparse, t_dense)[new]
                 records.append(record(name, cfg, rep["metrics"], seed_content=seed, bytes_ad=rep["bytes_per_ad"],
                                       id_dropout=how["id_dropout"], id_mode=how["id_mode"], id_option=how["option"],
                                       content_tower=tower,
@@ -302,6 +312,17 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
         out["ceiling"] = ceiling
     out["records"], out["content_fits"], out["tower_ablation"] = records, fits, ablation
     out["seeds"] = sorted({r["seed"] for r in records})
+    row_se = out.setdefault("row_se", {})
+    row_se.setdefault(name, {})
+    for model in [m for m in TARGET_MODELS if m in models]:
+        for a, b in TARGET_PAIRS:
+            sa, sb = scores.get((model, a), {}), scores.get((model, b), {})
+            common = sorted(set(sa) & set(sb))
+            if common:
+                row_se[name][f"{model}|{a}|{b}"] = {
+                    "se": bootstrap_auc_diff_se(y[new], [sa[s] for s in common], [sb[s] for s in common],
+                                                n_boot=N_BOOT, seed=0),
+                    "seeds": common, "n_boot": N_BOOT}
 
 
 def _grid_covers(key: str, stage: str, seeds: set[int], models: set[str]) -> bool:
@@ -380,7 +401,7 @@ def write_docs_block(out: dict[str, Any]) -> None:
                 if g:
                     lines.append(f"| {d} | {mdl} | {f} | {g[0]['bytes_per_ad']:g} | {len(g)} "
                                  f"| {ms([r['auc_new'] for r in g])} | {ms([r['auc_old'] for r in g])} |")
-    lines += ["", "| dataset | model | target | difference (mean ± seed std) | verdict | beyond one seed std |",
+    lines += ["", "| dataset | model | target | difference (mean ± seed std) | verdict | resolved (2 SE) |",
               "|---|---|---|---|---|---|"]
     for r in targets(out):
         lines.append(f"| {r['dataset']} | {r['model']} | {r['target']} | {r['diff']:+.4f} ± {r['std']:.4f} "
@@ -426,10 +447,19 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
             def add(name: str, a: str, b: str, threshold: float, extra_ok: bool = True, note: str = "",
                     d: str = d, m: str = m) -> None:
                 mean, std, n = paired(recs, a, b, "auc_new", dataset=d, model=m)
+                seeds = sorted({r["seed"] for r in group(recs, dataset=d, model=m, features=a)}
+                               & {r["seed"] for r in group(recs, dataset=d, model=m, features=b)})
+                se = out.get("row_se", {}).get(d, {}).get(f"{m}|{a}|{b}")
+                row_se = se["se"] if se is not None and se["seeds"] == seeds else None  # from the same runs only
+                # standard error of the mean difference: training seeds (std / sqrt(n)) and test rows (the
+                # paired bootstrap over the rows every seed was tested on), combined as independent sources
+                seed_se = std / math.sqrt(n) if n > 1 else math.nan
+                se = math.sqrt(seed_se ** 2 + (row_se or 0.0) ** 2)
                 rows.append({"dataset": d, "model": m, "target": name, "a": a, "b": b, "diff": mean, "std": std,
                              "n": n, "threshold": threshold, "met": bool(mean >= threshold and extra_ok), "note": note,
-                             # the verdict holds beyond one seed std of the mean difference
-                             "clear": bool(n > 1 and abs(mean - threshold) > std)})
+                             "seed_se": seed_se, "row_se": row_se, "se": se,
+                             # the verdict holds beyond two standard errors of the mean difference
+                             "clear": bool(n > 1 and abs(mean - threshold) > 2 * se)})
             ratio = mean_of(recs, "bytes_per_ad", dataset=d, model=m, features="raw") / \
                 max(mean_of(recs, "bytes_per_ad", dataset=d, model=m, features="visual"), 1e-9)
             add("id+visual ≥ id+raw − 0.005 at ≥ 10× fewer bytes", "id+visual", "id+raw", -0.005, ratio >= 10,
@@ -514,16 +544,23 @@ def render_targets(out: dict[str, Any]) -> list[str]:
         return []
     counts = out.get("test_counts", {})
     lines = ["## Targets (new-ad AUC, DeepFM and DCNv2; differences paired by seed, mean ± std)", "",
-             "`beyond one seed std`: whether the mean difference is more than one seed std away from the "
-             "threshold (otherwise the verdict is within seed noise).", "",
-             "| dataset | model | target | difference | verdict | beyond one seed std |", "|---|---|---|---|---|---|"]
+             "Standard errors of the mean difference: `seeds` = seed std / √seeds (training randomness); "
+             "`test rows` = a paired bootstrap over the new-ad test rows (1000 resamples; each resample scores "
+             "every seed's two runs on the same rows, so their correlation is kept). `resolved`: the threshold "
+             "lies more than two combined standard errors (√(seeds² + rows²)) from the mean difference; "
+             "otherwise the verdict is within noise.", "",
+             "| dataset | model | target | difference (mean ± seed std) | verdict | SE: seeds / test rows | resolved |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         verdict = "met" if r["met"] else "**missed**"
         note = f"; {r['note']}" if r["note"] else ""
+        row = "–" if r["row_se"] is None else f"{r['row_se']:.4f}"
         lines.append(f"| {r['dataset']} | {r['model']} | {r['target']} | {r['a']} − {r['b']} = "
-                     f"{r['diff']:+.4f} ± {r['std']:.4f}{note} | {verdict} | {'yes' if r['clear'] else 'no'} |")
-    lines += ["", "Test-set sampling error (Hanley-McNeil standard error of one new-ad AUC; a difference of two "
-              "AUCs on the same rows is usually smaller, as their errors are correlated): "
+                     f"{r['diff']:+.4f} ± {r['std']:.4f}{note} | {verdict} | {r['seed_se']:.4f} / {row} "
+                     f"| {'yes' if r['clear'] else 'no'} |")
+    lines += ["", "Test-set sampling error of one new-ad AUC (Hanley-McNeil; the targets' differences compare two "
+              "models on the same rows, and their own test-row SE in the table above is smaller, as the two "
+              "errors are correlated): "
               + ", ".join(f"{d} {auc_se(mean_of(out['records'], 'auc_new', dataset=d, model='deepfm', features='id+visual'), c['new_pos'], c['new_neg']):.4f} "
                           f"({c['new_pos'] + c['new_neg']} rows)" for d, c in counts.items()), ""]
     ceil = out.get("ceiling", [])
@@ -641,11 +678,11 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
                         "(the correction of an ad without training rows is zero)." if p == "residual" else ""))
         elif r["b"] == "id":
             text += f"ID only reaches {ids['id']:.4f}; id+visual {ids['id+visual']:.4f}."
-        if r["diff"] + r["std"] >= r["threshold"]:
-            text += (f" The threshold lies within one seed std of the mean difference: with {r['n']} seeds this "
-                     "miss is not resolved.")
-        else:
-            text += f" The mean difference is more than one seed std ({r['std']:.4f}) below the threshold."
+        gap = (r["threshold"] - r["diff"]) / r["se"] if r["se"] > 0 else math.inf
+        rows_part = "" if r["row_se"] is None else f" and {r['row_se']:.4f} from the test rows"
+        text += (f" The mean difference has a standard error of {r['se']:.4f} ({r['seed_se']:.4f} from the "
+                 f"{r['n']} training seeds{rows_part}); the threshold is {gap:.1f} of them above it"
+                 + (": within noise, not resolved." if not r["clear"] else ": resolved."))
         lines.append(text)
     return lines
 
