@@ -147,11 +147,17 @@ def fit_items(data: CTRData, seed: int, overrides: dict[str, Any]) -> tuple[Item
     cfg = content_config_for(data, seed=seed, **overrides)
     model, report = fit_dataset_content_ids(data, cfg, use_cache=True, progress=False)
     items = content_items(data, model)
-    old = data.old_items
-    z, zq = items.raw[old], items.decoded[old]
+    def rel_err(rows: np.ndarray) -> float | None:
+        if rows.size == 0:
+            return None
+        z, zq = items.raw[rows], items.decoded[rows]
+        return float(((z - zq) ** 2).sum(1).mean() / (z**2).sum(1).mean())
+
     fit = {"seed_content": seed, "seconds": report.get("seconds"), "caption_top1": report.get("caption_top1"),
            "usage": items.usage, "reseeded": [h.get("reseeded") for h in report["history"] if "reseeded" in h],
-           "quant_rel_err": float(((z - zq) ** 2).sum(1).mean() / (z**2).sum(1).mean()),
+           # on the old ads the codebooks were fit on, and on the new ads they never saw
+           "quant_rel_err": rel_err(data.old_items),
+           "quant_rel_err_new": rel_err(np.flatnonzero(data.is_new_item)),
            "codebook_bytes": int(items.m * items.k * (items.decoded.shape[1] // (items.m if items.codebook == "pq"
                                                                                   else 1)) * 4)}
     return items, fit
@@ -627,13 +633,17 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
         sel = out["selection"][d]
         fits = [f for f in out.get("content_fits", []) if f["dataset"] == d]
         qerr = float(np.mean([f["quant_rel_err"] for f in fits])) if fits else float("nan")
+        qnew = [f["quant_rel_err_new"] for f in fits if f.get("quant_rel_err_new") is not None]
         ids = {f: mean_of(recs, "auc_new", dataset=d, model=mdl, features=f) for f in FEATURES}
         text = (f"- **{d} / {mdl}: {r['target']}** — {r['a']} − {r['b']} = {r['diff']:+.4f} ± {r['std']:.4f} "
                 f"over {r['n']} seeds (threshold {r['threshold']:+.3f}). ")
         if r["b"] == "id+raw" and r["a"] == "id+visual":
             vg = val_gap(sel)
-            text += (f"The codes keep {1 - qerr:.1%} of the content vector's energy (relative squared quantization "
-                     f"error {qerr:.3f}, mean over the seeds' fits); without the ad ID the gap is visual − raw = "
+            text += (f"The codes keep {1 - qerr:.1%} of the content vector's energy on the old ads they were fit on "
+                     f"(relative squared quantization error {qerr:.3f}, mean over the seeds' fits)"
+                     + (f" and {1 - float(np.mean(qnew)):.1%} on the new ads, which they never saw "
+                        f"({float(np.mean(qnew)):.3f}, {float(np.mean(qnew)) / qerr:.0f}x)" if qnew and qerr > 0 else "")
+                     + f"; without the ad ID the gap is visual − raw = "
                      f"{ids['visual'] - ids['raw']:+.4f}. On validation the chosen design had visual − raw = "
                      f"{vg:+.4f} ("
                      + ("the same sign as on test)" if vg < 0 else
@@ -729,7 +739,7 @@ def render_selection(out: dict[str, Any]) -> list[str]:
              "Content-ID designs × how the codes enter the model. The winner has the best mean validation new-ad "
              f"AUC of visual and id+visual (ID dropout {CTRConfig().id_dropout:g}) among designs with ≥ 10× fewer bytes per ad than the "
              "raw vector. Re-seeding replaces codewords no item uses after each epoch (counts per epoch).", "",
-             "| dataset | design | dead codes | distinct tuples | quant. err | caption top-1 | fit s | codes enter as "
+             "| dataset | design | dead codes | distinct tuples | quant. err old / new ads | caption top-1 | fit s | codes enter as "
              "| bytes/ad | raw AUC new | visual AUC new | id+visual AUC new | id+visual AUC old |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d, sel in sels.items():
@@ -741,7 +751,7 @@ def render_selection(out: dict[str, Any]) -> list[str]:
             top1 = f"{f['caption_top1']:.3f}" if f.get("caption_top1") is not None else "–"
             mark = " **(chosen)**" if win else ""
             lines.append(f"| {d} | {r['design']} | {u['dead_codes']} (re-seeded {f['reseeded'] or '–'}) "
-                         f"| {u['unique_tuples']} | {f['quant_rel_err']:.3f} | {top1} | {f['seconds'] or 0:.0f} "
+                         f"| {u['unique_tuples']} | {qerrs(f)} | {top1} | {f['seconds'] or 0:.0f} "
                          f"| {r['variant']}{mark} | {r['bytes_per_ad']:g} | {r['raw_auc_new']:.4f} "
                          f"| {r['visual_auc_new']:.4f} | {r['id+visual_auc_new']:.4f} | {r['id+visual_auc_old']:.4f} |")
     lines += ["", "How the ad ID is added: ID dropout (DropoutNet-style: a training row's ad ID is replaced by the "
@@ -785,19 +795,25 @@ def render_selection(out: dict[str, Any]) -> list[str]:
     return lines
 
 
+def qerrs(fit: dict[str, Any]) -> str:
+    """Relative squared quantization error on the old ads (the fit set) / on the new ads (never seen)."""
+    new = fit.get("quant_rel_err_new")
+    return f"{fit['quant_rel_err']:.3f} / " + ("–" if new is None else f"{new:.3f}")
+
+
 def render_fits(out: dict[str, Any]) -> list[str]:
     fits = out.get("content_fits", [])
     if not fits:
         return []
     lines = ["## Content-ID fits of the grid (fitted on the old ads only)", "",
-             "| dataset | design | seed | fit s | dead codes | distinct tuples | collision rate | quant. err "
+             "| dataset | design | seed | fit s | dead codes | distinct tuples | collision rate | quant. err old / new ads "
              "| caption top-1 | codebook bytes (once) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for f in fits:
         u = f["usage"]
         top1 = f"{f['caption_top1']:.3f}" if f.get("caption_top1") is not None else "–"
         lines.append(f"| {f['dataset']} | {f['design']} | {f['seed_content']} | {f['seconds'] or 0:.0f} "
                      f"| {u['dead_codes']} | {u['unique_tuples']} | {u['collision_rate']:.3f} "
-                     f"| {f['quant_rel_err']:.3f} | {top1} | {f['codebook_bytes']} |")
+                     f"| {qerrs(f)} | {top1} | {f['codebook_bytes']} |")
     lines.append("")
     return lines
 

@@ -113,7 +113,8 @@ def bootstrap_auc_diff_se(labels: np.ndarray, scores_a: list[np.ndarray], scores
     ``scores_a`` / ``scores_b``: the scores of one or more runs (seeds) of two models on the SAME rows.
     Each of ``n_boot`` replicates resamples the rows with replacement once and evaluates every run on
     that sample, so the correlation between the two models' errors (same rows) is kept, and so is the
-    fact that every seed was tested on the same rows (row error does not average out over seeds).
+    fact that every seed was tested on the same rows (the part of the row error the seeds share does not
+    average out over seeds; the part that differs from seed to seed does).
     Returns the replicates' standard deviation.
     """
     y = np.asarray(labels).astype(bool).ravel()
