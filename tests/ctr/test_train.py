@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from leanml.ctr.data import CTRData, fashion_ads, validation_split
+from leanml.ctr.metrics import auc
 from leanml.ctr.train import (
     CTRConfig,
     FieldBuilder,
@@ -133,10 +134,16 @@ def test_run_ctr_reports_bytes_and_new_old_metrics() -> None:
     rng = np.random.default_rng(0)
     items = ItemFeatures(rng.integers(0, 8, (200, 4)), rng.normal(size=(200, 16)).astype(np.float32), 4, 8,
                          decoded=rng.normal(size=(200, 16)).astype(np.float32))
-    _, b, rep = run_ctr(data, items, CTRConfig(model="dcnv2", features="id+visual", epochs=1,
-                                               visual_fields="codes+prefix", codeword_vector=True), progress=False)
+    model, b, rep = run_ctr(data, items, CTRConfig(model="dcnv2", features="id+visual", epochs=1,
+                                                   visual_fields="codes+prefix", codeword_vector=True),
+                            progress=False, keep_test_probs=True)
     assert rep["bytes_per_ad"] == 1.5 and "codeword" in b.dense_dims
     assert {"auc_new", "auc_old", "gauc_new", "logloss_old"} <= set(rep["metrics"])
+    # the kept probabilities are the ones the metrics came from, one per test row
+    sparse, dense, labels = b.tensors(data.test)
+    assert np.array_equal(rep["test_probs"], predict(model, sparse, dense))
+    new = data.test_is_new
+    assert auc(labels.numpy()[new], rep["test_probs"][new]) == rep["metrics"]["auc_new"]
 
 
 def test_residual_id_mode_leaves_new_ads_exactly_to_the_content_model() -> None:

@@ -463,9 +463,12 @@ def fit_ctr_model(model: CTRModel | ResidualID, sparse: dict[str, torch.Tensor],
 
 def run_ctr(
     data: CTRData, items: ItemFeatures | None, config: CTRConfig, progress: bool = True,
-    device: torch.device | None = None,
+    device: torch.device | None = None, keep_test_probs: bool = False,
 ) -> tuple[CTRModel | ResidualID, FieldBuilder, dict[str, Any]]:
-    """Train one CTR model on ``data.train`` and evaluate on ``data.test`` (new / old ads)."""
+    """Train one CTR model on ``data.train`` and evaluate on ``data.test`` (new / old ads).
+
+    ``keep_test_probs``: also return the click probability of every test row as ``report["test_probs"]``
+    (a NumPy array, not JSON-ready; for callers that compare models row by row)."""
     data.check_split()
     torch.manual_seed(config.seed)
     builder = FieldBuilder(data, items, config)
@@ -478,6 +481,8 @@ def run_ctr(
     metrics = ctr_metrics(t_labels.numpy(), probs, data.test["user"].to_numpy(), data.test_is_new)
     report = {"config": asdict(config), "train_loss": history, "metrics": metrics, "data": data.summary(),
               "bytes_per_ad": bytes_per_ad(builder.features, items)}
+    if keep_test_probs:
+        report["test_probs"] = probs
     return model, builder, report
 
 
