@@ -118,3 +118,33 @@ def test_bootstrap_auc_diff_se_bad_input() -> None:
         bootstrap_auc_diff_se(y, [np.ones(3)], [np.ones(4)])
     with pytest.raises(ValueError, match="at least one"):
         bootstrap_auc_diff_se(y, [], [np.ones(4)])
+
+
+def test_bootstrap_auc_diff_se_groups_resamples_whole_groups() -> None:
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(3)
+    n_groups, per = 60, 8
+    g = np.repeat(np.arange(n_groups) * 7 + 100, per)  # group labels need not be 0..G-1
+    y = (rng.random(g.size) < 0.4).astype(int)
+    # a per-group effect that helps model a on some groups and hurts it on others: the rows of one group
+    # move together, which a row bootstrap treats as independent
+    effect = np.repeat(rng.normal(size=n_groups), per)
+    a = y + rng.normal(size=g.size) + 1.5 * effect * (2 * y - 1)
+    b = y + rng.normal(size=g.size)
+    # one label per row is the row bootstrap, draw for draw
+    rows = bootstrap_auc_diff_se(y, [a], [b], n_boot=200, seed=5)
+    assert bootstrap_auc_diff_se(y, [a], [b], n_boot=200, seed=5, groups=np.arange(g.size)) == rows
+    # brute force on the same draws: repeat each group's rows as often as it was drawn, score with sklearn
+    got = bootstrap_auc_diff_se(y, [a], [b], n_boot=40, seed=9, groups=g)
+    counts = np.random.default_rng(9).multinomial(n_groups, np.full(n_groups, 1.0 / n_groups), size=40)
+    ref = []
+    for c in counts:
+        idx = np.concatenate([np.flatnonzero(g == lab) for lab, k in zip(np.unique(g), c) for _ in range(k)])
+        ref.append(roc_auc_score(y[idx], a[idx]) - roc_auc_score(y[idx], b[idx]))
+    assert got == pytest.approx(np.std(ref, ddof=1), rel=1e-9)
+    # the group effect makes the cluster error clearly larger than the row error
+    clustered = bootstrap_auc_diff_se(y, [a], [b], n_boot=1000, seed=5, groups=g)
+    assert clustered > 1.5 * rows
+    with pytest.raises(ValueError, match="groups"):
+        bootstrap_auc_diff_se(y, [a], [b], groups=g[:-1])

@@ -107,7 +107,8 @@ def weighted_auc(labels: np.ndarray, scores: np.ndarray, weights: np.ndarray) ->
 
 
 def bootstrap_auc_diff_se(labels: np.ndarray, scores_a: list[np.ndarray], scores_b: list[np.ndarray],
-                          n_boot: int = 1000, seed: int = 0, chunk: int = 100) -> float:
+                          n_boot: int = 1000, seed: int = 0, chunk: int = 100,
+                          groups: np.ndarray | None = None) -> float:
     """Standard error, over test rows, of ``mean(AUC(a_i)) - mean(AUC(b_j))``.
 
     ``scores_a`` / ``scores_b``: the scores of one or more runs (seeds) of two models on the SAME rows.
@@ -115,6 +116,9 @@ def bootstrap_auc_diff_se(labels: np.ndarray, scores_a: list[np.ndarray], scores
     that sample, so the correlation between the two models' errors (same rows) is kept, and so is the
     fact that every seed was tested on the same rows (the part of the row error the seeds share does not
     average out over seeds; the part that differs from seed to seed does).
+    ``groups``: one label per row (e.g. the ad); a replicate then resamples whole groups with replacement
+    and every row counts as often as its group was drawn (a cluster bootstrap: rows of one ad share its
+    content, so their errors are not independent and a row bootstrap understates the error).
     Returns the replicates' standard deviation.
     """
     y = np.asarray(labels).astype(bool).ravel()
@@ -125,11 +129,20 @@ def bootstrap_auc_diff_se(labels: np.ndarray, scores_a: list[np.ndarray], scores
             raise ValueError(f"a score vector has {np.asarray(s).size} rows, the labels {y.size}")
     if n_boot < 2:
         raise ValueError("n_boot must be at least 2")
+    if groups is None:
+        inverse, n_groups = np.arange(y.size), y.size
+    else:
+        g = np.asarray(groups).ravel()
+        if g.size != y.size:
+            raise ValueError(f"groups has {g.size} rows, the labels {y.size}")
+        _, inverse = np.unique(g, return_inverse=True)
+        n_groups = int(inverse.max()) + 1 if inverse.size else 0
     rng = np.random.default_rng(seed)
     diffs = []
     for start in range(0, n_boot, chunk):
         b = min(chunk, n_boot - start)
-        w = rng.multinomial(y.size, np.full(y.size, 1.0 / y.size), size=b).astype(np.float64)
+        counts = rng.multinomial(n_groups, np.full(n_groups, 1.0 / n_groups), size=b).astype(np.float64)
+        w = counts[:, inverse]  # a row counts as often as its group was drawn
         a = np.mean([weighted_auc(y, s, w) for s in scores_a], axis=0)
         c = np.mean([weighted_auc(y, s, w) for s in scores_b], axis=0)
         diffs.append(a - c)
