@@ -64,7 +64,7 @@ TARGETS = (("id+visual ≥ id+raw − 0.005 at ≥ 10× fewer bytes", "id+visual
            ("id+raw+visual ≥ id+raw + 0.003", "id+raw+visual", "id+raw", 0.003, None, False),
            ("adding the ad ID: id+visual ≥ visual − 0.002", "id+visual", "visual", -0.002, None, False),
            ("Fashion: id+visual − id ≥ 0.05", "id+visual", "id", 0.05, ("fashion",), False))
-# the feature-set pairs the targets compare; their new-ad scores are kept for the test-row bootstrap
+# the feature-set pairs the targets compare; their new-ad scores are kept for the test-set bootstrap
 TARGET_PAIRS = tuple(dict.fromkeys((t[1], t[2]) for t in TARGETS))
 TARGET_FEATURES = {f for pair in TARGET_PAIRS for f in pair}
 N_BOOT = 1000
@@ -85,6 +85,9 @@ def option_name(mode: str, p: float) -> str:
 
 
 SELECT_SEEDS = (0, 1, 2)
+# content-ID fits each design is compared on: every fit trains its own encoder, and on MovieLens the raw
+# vector's validation AUC alone varies by 0.03 from fit to fit, which one fit per design mistook for design
+SELECT_FIT_SEEDS = (0, 1, 2)
 FORMAT = 3  # results of an older record format are not merged: the file starts afresh
 
 # Content-ID designs compared on the validation split: (label, content-ID options, variants). A variant
@@ -211,16 +214,24 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
     cand_rows = []
     best: tuple[float, dict[str, Any]] | None = None
     raw_bytes = None
+    def over_fits(fitted: list[ItemFeatures], features: str, **cfg: Any) -> dict[str, float]:
+        runs = [val_runs(val, it, features, **cfg) for it in fitted]
+        return {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+
     for label, ov, variants in tqdm(CANDIDATES, desc=f"{name} designs"):
-        items, fit = fit_items(val, 0, ov)
-        raw_ref = val_runs(val, items, "raw")
+        fitted, fits = zip(*(fit_items(val, s, ov) for s in SELECT_FIT_SEEDS))
+        items, fit = fitted[0], fits[0]
+        raw_ref = over_fits(fitted, "raw")
         raw_bytes = bytes_per_ad("raw", items)
+        fit_means = {k: float(np.mean([f[k] for f in fits])) for k in ("quant_rel_err", "quant_rel_err_new")
+                     if all(f.get(k) is not None for f in fits)}
         for fields, cw in variants:
-            vis = val_runs(val, items, "visual", visual_fields=fields, codeword_vector=cw)
-            idvis = val_runs(val, items, "id+visual", visual_fields=fields, codeword_vector=cw)
+            vis = over_fits(fitted, "visual", visual_fields=fields, codeword_vector=cw)
+            idvis = over_fits(fitted, "id+visual", visual_fields=fields, codeword_vector=cw)
             row = {"design": label, "content": ov, "visual_fields": fields, "codeword_vector": cw,
                    "variant": variant_name(fields, cw), "bytes_per_ad": bytes_per_ad("visual", items),
-                   "raw_bytes_per_ad": raw_bytes, "fit": fit, "raw_auc_new": raw_ref["auc_new"],
+                   "raw_bytes_per_ad": raw_bytes, "fit": fit, "fit_seeds": list(SELECT_FIT_SEEDS),
+                   "fit_means": fit_means, "raw_auc_new": raw_ref["auc_new"],
                    "visual_auc_new": vis["auc_new"], "visual_auc_old": vis["auc_old"],
                    "id+visual_auc_new": idvis["auc_new"], "id+visual_auc_old": idvis["auc_old"]}
             cand_rows.append(row)
@@ -277,6 +288,7 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
     data = load_dataset(name)
     out.setdefault("data", {})[name] = data.summary()
     y, new = data.test["label"].to_numpy(), data.test_is_new
+    ads = data.test["item"].to_numpy()[new]  # the ad of every new-ad test row, for the bootstrap
     out.setdefault("test_counts", {})[name] = {"new_pos": int(y[new].sum()), "new_neg": int((1 - y[new]).sum()),
                                                "old_pos": int(y[~new].sum()), "old_neg": int((1 - y[~new]).sum())}
     records = [r for r in out.get("records", [])
@@ -296,7 +308,7 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
                                 id_mode=how["id_mode"], content_tower=tower,
                                 visual_fields=chosen["visual_fields"], codeword_vector=chosen["codeword_vector"])
                 t = time.perf_counter()
-                keep = model in TARGET_MODELS and features in TARGET_FEATURES  # new-ad scores for the row bootstrap
+                keep = model in TARGET_MODELS and features in TARGET_FEATURES  # new-ad scores for the bootstrap
                 _, _, rep = run_ctr(data, items, cfg, progress=False, keep_test_probs=keep)
                 if keep:
                     scores.setdefault((model, features), {})[seed] = rep.pop("test_probs")[new]
@@ -330,10 +342,13 @@ def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[s
             sa, sb = scores.get((model, a), {}), scores.get((model, b), {})
             common = sorted(set(sa) & set(sb))
             if common:
+                pa, pb = [sa[s] for s in common], [sb[s] for s in common]
                 row_se[name][f"{model}|{a}|{b}"] = {
-                    "se": bootstrap_auc_diff_se(y[new], [sa[s] for s in common], [sb[s] for s in common],
-                                                n_boot=N_BOOT, seed=0),
-                    "seeds": common, "n_boot": N_BOOT}
+                    # resampling whole new ads: an ad's rows share its content features, so their errors move
+                    # together; the row bootstrap (kept for comparison) treats them as independent
+                    "se": bootstrap_auc_diff_se(y[new], pa, pb, n_boot=N_BOOT, seed=0, groups=ads),
+                    "se_rows": bootstrap_auc_diff_se(y[new], pa, pb, n_boot=N_BOOT, seed=0),
+                    "unit": "ad", "seeds": common, "n_boot": N_BOOT}
 
 
 def _grid_covers(key: str, stage: str, seeds: set[int], models: set[str]) -> bool:
@@ -463,9 +478,11 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
                 seeds = sorted({r["seed"] for r in group(recs, dataset=d, model=m, features=a)}
                                & {r["seed"] for r in group(recs, dataset=d, model=m, features=b)})
                 boot = out.get("row_se", {}).get(d, {}).get(f"{m}|{a}|{b}")
-                row_se = boot["se"] if boot is not None and boot["seeds"] == seeds else None  # same runs only
-                # standard error of the mean difference: training seeds (std / sqrt(n)) and test rows (the
-                # paired bootstrap over the rows every seed was tested on), combined as independent sources
+                # same runs only, and only a bootstrap over whole ads (an older row bootstrap is not used)
+                row_se = boot["se"] if boot is not None and boot["seeds"] == seeds and boot.get("unit") == "ad" \
+                    else None
+                # standard error of the mean difference: training seeds (std / sqrt(n)) and the test set (the
+                # paired bootstrap over the new ads every seed was tested on), combined as independent sources
                 seed_se = std / math.sqrt(n) if n > 1 else math.nan
                 se = math.sqrt(seed_se ** 2 + (row_se or 0.0) ** 2)
                 rows.append({"dataset": d, "model": m, "target": name, "a": a, "b": b, "diff": mean, "std": std,
@@ -551,11 +568,12 @@ def render_targets(out: dict[str, Any]) -> list[str]:
     counts = out.get("test_counts", {})
     lines = ["## Targets (new-ad AUC, DeepFM and DCNv2; differences paired by seed, mean ± std)", "",
              "Standard errors of the mean difference: `seeds` = seed std / √seeds (training randomness); "
-             "`test rows` = a paired bootstrap over the new-ad test rows (1000 resamples; each resample scores "
-             "every seed's two runs on the same rows, so their correlation is kept). `resolved`: the threshold "
-             "lies more than two combined standard errors (√(seeds² + rows²)) from the mean difference; "
-             "otherwise the verdict is within noise.", "",
-             "| dataset | model | target | difference (mean ± seed std) | verdict | SE: seeds / test rows | resolved |",
+             "`test ads` = a paired bootstrap over the new ads of the test set (1000 resamples of whole ads with "
+             "all their test rows, since the rows of one ad share its content and their errors move together; "
+             "each resample scores every seed's two runs on the same rows, so their correlation is kept). "
+             "`resolved`: the threshold lies more than two combined standard errors (√(seeds² + ads²)) from the "
+             "mean difference; otherwise the verdict is within noise.", "",
+             "| dataset | model | target | difference (mean ± seed std) | verdict | SE: seeds / test ads | resolved |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         verdict = "met" if r["met"] else "**missed**"
@@ -564,11 +582,18 @@ def render_targets(out: dict[str, Any]) -> list[str]:
         lines.append(f"| {r['dataset']} | {r['model']} | {r['target']} | {r['a']} − {r['b']} = "
                      f"{r['diff']:+.4f} ± {r['std']:.4f}{note} | {verdict} | {r['seed_se']:.4f} / {row} "
                      f"| {'yes' if r['clear'] else 'no'} |")
-    lines += ["", "Test-set sampling error of one new-ad AUC (Hanley-McNeil; the targets' differences compare two "
-              "models on the same rows, and their own test-row SE in the table above is smaller, as the two "
-              "errors are correlated): "
+    lines += ["", "Test-set sampling error of one new-ad AUC (Hanley-McNeil, rows taken as independent): "
               + ", ".join(f"{d} {auc_se(mean_of(out['records'], 'auc_new', dataset=d, model='deepfm', features='id+visual'), c['new_pos'], c['new_neg']):.4f} "
-                          f"({c['new_pos'] + c['new_neg']} rows)" for d, c in counts.items()), ""]
+                          f"({c['new_pos'] + c['new_neg']} rows)" for d, c in counts.items()) + "."]
+    both: dict[str, list[tuple[float, float]]] = {}  # the targets' pairs only, with the seeds they used
+    for r in rows:
+        boot = out.get("row_se", {}).get(r["dataset"], {}).get(f"{r['model']}|{r['a']}|{r['b']}", {})
+        if r["row_se"] is not None and "se_rows" in boot:
+            both.setdefault(r["dataset"], []).append((r["row_se"], boot["se_rows"]))
+    lines += [f"The same paired bootstrap over rows instead of ads gives, for {d}, test-set SEs of "
+              f"{min(r for _, r in b):.4f}-{max(r for _, r in b):.4f} instead of "
+              f"{min(a for a, _ in b):.4f}-{max(a for a, _ in b):.4f} (ads as the unit)." for d, b in both.items() if b]
+    lines += [""]
     ceil = out.get("ceiling", [])
     if ceil:
         lines += ["Content ceiling (Fashion only, where the click generator is known): the same CTR model on the "
@@ -689,7 +714,7 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
         elif r["b"] == "id":
             text += f"ID only reaches {ids['id']:.4f}; id+visual {ids['id+visual']:.4f}."
         gap = (r["threshold"] - r["diff"]) / r["se"] if r["se"] > 0 else math.inf
-        rows_part = "" if r["row_se"] is None else f" and {r['row_se']:.4f} from the test rows"
+        rows_part = "" if r["row_se"] is None else f" and {r['row_se']:.4f} from the test set's new ads"
         text += (f" The mean difference has a standard error of {r['se']:.4f} ({r['seed_se']:.4f} from the "
                  f"{r['n']} training seeds{rows_part}); the threshold is {gap:.1f} of them above it"
                  + (": within noise, not resolved." if not r["clear"] else ": resolved."))
@@ -734,11 +759,14 @@ def render_selection(out: dict[str, Any]) -> list[str]:
     sels = out.get("selection", {})
     if not sels:
         return []
-    lines = ["## Chosen on validation (inside the training period; designs with DeepFM, mean of seeds "
-             f"{list(SELECT_SEEDS)}, content-ID seed 0)", "",
+    fit_seeds = sorted({s for sel in sels.values() for r in sel["candidates"] for s in r.get("fit_seeds", [0])})
+    lines = ["## Chosen on validation (inside the training period; designs with DeepFM, mean of CTR seeds "
+             f"{list(SELECT_SEEDS)} on each of the content-ID fits with seeds {fit_seeds})", "",
              "Content-ID designs × how the codes enter the model. The winner has the best mean validation new-ad "
              f"AUC of visual and id+visual (ID dropout {CTRConfig().id_dropout:g}) among designs with ≥ 10× fewer bytes per ad than the "
-             "raw vector. Re-seeding replaces codewords no item uses after each epoch (counts per epoch).", "",
+             "raw vector. Re-seeding replaces codewords no item uses after each epoch (counts per epoch). Dead codes, "
+             "tuples, caption top-1 and fit seconds are those of the first fit; the quantization errors are means over "
+             "the fits.", "",
              "| dataset | design | dead codes | distinct tuples | quant. err old / new ads | caption top-1 | fit s | codes enter as "
              "| bytes/ad | raw AUC new | visual AUC new | id+visual AUC new | id+visual AUC old |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -747,7 +775,7 @@ def render_selection(out: dict[str, Any]) -> list[str]:
         for r in sel["candidates"]:
             win = (r["design"], r["visual_fields"], r["codeword_vector"]) == (c["design"], c["visual_fields"],
                                                                              c["codeword_vector"])
-            f, u = r["fit"], r["fit"]["usage"]
+            f, u = {**r["fit"], **r.get("fit_means", {})}, r["fit"]["usage"]
             top1 = f"{f['caption_top1']:.3f}" if f.get("caption_top1") is not None else "–"
             mark = " **(chosen)**" if win else ""
             lines.append(f"| {d} | {r['design']} | {u['dead_codes']} (re-seeded {f['reseeded'] or '–'}) "

@@ -1,6 +1,6 @@
 """The CTR benchmark's chunk log (bench/ctr.py): a grid chunk whose records a later chunk all replaced
 leaves the log, any other stays; the tower ablation pairs by seed; the targets' standard errors combine
-the training seeds and the test rows (a bootstrap used only from the same seeds)."""
+the training seeds and the test set (a bootstrap over whole ads, used only from the same seeds)."""
 
 from __future__ import annotations
 
@@ -39,15 +39,17 @@ def test_targets_use_the_row_bootstrap_only_from_the_same_seeds():
     base = {"id": 0.60, "raw": 0.70, "visual": 0.69, "id+raw": 0.70, "id+visual": 0.69, "id+raw+visual": 0.701}
     recs = [{"dataset": "movielens", "model": "deepfm", "features": f, "seed": s, "auc_new": v + 0.001 * s,
              "bytes_per_ad": 512.0 if "raw" in f else 4.0} for f, v in base.items() for s in (0, 1)]
-    row_se = {"movielens": {"deepfm|id+raw+visual|id+raw": {"se": 0.004, "seeds": [0, 1], "n_boot": 1000},
+    ad = {"unit": "ad", "n_boot": 1000}
+    row_se = {"movielens": {"deepfm|id+raw+visual|id+raw": {"se": 0.004, "seeds": [0, 1], **ad},
+                            # an older row bootstrap (no unit): not used
                             "deepfm|id+visual|id+raw": {"se": 0.001, "seeds": [0, 1], "n_boot": 1000},
-                            "deepfm|id+visual|visual": {"se": 0.001, "seeds": [0, 1, 2], "n_boot": 1000}}}
+                            "deepfm|id+visual|visual": {"se": 0.001, "seeds": [0, 1, 2], **ad}}}
     rows = {r["target"]: r for r in targets({"records": recs, "row_se": row_se})}
     # the two seeds' differences are equal (seed std 0), so the test rows alone set the standard error
     plus = rows["id+raw+visual ≥ id+raw + 0.003"]  # +0.001 against +0.003: 0.5 SE away, unresolved
     assert not plus["met"] and plus["row_se"] == 0.004 and plus["se"] == pytest.approx(0.004) and not plus["clear"]
     lower = rows["id+visual ≥ id+raw − 0.005 at ≥ 10× fewer bytes"]  # -0.01 against -0.005: 5 SE away
-    assert not lower["met"] and lower["clear"]
+    assert not lower["met"] and lower["clear"] and lower["row_se"] is None
     ids = rows["adding the ad ID: id+visual ≥ visual − 0.002"]
     assert ids["row_se"] is None and ids["se"] == pytest.approx(0.0)  # other seeds: the bootstrap is not used
 
@@ -57,7 +59,8 @@ def test_targets_combine_seed_and_row_errors():
     diffs = {0: 0.000, 1: 0.004, 2: 0.002, 3: 0.006}  # id+raw+visual - id+raw per seed: mean 0.003, std 0.00258
     recs = [{"dataset": "fashion", "model": "dcnv2", "features": f, "seed": s, "auc_new": 0.7 + (d if f == "id+raw+visual" else 0),
              "bytes_per_ad": 1.0} for s, d in diffs.items() for f in ("id", "raw", "visual", "id+raw", "id+visual", "id+raw+visual")]
-    row_se = {"fashion": {"dcnv2|id+raw+visual|id+raw": {"se": 0.001, "seeds": [0, 1, 2, 3], "n_boot": 1000}}}
+    row_se = {"fashion": {"dcnv2|id+raw+visual|id+raw": {"se": 0.001, "seeds": [0, 1, 2, 3], "unit": "ad",
+                                                         "n_boot": 1000}}}
     r = next(x for x in targets({"records": recs, "row_se": row_se}) if x["target"] == "id+raw+visual ≥ id+raw + 0.003")
     std = float(np.std(list(diffs.values()), ddof=1))
     assert r["seed_se"] == pytest.approx(std / 2) and r["se"] == pytest.approx(np.hypot(std / 2, 0.001))
