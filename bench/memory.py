@@ -123,7 +123,7 @@ def rel_spread(values: list[float]) -> float:
 
 
 def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threads: int, vocab: int,
-              lr: float, part: str = "all") -> list[dict[str, Any]]:
+              lr: float, part: str = "all", max_error: float = 0.05) -> list[dict[str, Any]]:
     """One interleaved comparison of the section's strategies; returns one record per strategy."""
     spec = SECTIONS[section]
     torch.set_num_threads(threads)
@@ -153,7 +153,7 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
                 shared_opt = torch.optim.AdamW(model.parameters(), lr=lr)
             opt = shared_opt
         cfg = TrainConfig(strategy=strategy, budget=budget, batch_size=spec["batch"], steps=steps, lr=lr,
-                          warmup=spec["warmup"], progress=False,
+                          warmup=spec["warmup"], progress=False, max_error=max_error,
                           compile_blocks=COMPILE_BLOCK_BUDGETS if cb else False, compress_layers=spec["layers"],
                           pool_layers=pool[0] if pool else True)
         runner = StrategyRunner(m, cfg, unoptimized_peak=base, optimizer=opt, profile=profiles.get(cb))
@@ -181,6 +181,7 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
     common = {"section": section, "repeat": repeat, "part": part, "seed": seed, "model": spec["model"],
               "dtype": spec["dtype"],
               "batch_size": spec["batch"], "seqlen": spec["seqlen"], "threads": threads, "lr": lr,
+              "max_error": max_error,
               "measured_layers": spec["layers"],
               "unoptimized_peak_bytes": base, "load_before": load_before, "load_after": load_after}
     records = []
@@ -618,6 +619,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=2048, help="small config: keep this many most frequent tokens")
     ap.add_argument("--lr", type=float, default=None, help="default 1e-4 (SmolLM2) / 1e-3 (small config)")
     ap.add_argument("--timed", type=int, default=None, help="override the number of timed steps")
+    ap.add_argument("--max-error", type=float, default=0.05,
+                    help="Adacc's relative-error cap on lossy compressors (default 0.05); records carry it")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--render-only", action="store_true", help="only rewrite memory.md/.png (and docs) from memory.json")
     args = ap.parse_args()
@@ -635,7 +638,8 @@ def main() -> int:
     lr = args.lr if args.lr is not None else (1e-3 if SECTIONS[args.section]["model"] == "small" else 1e-4)
     t0, c0 = time.perf_counter(), time.process_time()
     only = set(args.only.split(",")) if args.only else None
-    records = run_chunk(args.section, args.repeat, args.seed, only, args.threads, args.vocab, lr, args.part)
+    records = run_chunk(args.section, args.repeat, args.seed, only, args.threads, args.vocab, lr, args.part,
+                        args.max_error)
     meta = {"command": "python bench/memory.py " + " ".join(sys.argv[1:]), "section": args.section,
             "repeat": args.repeat, "part": args.part, "seed": args.seed, "seconds": time.perf_counter() - t0,
             "cpu_seconds": time.process_time() - c0, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
