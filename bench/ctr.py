@@ -214,7 +214,7 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
     cand_rows = []
     best: tuple[float, dict[str, Any]] | None = None
     raw_bytes = None
-    def over_fits(fitted: list[ItemFeatures], features: str, **cfg: Any) -> dict[str, float]:
+    def over_fits(fitted: tuple[ItemFeatures, ...], features: str, **cfg: Any) -> dict[str, float]:
         runs = [val_runs(val, it, features, **cfg) for it in fitted]
         return {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
 
@@ -479,8 +479,9 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
                                & {r["seed"] for r in group(recs, dataset=d, model=m, features=b)})
                 boot = out.get("row_se", {}).get(d, {}).get(f"{m}|{a}|{b}")
                 # same runs only, and only a bootstrap over whole ads (an older row bootstrap is not used)
-                row_se = boot["se"] if boot is not None and boot["seeds"] == seeds and boot.get("unit") == "ad" \
-                    else None
+                if boot is None or boot["seeds"] != seeds or boot.get("unit") != "ad":
+                    boot = {}
+                row_se = boot.get("se")
                 # standard error of the mean difference: training seeds (std / sqrt(n)) and the test set (the
                 # paired bootstrap over the new ads every seed was tested on), combined as independent sources
                 seed_se = std / math.sqrt(n) if n > 1 else math.nan
@@ -489,6 +490,7 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
                              "n": n, "threshold": threshold, "met": bool(mean >= threshold and (ratio >= 10 or not fewer_bytes)),
                              "note": f"{ratio:.0f}× fewer bytes" if fewer_bytes else "",
                              "seed_se": seed_se, "row_se": row_se, "se": se,
+                             "se_rows": boot.get("se_rows"),  # the same bootstrap over rows, for comparison
                              # the verdict holds beyond two standard errors of the mean difference
                              "clear": bool(n > 1 and abs(mean - threshold) > 2 * se)})
     return rows
@@ -587,9 +589,8 @@ def render_targets(out: dict[str, Any]) -> list[str]:
                           f"({c['new_pos'] + c['new_neg']} rows)" for d, c in counts.items()) + "."]
     both: dict[str, list[tuple[float, float]]] = {}  # the targets' pairs only, with the seeds they used
     for r in rows:
-        boot = out.get("row_se", {}).get(r["dataset"], {}).get(f"{r['model']}|{r['a']}|{r['b']}", {})
-        if r["row_se"] is not None and "se_rows" in boot:
-            both.setdefault(r["dataset"], []).append((r["row_se"], boot["se_rows"]))
+        if r["row_se"] is not None and r["se_rows"] is not None:
+            both.setdefault(r["dataset"], []).append((r["row_se"], r["se_rows"]))
     lines += [f"The same paired bootstrap over rows instead of ads gives, for {d}, test-set SEs of "
               f"{min(r for _, r in b):.4f}-{max(r for _, r in b):.4f} instead of "
               f"{min(a for a, _ in b):.4f}-{max(a for a, _ in b):.4f} (ads as the unit)." for d, b in both.items() if b]

@@ -123,7 +123,7 @@ def rel_spread(values: list[float]) -> float:
 
 
 def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threads: int, vocab: int,
-              lr: float, part: str = "all", max_error: float = 0.05) -> list[dict[str, Any]]:
+              lr: float, part: str = "all", max_error: float = TrainConfig.max_error) -> list[dict[str, Any]]:
     """One interleaved comparison of the section's strategies; returns one record per strategy."""
     spec = SECTIONS[section]
     torch.set_num_threads(threads)
@@ -619,8 +619,9 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=2048, help="small config: keep this many most frequent tokens")
     ap.add_argument("--lr", type=float, default=None, help="default 1e-4 (SmolLM2) / 1e-3 (small config)")
     ap.add_argument("--timed", type=int, default=None, help="override the number of timed steps")
-    ap.add_argument("--max-error", type=float, default=0.05,
-                    help="Adacc's relative-error cap on lossy compressors (default 0.05); records carry it")
+    ap.add_argument("--max-error", type=float, default=TrainConfig.max_error,
+                    help=f"Adacc's relative-error cap on lossy compressors (default {TrainConfig.max_error:g}); "
+                    "records carry it")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--render-only", action="store_true", help="only rewrite memory.md/.png (and docs) from memory.json")
     args = ap.parse_args()
@@ -633,8 +634,9 @@ def main() -> int:
         return 0
     if args.section is None:
         ap.error("pass --section (or --render-only)")
-    if args.max_error != 0.05 and doc is not None:  # the published records all used the default cap
-        ap.error(f"--max-error {args.max_error:g} differs from the published records' 0.05: pass --out DIR for a trial")
+    if args.max_error != TrainConfig.max_error and doc is not None:  # the published records used the default
+        ap.error(f"--max-error {args.max_error:g} differs from the published records' {TrainConfig.max_error:g}: "
+                 "pass --out DIR for a trial")
     if args.timed is not None:
         SECTIONS[args.section]["timed"] = args.timed
     lr = args.lr if args.lr is not None else (1e-3 if SECTIONS[args.section]["model"] == "small" else 1e-4)

@@ -34,13 +34,13 @@ def test_tower_ablation_pairs_by_seed_and_restricts_id_raw_to_those_seeds():
     assert render({"records": recs}) == []
 
 
-def test_targets_use_the_row_bootstrap_only_from_the_same_seeds():
+def test_targets_use_the_ad_bootstrap_only_from_the_same_seeds():
     targets = load_bench("ctr").targets
     base = {"id": 0.60, "raw": 0.70, "visual": 0.69, "id+raw": 0.70, "id+visual": 0.69, "id+raw+visual": 0.701}
     recs = [{"dataset": "movielens", "model": "deepfm", "features": f, "seed": s, "auc_new": v + 0.001 * s,
              "bytes_per_ad": 512.0 if "raw" in f else 4.0} for f, v in base.items() for s in (0, 1)]
     ad = {"unit": "ad", "n_boot": 1000}
-    row_se = {"movielens": {"deepfm|id+raw+visual|id+raw": {"se": 0.004, "seeds": [0, 1], **ad},
+    row_se = {"movielens": {"deepfm|id+raw+visual|id+raw": {"se": 0.004, "se_rows": 0.002, "seeds": [0, 1], **ad},
                             # an older row bootstrap (no unit): not used
                             "deepfm|id+visual|id+raw": {"se": 0.001, "seeds": [0, 1], "n_boot": 1000},
                             "deepfm|id+visual|visual": {"se": 0.001, "seeds": [0, 1, 2], **ad}}}
@@ -48,8 +48,9 @@ def test_targets_use_the_row_bootstrap_only_from_the_same_seeds():
     # the two seeds' differences are equal (seed std 0), so the test rows alone set the standard error
     plus = rows["id+raw+visual ≥ id+raw + 0.003"]  # +0.001 against +0.003: 0.5 SE away, unresolved
     assert not plus["met"] and plus["row_se"] == 0.004 and plus["se"] == pytest.approx(0.004) and not plus["clear"]
+    assert plus["se_rows"] == 0.002  # the row bootstrap rides along for the report, never in the verdict
     lower = rows["id+visual ≥ id+raw − 0.005 at ≥ 10× fewer bytes"]  # -0.01 against -0.005: 5 SE away
-    assert not lower["met"] and lower["clear"] and lower["row_se"] is None
+    assert not lower["met"] and lower["clear"] and lower["row_se"] is None and lower["se_rows"] is None
     ids = rows["adding the ad ID: id+visual ≥ visual − 0.002"]
     assert ids["row_se"] is None and ids["se"] == pytest.approx(0.0)  # other seeds: the bootstrap is not used
 

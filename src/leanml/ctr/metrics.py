@@ -109,7 +109,7 @@ def weighted_auc(labels: np.ndarray, scores: np.ndarray, weights: np.ndarray) ->
 def bootstrap_auc_diff_se(labels: np.ndarray, scores_a: list[np.ndarray], scores_b: list[np.ndarray],
                           n_boot: int = 1000, seed: int = 0, chunk: int = 100,
                           groups: np.ndarray | None = None) -> float:
-    """Standard error, over test rows, of ``mean(AUC(a_i)) - mean(AUC(b_j))``.
+    """Standard error, over test rows (or whole ``groups`` of them), of ``mean(AUC(a_i)) - mean(AUC(b_j))``.
 
     ``scores_a`` / ``scores_b``: the scores of one or more runs (seeds) of two models on the SAME rows.
     Each of ``n_boot`` replicates resamples the rows with replacement once and evaluates every run on
@@ -135,8 +135,8 @@ def bootstrap_auc_diff_se(labels: np.ndarray, scores_a: list[np.ndarray], scores
         g = np.asarray(groups).ravel()
         if g.size != y.size:
             raise ValueError(f"groups has {g.size} rows, the labels {y.size}")
-        _, inverse = np.unique(g, return_inverse=True)
-        n_groups = int(inverse.max()) + 1 if inverse.size else 0
+        labels_seen, inverse = np.unique(g, return_inverse=True)
+        n_groups = labels_seen.size
     rng = np.random.default_rng(seed)
     diffs = []
     for start in range(0, n_boot, chunk):
