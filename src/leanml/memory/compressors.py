@@ -142,57 +142,109 @@ def _bf16_unpack(p: Packed) -> torch.Tensor:
 
 _FP8 = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 
+# Pack and unpack walk a [rows, C] view in blocks of about this many elements through one reused float32
+# buffer. On CPU every fresh tensor of a few MB is new memory from the OS, and its first touch (page faults)
+# costs more than the arithmetic; a block-sized buffer stays in cache. The result is the same as one
+# whole-tensor pass. On other devices (a caching allocator, kernel launches per block) one block is the whole.
+_BLOCK_ELEMS = 1 << 16
+
+
+def _row_blocks(rows: int, cols: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """Rows per block and a float32 work buffer of that many rows."""
+    n = max(1, rows if device.type != "cpu" else min(rows, _BLOCK_ELEMS // max(cols, 1)))
+    return n, torch.empty((n, cols), dtype=torch.float32, device=device)
+
+
+def _abs_amax_rows(x2: torch.Tensor, buf: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
+    """Per-row largest magnitude of block ``x2`` (float32, [rows, 1]), ignoring the channels in ``skip``."""
+    if x2.dtype == buf.dtype:
+        torch.abs(x2, out=buf)
+    else:
+        buf.copy_(x2).abs_()
+    if skip is not None:
+        buf.index_fill_(1, skip, 0.0)
+    return buf.amax(dim=1, keepdim=True)
+
 
 def _fp8_pack(x: torch.Tensor, name: str) -> Packed:
     """Per-row scale so the row's absmax maps to the format's largest finite value, then an fp8 cast."""
     fmt = _FP8[name]
     shape = tuple(x.shape)
     x2 = x.detach().reshape(-1, shape[-1])
+    rows, cols = x2.shape
     fmax = torch.finfo(fmt).max
-    scale = (x2.abs().amax(dim=1, keepdim=True).float() / fmax).clamp_min(1e-30)
-    q = (x2.float() / scale).to(fmt)
+    q = torch.empty((rows, cols), dtype=fmt, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    n, buf = _row_blocks(rows, cols, x.device)
+    for i in range(0, rows, n):
+        m = min(n, rows - i)
+        b, s = buf[:m], scale[i : i + m]
+        torch.div(_abs_amax_rows(x2[i : i + m], b, None), fmax, out=s)
+        s.clamp_min_(1e-30)
+        torch.div(x2[i : i + m], s, out=b)
+        q[i : i + m].copy_(b)
     return Packed(name, {"q": q, "scale": scale}, shape, x.dtype)
 
 
 def _fp8_unpack(p: Packed) -> torch.Tensor:
-    return (p.tensors["q"].float() * p.tensors["scale"]).to(p.dtype).reshape(p.shape)
+    q, scale = p.tensors["q"], p.tensors["scale"]
+    rows, cols = q.shape
+    out = torch.empty((rows, cols), dtype=p.dtype, device=q.device)
+    n, buf = _row_blocks(rows, cols, q.device)
+    for i in range(0, rows, n):
+        m = min(n, rows - i)
+        b = buf[:m]
+        b.copy_(q[i : i + m])
+        torch.mul(b, scale[i : i + m], out=out[i : i + m])
+    return out.reshape(p.shape)
 
 
-def _split_outliers(x2: torch.Tensor, outlier_frac: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Indices of the outlier channels (largest absmax) of a [rows, C] matrix, or None."""
+def _outlier_channels(x2: torch.Tensor, outlier_frac: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-channel largest magnitude of a [rows, C] matrix (float32) and the indices of the outlier channels
+    (the ``outlier_frac`` largest, sorted), or None."""
     channels = x2.shape[1]
+    absmax = torch.maximum(x2.amax(dim=0), x2.amin(dim=0).neg()).float()
     k = min(channels - 1, math.ceil(outlier_frac * channels)) if outlier_frac > 0 else 0
     if k <= 0:
-        return x2, None
-    absmax = x2.abs().amax(dim=0)
-    idx = torch.topk(absmax, k).indices.sort().values
-    return x2, idx
+        return absmax, None
+    return absmax, torch.topk(absmax, k).indices.sort().values
 
 
 def _quant_pack(x: torch.Tensor, bits: int, axis: str, outlier_frac: float) -> Packed:
-    """Symmetric quantization of ``x`` viewed as [rows, C] (C = last dim) with outlier channels kept."""
+    """Symmetric quantization of ``x`` viewed as [rows, C] (C = last dim) with outlier channels kept.
+
+    The outlier channels' own codes are quantized like the rest (per channel, or against a row scale that
+    ignores them) and overwritten by their full-precision values on unpack."""
     if axis not in ("channel", "token"):
         raise ValueError(f"axis must be 'channel' or 'token', got {axis!r}")
     qmax = 127 if bits == 8 else 7
     shape = tuple(x.shape)
-    x2 = x.detach().reshape(-1, shape[-1]).float()
-    x2, idx = _split_outliers(x2, outlier_frac)
+    x2 = x.detach().reshape(-1, shape[-1])
+    rows, cols = x2.shape
+    absmax, idx = _outlier_channels(x2, outlier_frac)
     tensors: dict[str, torch.Tensor] = {}
     if idx is not None:
         tensors["out_idx"] = idx.to(torch.int32)
-        tensors["out_val"] = x2[:, idx].to(x.dtype)
-        x2 = x2.clone()
-        x2[:, idx] = 0.0
-    dim = 0 if axis == "channel" else 1
-    scale = x2.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / qmax
-    q = torch.round(x2 / scale).clamp_(-qmax, qmax)
-    if bits == 8:
-        tensors["q"] = q.to(torch.int8)
+        tensors["out_val"] = x2.index_select(1, idx)
+    q = torch.empty((rows, cols), dtype=torch.int8, device=x.device)
+    if axis == "channel":
+        scale = absmax.clamp_min(1e-12).div_(qmax).unsqueeze(0)
     else:
-        tensors["q"] = _pack_nibbles(q)
-    tensors["scale"] = scale.to(torch.float32)
+        scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    n, buf = _row_blocks(rows, cols, x.device)
+    for i in range(0, rows, n):
+        m = min(n, rows - i)
+        b = buf[:m]
+        s = scale if axis == "channel" else scale[i : i + m]
+        if axis == "token":
+            torch.div(_abs_amax_rows(x2[i : i + m], b, idx).clamp_min_(1e-12), qmax, out=s)
+        torch.div(x2[i : i + m], s, out=b)
+        b.round_().clamp_(-qmax, qmax)
+        q[i : i + m].copy_(b)
+    tensors["q"] = q if bits == 8 else _pack_nibbles(q)
+    tensors["scale"] = scale
     method = f"int{bits}-{axis}"
-    return Packed(method, tensors, shape, x.dtype, {"rows": x2.shape[0], "cols": x2.shape[1]})
+    return Packed(method, tensors, shape, x.dtype, {"rows": rows, "cols": cols})
 
 
 def _quant_unpack(p: Packed) -> torch.Tensor:
@@ -200,10 +252,21 @@ def _quant_unpack(p: Packed) -> torch.Tensor:
     q = p.tensors["q"]
     if q.dtype != torch.int8:
         q = _unpack_nibbles(q, rows * cols)
-    x2 = q.reshape(rows, cols).float() * p.tensors["scale"]
+    q = q.reshape(rows, cols)
+    scale = p.tensors["scale"]
+    out = torch.empty((rows, cols), dtype=p.dtype, device=q.device)
+    n, buf = _row_blocks(rows, cols, q.device)
+    for i in range(0, rows, n):
+        m = min(n, rows - i)
+        s = scale if scale.shape[0] == 1 else scale[i : i + m]
+        if out.dtype == torch.float32:
+            torch.mul(q[i : i + m], s, out=out[i : i + m])
+        else:
+            torch.mul(q[i : i + m], s, out=buf[:m])
+            out[i : i + m].copy_(buf[:m])
     if "out_idx" in p.tensors:
-        x2[:, p.tensors["out_idx"].long()] = p.tensors["out_val"].float()
-    return x2.to(p.dtype).reshape(p.shape)
+        out.index_copy_(1, p.tensors["out_idx"].long(), p.tensors["out_val"].to(p.dtype))
+    return out.reshape(p.shape)
 
 
 @dataclass(frozen=True)
