@@ -194,7 +194,7 @@ def test_non_finite_loss_under_lossy_compression_is_named() -> None:
     adacc.remove()
 
 
-def test_bf16_model_compresses_its_activations() -> None:
+def test_bf16_model_gets_8_bit_options_within_budget() -> None:
     """A bf16 model's activations get fp8/int8 options in the MILP (not only recomputation); the plan stays
     within budget with gradients close to the unoptimized ones."""
     model = tiny_llama().to(torch.bfloat16)

@@ -23,7 +23,7 @@ hold only zero and one other value (the scaled keep-masks dropout saves on CPU, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -149,10 +149,14 @@ _FP8 = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 _BLOCK_ELEMS = 1 << 16
 
 
-def _row_blocks(rows: int, cols: int, device: torch.device) -> tuple[int, torch.Tensor]:
-    """Rows per block and a float32 work buffer of that many rows."""
+def _row_blocks(rows: int, cols: int, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The row slices of a [rows, cols] view, block by block, each with a float32 work buffer of its size
+    (views of one buffer)."""
     n = max(1, rows if device.type != "cpu" else min(rows, _BLOCK_ELEMS // max(cols, 1)))
-    return n, torch.empty((n, cols), dtype=torch.float32, device=device)
+    buf = torch.empty((n, cols), dtype=torch.float32, device=device)
+    for i in range(0, rows, n):
+        m = min(n, rows - i)
+        yield slice(i, i + m), buf[:m]
 
 
 def _abs_amax_rows(x2: torch.Tensor, buf: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
@@ -175,14 +179,12 @@ def _fp8_pack(x: torch.Tensor, name: str) -> Packed:
     fmax = torch.finfo(fmt).max
     q = torch.empty((rows, cols), dtype=fmt, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    n, buf = _row_blocks(rows, cols, x.device)
-    for i in range(0, rows, n):
-        m = min(n, rows - i)
-        b, s = buf[:m], scale[i : i + m]
-        torch.div(_abs_amax_rows(x2[i : i + m], b, None), fmax, out=s)
+    for r, b in _row_blocks(rows, cols, x.device):
+        s = scale[r]
+        torch.div(_abs_amax_rows(x2[r], b, None), fmax, out=s)
         s.clamp_min_(1e-30)
-        torch.div(x2[i : i + m], s, out=b)
-        q[i : i + m].copy_(b)
+        torch.div(x2[r], s, out=b)
+        q[r].copy_(b)
     return Packed(name, {"q": q, "scale": scale}, shape, x.dtype)
 
 
@@ -190,12 +192,9 @@ def _fp8_unpack(p: Packed) -> torch.Tensor:
     q, scale = p.tensors["q"], p.tensors["scale"]
     rows, cols = q.shape
     out = torch.empty((rows, cols), dtype=p.dtype, device=q.device)
-    n, buf = _row_blocks(rows, cols, q.device)
-    for i in range(0, rows, n):
-        m = min(n, rows - i)
-        b = buf[:m]
-        b.copy_(q[i : i + m])
-        torch.mul(b, scale[i : i + m], out=out[i : i + m])
+    for r, b in _row_blocks(rows, cols, q.device):
+        b.copy_(q[r])
+        torch.mul(b, scale[r], out=out[r])
     return out.reshape(p.shape)
 
 
@@ -231,16 +230,13 @@ def _quant_pack(x: torch.Tensor, bits: int, axis: str, outlier_frac: float) -> P
         scale = absmax.clamp_min(1e-12).div_(qmax).unsqueeze(0)
     else:
         scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    n, buf = _row_blocks(rows, cols, x.device)
-    for i in range(0, rows, n):
-        m = min(n, rows - i)
-        b = buf[:m]
-        s = scale if axis == "channel" else scale[i : i + m]
+    for r, b in _row_blocks(rows, cols, x.device):
+        s = scale if axis == "channel" else scale[r]
         if axis == "token":
-            torch.div(_abs_amax_rows(x2[i : i + m], b, idx).clamp_min_(1e-12), qmax, out=s)
-        torch.div(x2[i : i + m], s, out=b)
+            torch.div(_abs_amax_rows(x2[r], b, idx).clamp_min_(1e-12), qmax, out=s)
+        torch.div(x2[r], s, out=b)
         b.round_().clamp_(-qmax, qmax)
-        q[i : i + m].copy_(b)
+        q[r].copy_(b)
     tensors["q"] = q if bits == 8 else _pack_nibbles(q)
     tensors["scale"] = scale
     method = f"int{bits}-{axis}"
@@ -255,15 +251,13 @@ def _quant_unpack(p: Packed) -> torch.Tensor:
     q = q.reshape(rows, cols)
     scale = p.tensors["scale"]
     out = torch.empty((rows, cols), dtype=p.dtype, device=q.device)
-    n, buf = _row_blocks(rows, cols, q.device)
-    for i in range(0, rows, n):
-        m = min(n, rows - i)
-        s = scale if scale.shape[0] == 1 else scale[i : i + m]
+    for r, b in _row_blocks(rows, cols, q.device):
+        s = scale if scale.shape[0] == 1 else scale[r]
         if out.dtype == torch.float32:
-            torch.mul(q[i : i + m], s, out=out[i : i + m])
+            torch.mul(q[r], s, out=out[r])
         else:
-            torch.mul(q[i : i + m], s, out=buf[:m])
-            out[i : i + m].copy_(buf[:m])
+            torch.mul(q[r], s, out=b)
+            out[r].copy_(b)
     if "out_idx" in p.tensors:
         out.index_copy_(1, p.tensors["out_idx"].long(), p.tensors["out_val"].to(p.dtype))
     return out.reshape(p.shape)
