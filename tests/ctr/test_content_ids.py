@@ -177,3 +177,39 @@ def test_reseeding_zeroes_the_optimizer_moments_of_reseeded_codewords_only() -> 
     for key, old in before.items():
         new = opt.state[q.codebooks][key]
         assert torch.all(new[dead] == 0) and torch.equal(new[~dead], old[~dead]) and old[dead].abs().sum() > 0
+
+
+def test_post_hoc_designs_of_one_seed_share_one_continuous_vector(tmp_path) -> None:
+    """Post-hoc designs differ only in their codes: the encoder of one seed yields the same vector for
+    every M, K and codebook kind (whole-vector norm; the quantizer is created after encoder and heads)."""
+    import json
+
+    data = fashion_ads(n_ads=160, n_users=10, per_day=100, seed=3)
+    text = embed_texts(data.captions)
+    vectors, models = [], []
+    for codebook, m in (("pq", 8), ("pq", 2), ("rq", 3)):
+        cfg = ContentIDConfig(kind="cnn", dim=16, m=m, k=8, width=4, epochs=1, warmup_epochs=1, batch_size=64,
+                              codebook=codebook, joint=False)
+        model, _ = fit_content_ids(data.content, data.captions, cfg, text_emb=text, progress=False)
+        with torch.no_grad():
+            vectors.append(model.embed(data.content))
+        models.append(model)
+    assert torch.equal(vectors[0], vectors[1]) and torch.equal(vectors[0], vectors[2])
+    assert torch.allclose(vectors[0].norm(dim=1), torch.ones(len(vectors[0])))
+    # jointly trained pq keeps one unit vector per sub-space
+    joint = ContentIDConfig(kind="cnn", dim=16, m=4, k=8, width=4, epochs=1, warmup_epochs=1, batch_size=64)
+    model, _ = fit_content_ids(data.content, data.captions, joint, text_emb=text, progress=False)
+    with torch.no_grad():
+        sub = model.embed(data.content).reshape(-1, 4, 4)
+    assert torch.allclose(sub.norm(dim=-1), torch.ones(sub.shape[:2]))
+    # a folder written before the option existed keeps its per-sub-vector normalization on load
+    save_content_model(models[0], tmp_path / "old", {})
+    cfg_path = tmp_path / "old" / "config.json"
+    fields = json.loads(cfg_path.read_text())
+    del fields["subvector_norm"]
+    cfg_path.write_text(json.dumps(fields))
+    old = load_content_model(tmp_path / "old")
+    assert old.subvector_norm is True
+    with torch.no_grad():
+        sub = old.embed(data.content).reshape(-1, 8, 2)
+    assert torch.allclose(sub.norm(dim=-1), torch.ones(sub.shape[:2]))
