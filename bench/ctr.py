@@ -89,6 +89,12 @@ SELECT_SEEDS = (0, 1, 2)
 # the raw vector's own validation AUC on MovieLens differed by 0.026 between the five post-hoc designs
 SELECT_FIT_SEEDS = (0, 1, 2)
 FORMAT = 3  # results of an older record format are not merged: the file starts afresh
+# How the continuous (raw) vector is L2-normalized: in G equal groups, chosen on validation by raw's own
+# new-ad AUC before the designs are compared; every post-hoc design then uses it, so the designs of one seed
+# share one raw vector (jointly trained pq keeps one group per sub-space). Fitted with NORM_PROBE, a post-hoc
+# design whose codes do not touch the vector (and one of the candidates, so its fits are reused).
+NORM_GROUPS = (1, 4, 8, 16)
+NORM_PROBE = {"codebook": "pq", "m": 4, "k": 256, "joint": False}
 
 # Content-ID designs compared on the validation split: (label, content-ID options, variants). A variant
 # (visual_fields, codeword_vector) says how the M codes enter the CTR model: "bag" (the first format: one
@@ -218,7 +224,14 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
         runs = [val_runs(val, it, features, **cfg) for it in fitted]
         return {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
 
+    norm_rows = []
+    for g in tqdm(NORM_GROUPS, desc=f"{name} raw-vector normalization"):
+        fitted = tuple(fit_items(val, s, {**NORM_PROBE, "norm_groups": g})[0] for s in SELECT_FIT_SEEDS)
+        norm_rows.append({"norm_groups": g, **over_fits(fitted, "raw")})
+    norm_groups = max(norm_rows, key=lambda r: r["auc_new"])["norm_groups"]
     for label, ov, variants in tqdm(CANDIDATES, desc=f"{name} designs"):
+        if not ov.get("joint", True):
+            ov = {**ov, "norm_groups": norm_groups}
         fitted, fits = zip(*(fit_items(val, s, ov) for s in SELECT_FIT_SEEDS))
         items, fit = fitted[0], fits[0]
         raw_ref = over_fits(fitted, "raw")
@@ -240,7 +253,8 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
                 best = (score, row)
     assert best is not None
     chosen = {"design": best[1]["design"], "content": best[1]["content"],
-              "visual_fields": best[1]["visual_fields"], "codeword_vector": best[1]["codeword_vector"]}
+              "visual_fields": best[1]["visual_fields"], "codeword_vector": best[1]["codeword_vector"],
+              "norm_groups": norm_groups}
     items, _ = fit_items(val, 0, chosen["content"])
     vis_cfg = {"visual_fields": chosen["visual_fields"], "codeword_vector": chosen["codeword_vector"]}
     # raw and the codeword vector together: one field each, or one content tower (per model); these runs
@@ -277,7 +291,7 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
         chosen["id"][model] = {f: choose_id_option(rows, f, refs[model][r] if r else None)
                                for f, r in ID_REFERENCE.items()}
     out.setdefault("selection", {})[name] = {"candidates": cand_rows, "dropout": drop_rows, "tower": tower_rows,
-                                             "references": refs, "chosen": chosen}
+                                             "references": refs, "chosen": chosen, "norm": norm_rows}
 
 
 def stage_grid(name: str, out: dict[str, Any], seeds: list[int], models: tuple[str, ...] = MODELS) -> None:
@@ -433,6 +447,8 @@ def write_docs_block(out: dict[str, Any]) -> None:
         lines.append(f"| {r['dataset']} | {r['model']} | {r['target']} | {r['diff']:+.4f} ± {r['std']:.4f} "
                      f"| {'met' if r['met'] else '**missed**'} | {'yes' if r['clear'] else 'no'} |")
     chosen = "; ".join(f"{d}: {c['chosen']['design']}, {variant_name(c['chosen']['visual_fields'], c['chosen']['codeword_vector'])}"
+                       + (f", raw vector normalized in {c['chosen']['norm_groups']} group(s)"
+                          if c["chosen"].get("norm_groups") else "")
                        for d, c in out.get("selection", {}).items())
     lines += ["", f"Design chosen on validation: {chosen}. Machine: {out['machine_line']}. The same settings from "
               "the command line (id+visual, DeepFM):", "", "```bash"]
@@ -745,6 +761,8 @@ def cli_line(dataset: str, chosen: dict[str, Any], features: str = "id+visual", 
         args.append("--posthoc")
     if not c.get("reseed_dead", True):
         args.append("--no-reseed")
+    if c.get("norm_groups"):
+        args.append(f"--norm-groups {c['norm_groups']}")
     args.append(f"--visual-fields {chosen['visual_fields']}")
     if chosen["codeword_vector"]:
         args.append("--codeword-vector")
@@ -762,15 +780,29 @@ def render_selection(out: dict[str, Any]) -> list[str]:
         return []
     fit_seeds = sorted({s for sel in sels.values() for r in sel["candidates"] for s in r.get("fit_seeds", [0])})
     lines = ["## Chosen on validation (inside the training period; designs with DeepFM, mean of CTR seeds "
-             f"{list(SELECT_SEEDS)} on each of the content-ID fits with seeds {fit_seeds})", "",
-             "Content-ID designs × how the codes enter the model. The winner has the best mean validation new-ad "
-             f"AUC of visual and id+visual (ID dropout {CTRConfig().id_dropout:g}) among designs with ≥ 10× fewer bytes per ad than the "
-             "raw vector. Re-seeding replaces codewords no item uses after each epoch (counts per epoch). Dead codes, "
-             "tuples, caption top-1 and fit seconds are those of the first fit; the quantization errors are means over "
-             "the fits.", "",
-             "| dataset | design | dead codes | distinct tuples | quant. err old / new ads | caption top-1 | fit s | codes enter as "
-             "| bytes/ad | raw AUC new | visual AUC new | id+visual AUC new | id+visual AUC old |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{list(SELECT_SEEDS)} on each of the content-ID fits with seeds {fit_seeds})", ""]
+    norm = [(d, sel) for d, sel in sels.items() if sel.get("norm")]
+    if norm:
+        lines += ["First, how the continuous (raw) vector is L2-normalized: in G equal groups (1: as a whole), "
+                  f"fitted post-hoc ({NORM_PROBE['codebook']} M{NORM_PROBE['m']} K{NORM_PROBE['k']}; the codes do "
+                  "not touch the vector); the best validation raw new-ad AUC wins, and every post-hoc design below "
+                  "uses it, so the post-hoc designs of one seed share one raw vector (jointly trained pq keeps one "
+                  "group per sub-space).", "",
+                  "| dataset | " + " | ".join(f"G = {g}" for g in NORM_GROUPS) + " | chosen |",
+                  "|---|" + "---|" * (len(NORM_GROUPS) + 1)]
+        for d, sel in norm:
+            by_g = {r["norm_groups"]: r["auc_new"] for r in sel["norm"]}
+            lines.append(f"| {d} | " + " | ".join(f"{by_g[g]:.4f}" if g in by_g else "–" for g in NORM_GROUPS)
+                         + f" | {sel['chosen']['norm_groups']} |")
+        lines.append("")
+    lines += ["Content-ID designs × how the codes enter the model. The winner has the best mean validation new-ad "
+              f"AUC of visual and id+visual (ID dropout {CTRConfig().id_dropout:g}) among designs with ≥ 10× fewer "
+              "bytes per ad than the raw vector. Re-seeding replaces codewords no item uses after each epoch (counts "
+              "per epoch). Dead codes, tuples, caption top-1 and fit seconds are those of the first fit; the "
+              "quantization errors are means over the fits.", "",
+              "| dataset | design | dead codes | distinct tuples | quant. err old / new ads | caption top-1 | fit s "
+              "| codes enter as | bytes/ad | raw AUC new | visual AUC new | id+visual AUC new | id+visual AUC old |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d, sel in sels.items():
         c = sel["chosen"]
         for r in sel["candidates"]:

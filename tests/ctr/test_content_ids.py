@@ -202,14 +202,23 @@ def test_post_hoc_designs_of_one_seed_share_one_continuous_vector(tmp_path) -> N
     with torch.no_grad():
         sub = model.embed(data.content).reshape(-1, 4, 4)
     assert torch.allclose(sub.norm(dim=-1), torch.ones(sub.shape[:2]))
+    # norm_groups G: G unit vectors of D/G dims, whatever the codebook
+    cfg = ContentIDConfig(kind="cnn", dim=16, m=2, k=8, width=4, epochs=1, warmup_epochs=1, batch_size=64,
+                          codebook="rq", joint=False, norm_groups=4)
+    model, _ = fit_content_ids(data.content, data.captions, cfg, text_emb=text, progress=False)
+    with torch.no_grad():
+        sub = model.embed(data.content).reshape(-1, 4, 4)
+    assert torch.allclose(sub.norm(dim=-1), torch.ones(sub.shape[:2]))
+    with pytest.raises(LeanmlError, match="norm_groups=3 must divide"):
+        ContentIDConfig(dim=16, norm_groups=3).validate()
     # a folder written before the option existed keeps its per-sub-vector normalization on load
     save_content_model(models[0], tmp_path / "old", {})
     cfg_path = tmp_path / "old" / "config.json"
     fields = json.loads(cfg_path.read_text())
-    del fields["subvector_norm"]
+    del fields["norm_groups"]
     cfg_path.write_text(json.dumps(fields))
     old = load_content_model(tmp_path / "old")
-    assert old.subvector_norm is True
+    assert old.norm_groups == 8
     with torch.no_grad():
         sub = old.embed(data.content).reshape(-1, 8, 2)
     assert torch.allclose(sub.norm(dim=-1), torch.ones(sub.shape[:2]))

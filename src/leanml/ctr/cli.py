@@ -46,6 +46,9 @@ def _add_content_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--posthoc", action="store_true",
                    help="train the encoder alone, then fit the codebooks by k-means (default: jointly)")
     p.add_argument("--dim", type=int, default=32, help="quantized vector length D (divisible by M for pq), default 32")
+    p.add_argument("--norm-groups", type=int, default=0,
+                   help="L2-normalize the content vector in G equal groups (1: as a whole; default 0: M for "
+                        "jointly trained pq, else 1)")
     p.add_argument("--loss", choices=["infonce", "tokens"], default="infonce", help="text supervision")
     p.add_argument("--content-epochs", type=int, default=None, help="quantized training epochs")
     p.add_argument("--straight-through", action="store_true", help="hard forward, soft backward")
@@ -54,7 +57,7 @@ def _add_content_args(p: argparse.ArgumentParser) -> None:
 def _content_overrides(args: argparse.Namespace) -> dict[str, Any]:
     ov: dict[str, Any] = {"m": args.m, "k": args.k, "dim": args.dim, "loss": args.loss, "codebook": args.codebook,
                           "reseed_dead": not args.no_reseed, "straight_through": args.straight_through,
-                          "joint": not args.posthoc}
+                          "joint": not args.posthoc, "norm_groups": args.norm_groups}
     seed_content = getattr(args, "seed_content", None)
     ov["seed"] = args.seed if seed_content is None else seed_content
     if args.content_epochs is not None:

@@ -2,10 +2,11 @@
 
 The model maps content (an image, or a content vector) to a continuous ``D``-dim vector ``x``, then
 quantizes it into ``M`` codes of ``K`` values: ``codebook="pq"`` (:class:`SoftProductQuantizer`) or
-``codebook="rq"`` (:class:`SoftResidualQuantizer`, ``M`` coarse-to-fine levels). ``x`` is L2-normalized as a
-whole, except for jointly trained pq, where each of the ``M`` sub-vectors is (``subvector_norm``): so every
-post-hoc design of one seed shares one continuous vector and differs only in its codes. Training makes the
-*quantized* vector predict the item's text:
+``codebook="rq"`` (:class:`SoftResidualQuantizer`, ``M`` coarse-to-fine levels). ``x`` is L2-normalized in
+``norm_groups`` equal groups (1: as a whole; default: ``M`` for jointly trained pq, else 1), which does not
+depend on the codebook of a post-hoc design: every post-hoc design of one seed and ``norm_groups`` shares one
+continuous vector and differs only in its codes. Training makes the *quantized* vector predict the item's
+text:
 
 - ``loss="infonce"`` (default): image <-> text InfoNCE with a frozen MiniLM text embedding and two
   small trainable projections; captions that are identical count as positives of each other.
@@ -62,10 +63,10 @@ class ContentIDConfig:
     codebook: str = "pq"  # "pq" (product) or "rq" (residual, hierarchical)
     reseed_dead: bool = True  # re-seed unused codewords after each quantized epoch but the last
     joint: bool = True  # train encoder and quantizer together; False: encoder alone, then k-means codebooks
-    # L2-normalize each of the M sub-vectors (True) or the whole vector (False); None: per sub-vector only for
-    # jointly trained pq. Post-hoc designs then share the seed's vector: on MovieLens, per-sub-vector norm made
-    # the post-hoc raw vector depend on M (validation raw new-ad AUC 0.5845-0.6034 across designs of one seed).
-    subvector_norm: bool | None = None
+    # L2-normalize x in this many equal groups (1: the whole vector); 0: M for jointly trained pq, else 1. Tied
+    # to M before, the post-hoc raw vector depended on the codebook design (MovieLens validation raw new-ad AUC
+    # 0.5845-0.6034 across the designs of one seed).
+    norm_groups: int = 0
     loss: str = "infonce"  # or "tokens"
     width: int = 16  # CNN width / MLP hidden = 8 * width
     epochs: int = 6
@@ -97,6 +98,9 @@ class ContentIDConfig:
             raise LeanmlError(f"K={self.k}: a codebook needs at least 2 codewords; use K >= 2")
         if self.m < 1 or (self.codebook == "pq" and self.dim % self.m):
             raise LeanmlError(f"M={self.m} must divide the vector dim D={self.dim}; change --M or --dim")
+        if self.norm_groups < 0 or (self.norm_groups and self.dim % self.norm_groups):
+            raise LeanmlError(f"norm_groups={self.norm_groups} must divide the vector dim D={self.dim} "
+                              "(or be 0: the default); change --norm-groups or --dim")
         if self.kind == "mlp" and self.in_dim <= 0:
             raise LeanmlError("kind='mlp' needs in_dim > 0 (the content vector length)")
 
@@ -126,8 +130,8 @@ def token_targets(captions: Sequence[str], vocab: Sequence[str]) -> np.ndarray:
 class ContentIDModel(nn.Module):
     """Extractor + soft product quantizer + text-supervision heads.
 
-    ``embed(x)`` gives the continuous vector (L2-normalized as a whole, or per sub-vector: see
-    ``ContentIDConfig.subvector_norm``), ``forward(x, tau)`` the quantized vector and the soft assignment,
+    ``embed(x)`` gives the continuous vector (L2-normalized in ``norm_groups`` groups: see
+    ``ContentIDConfig.norm_groups``), ``forward(x, tau)`` the quantized vector and the soft assignment,
     ``codes(x)`` the hard ``(N, M)`` codes. The quantizer's parameters are created last, so the encoder and
     heads of one seed start from the same weights whatever the codebook design.
     """
@@ -138,10 +142,7 @@ class ContentIDModel(nn.Module):
         self.config = config
         if backbone is None:
             backbone = SmallCNN(width=config.width) if config.kind == "cnn" else MLPEncoder(config.in_dim, 8 * config.width)
-        self.subvector_norm = (config.subvector_norm if config.subvector_norm is not None
-                               else config.codebook == "pq" and config.joint)
-        if self.subvector_norm and config.dim % config.m:
-            raise LeanmlError(f"subvector_norm needs M={config.m} to divide the vector dim D={config.dim}")
+        self.norm_groups = config.norm_groups or (config.m if config.codebook == "pq" and config.joint else 1)
         self.encoder = ContentEncoder(backbone, config.dim)
         self.img_proj = nn.Linear(config.dim, config.proj_dim)
         self.txt_proj = nn.Linear(config.text_dim, config.proj_dim)
@@ -161,10 +162,10 @@ class ContentIDModel(nn.Module):
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         z = self.encoder(x)
-        if not self.subvector_norm:
+        if self.norm_groups == 1:
             return F.normalize(z, dim=-1)
         n, d = z.shape
-        return F.normalize(z.reshape(n, self.config.m, d // self.config.m), dim=-1).reshape(n, d)
+        return F.normalize(z.reshape(n, self.norm_groups, d // self.norm_groups), dim=-1).reshape(n, d)
 
     def forward(self, x: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(continuous, quantized, probs)``."""
@@ -379,7 +380,7 @@ def load_content_model(path: str | Path, device: torch.device | str = "cpu") -> 
                           "create one with `leanml ctr content-ids fit --out DIR`")
     fields = json.loads((path / "config.json").read_text())
     # folders written before the option existed normalized every pq design per sub-vector
-    fields.setdefault("subvector_norm", fields.get("codebook", "pq") == "pq")
+    fields.setdefault("norm_groups", fields.get("m", 4) if fields.get("codebook", "pq") == "pq" else 1)
     config = ContentIDConfig(**fields)
     model = ContentIDModel(config)
     model.load_state_dict(load_file(str(path / "model.safetensors")))
