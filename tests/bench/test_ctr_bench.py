@@ -65,3 +65,22 @@ def test_targets_combine_seed_and_row_errors():
     r = next(x for x in targets({"records": recs, "row_se": row_se}) if x["target"] == "id+raw+visual ≥ id+raw + 0.003")
     std = float(np.std(list(diffs.values()), ddof=1))
     assert r["seed_se"] == pytest.approx(std / 2) and r["se"] == pytest.approx(np.hypot(std / 2, 0.001))
+
+
+def test_cli_line_reproduces_the_chosen_design_through_the_real_parser():
+    """The command the report prints for the chosen design parses with `leanml ctr train` and carries the
+    raw vector's normalization (norm_groups) into the content-ID options."""
+    import shlex
+
+    from leanml.cli import build_parser
+    from leanml.ctr.cli import _content_overrides
+
+    ctr = load_bench("ctr")
+    chosen = {"content": {"codebook": "pq", "m": 16, "k": 64, "joint": False, "norm_groups": 8},
+              "visual_fields": "none", "codeword_vector": True, "norm_groups": 8,
+              "id": {"deepfm": {"id+visual": {"id_mode": "dropout", "id_dropout": 0.5}}}}
+    line = ctr.cli_line("fashion", chosen)
+    assert "--norm-groups 8" in line and "--posthoc" in line and "--id-dropout 0.5" in line
+    args = build_parser().parse_args(shlex.split(line)[1:])
+    ov = _content_overrides(args)
+    assert (ov["norm_groups"], ov["m"], ov["k"], ov["joint"], ov["codebook"]) == (8, 16, 64, False, "pq")
