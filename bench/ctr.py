@@ -253,8 +253,7 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
                 best = (score, row)
     assert best is not None
     chosen = {"design": best[1]["design"], "content": best[1]["content"],
-              "visual_fields": best[1]["visual_fields"], "codeword_vector": best[1]["codeword_vector"],
-              "norm_groups": norm_groups}
+              "visual_fields": best[1]["visual_fields"], "codeword_vector": best[1]["codeword_vector"]}
     items, _ = fit_items(val, 0, chosen["content"])
     vis_cfg = {"visual_fields": chosen["visual_fields"], "codeword_vector": chosen["codeword_vector"]}
     # raw and the codeword vector together: one field each, or one content tower (per model); these runs
@@ -447,8 +446,8 @@ def write_docs_block(out: dict[str, Any]) -> None:
         lines.append(f"| {r['dataset']} | {r['model']} | {r['target']} | {r['diff']:+.4f} ± {r['std']:.4f} "
                      f"| {'met' if r['met'] else '**missed**'} | {'yes' if r['clear'] else 'no'} |")
     chosen = "; ".join(f"{d}: {c['chosen']['design']}, {variant_name(c['chosen']['visual_fields'], c['chosen']['codeword_vector'])}"
-                       + (f", raw vector normalized in {c['chosen']['norm_groups']} group(s)"
-                          if c["chosen"].get("norm_groups") else "")
+                       + (f", raw vector normalized in {c['chosen']['content']['norm_groups']} group(s)"
+                          if c["chosen"]["content"].get("norm_groups") else "")
                        for d, c in out.get("selection", {}).items())
     lines += ["", f"Design chosen on validation: {chosen}. Machine: {out['machine_line']}. The same settings from "
               "the command line (id+visual, DeepFM):", "", "```bash"]
@@ -793,7 +792,7 @@ def render_selection(out: dict[str, Any]) -> list[str]:
         for d, sel in norm:
             by_g = {r["norm_groups"]: r["auc_new"] for r in sel["norm"]}
             lines.append(f"| {d} | " + " | ".join(f"{by_g[g]:.4f}" if g in by_g else "–" for g in NORM_GROUPS)
-                         + f" | {sel['chosen']['norm_groups']} |")
+                         + f" | {max(by_g, key=by_g.__getitem__)} |")
         lines.append("")
     lines += ["Content-ID designs × how the codes enter the model. The winner has the best mean validation new-ad "
               f"AUC of visual and id+visual (ID dropout {CTRConfig().id_dropout:g}) among designs with ≥ 10× fewer "

@@ -77,7 +77,7 @@ def test_cli_line_reproduces_the_chosen_design_through_the_real_parser():
 
     ctr = load_bench("ctr")
     chosen = {"content": {"codebook": "pq", "m": 16, "k": 64, "joint": False, "norm_groups": 8},
-              "visual_fields": "none", "codeword_vector": True, "norm_groups": 8,
+              "visual_fields": "none", "codeword_vector": True,
               "id": {"deepfm": {"id+visual": {"id_mode": "dropout", "id_dropout": 0.5}}}}
     line = ctr.cli_line("fashion", chosen)
     assert "--norm-groups 8" in line and "--posthoc" in line and "--id-dropout 0.5" in line

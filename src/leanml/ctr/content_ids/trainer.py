@@ -162,8 +162,6 @@ class ContentIDModel(nn.Module):
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         z = self.encoder(x)
-        if self.norm_groups == 1:
-            return F.normalize(z, dim=-1)
         n, d = z.shape
         return F.normalize(z.reshape(n, self.norm_groups, d // self.norm_groups), dim=-1).reshape(n, d)
 
