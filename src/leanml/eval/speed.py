@@ -1,0 +1,254 @@
+"""Inference speed of a causal LM: prefill and decode tokens/s, peak memory, size on disk.
+
+``measure_speed(model, ...)`` times one model; ``measure_speeds({name: model, ...})`` times several with
+their runs interleaved (each repeat runs every model once, in turn), so load from other processes on a
+shared machine hits them alike. Every figure is the median over ``repeats`` runs after ``warmup`` runs.
+
+- **prefill**: one forward pass over ``batch_size x prompt_len`` random token ids with no KV cache and
+  only the last position's logits computed (what ``generate`` does first); tokens/s = batch x prompt_len
+  / seconds.
+- **decode**: after a ``gen_prompt_len``-token prompt is prefilled into the KV cache (not timed), greedy
+  generation of ``gen_len`` tokens one at a time; tokens/s = batch x gen_len / seconds.
+- **peak memory**: on CUDA ``torch.cuda.max_memory_allocated`` over the measured runs (reset before);
+  on CPU the process's peak resident set (``VmHWM``, reset before the runs where Linux allows it, else
+  the peak since the process started: then it includes everything loaded before).
+
+On CUDA the clocks are read only after ``torch.cuda.synchronize``. ``dir_size_bytes`` sums a model
+directory's weight files (safetensors, bin, pt, gguf), dense or compressed.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from leanml.utils import LeanmlError
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def dir_size_bytes(path: str | os.PathLike, suffixes: Iterable[str] = WEIGHT_SUFFIXES) -> int:
+    """Bytes of the weight files of a model directory (all levels; ``.gguf`` file: its size)."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        raise LeanmlError(f"{path} does not exist; pass a model directory or a .gguf file")
+    suffixes = tuple(suffixes)
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.name.endswith(suffixes))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss_peak_reset() -> bool:
+    """Reset the kernel's peak-RSS counter of this process (Linux ``clear_refs`` 5); whether it worked."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_peak_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _forward_params(model: nn.Module) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
+    """``logits_to_keep=1`` where the model takes it (only the last position's logits are needed)."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in _forward_params(model) else {}
+
+
+def _cache_of(out: Any) -> Any:
+    """The KV cache of a forward's output (``cache`` in newer transformers, ``past_key_values`` before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+@torch.inference_mode()
+def _prefill_seconds(model: nn.Module, ids: torch.Tensor, device: torch.device) -> float:
+    kw = _forward_kwargs(model)
+    _sync(device)
+    t0 = time.perf_counter()
+    model(input_ids=ids, use_cache=False, **kw)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def greedy_decode(model: nn.Module, ids: torch.Tensor, gen_len: int) -> tuple[float, torch.Tensor]:
+    """``gen_len`` timed greedy one-token steps after ``ids`` is put in the KV cache (not timed): the
+    seconds the steps took and the ``(batch, gen_len + 1)`` tokens (the prefill's next token first)."""
+    device = ids.device
+    kw = _forward_kwargs(model)
+    cache_arg = "cache" if "cache" in _forward_params(model) else "past_key_values"
+    out = model(input_ids=ids, use_cache=True, **kw)
+    past = _cache_of(out)
+    nxt = out.logits[:, -1:].argmax(-1)
+    tokens = [nxt]
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(gen_len):
+        out = model(input_ids=nxt, use_cache=True, **{cache_arg: past}, **kw)
+        past = _cache_of(out)
+        nxt = out.logits[:, -1:].argmax(-1)
+        tokens.append(nxt)
+    _sync(device)
+    return time.perf_counter() - t0, torch.cat(tokens, dim=1)
+
+
+def _check_args(prompt_len: int, gen_len: int, repeats: int, batch_size: int, gen_prompt_len: int) -> None:
+    for name, value, low in [("prompt_len", prompt_len, 1), ("gen_len", gen_len, 0), ("repeats", repeats, 1),
+                             ("batch_size", batch_size, 1), ("gen_prompt_len", gen_prompt_len, 1)]:
+        if value < low:
+            raise LeanmlError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+
+
+def measure_speeds(
+    models: dict[str, nn.Module],
+    device: str | torch.device | None = None,
+    prompt_len: int = 256,
+    gen_len: int = 32,
+    repeats: int = 5,
+    batch_size: int = 1,
+    gen_prompt_len: int = 32,
+    warmup: int = 1,
+    threads: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    vocab_size: int | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Speed of several models, their runs interleaved; ``{name: result}`` with the fields of
+    :func:`measure_speed`. Each model runs where its parameters are unless ``device`` is given
+    (then it is moved there). ``threads`` sets torch's CPU threads for the runs (restored after);
+    token ids are drawn below ``vocab_size`` (default: the smallest ``config.vocab_size``)."""
+    _check_args(prompt_len, gen_len, repeats, batch_size, gen_prompt_len)
+    if not models:
+        raise LeanmlError("no models to measure")
+    devices = {}
+    for name, m in models.items():
+        if device is not None:
+            m.to(device)
+        devices[name] = _model_device(m)
+        m.eval()
+    vocab = min(int(getattr(m.config, "vocab_size", 32000)) for m in models.values())
+    vocab = min(vocab, vocab_size or vocab)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (batch_size, prompt_len), generator=g)
+    gen_prompt = torch.randint(0, vocab, (batch_size, gen_prompt_len), generator=g)
+    limit = min(int(getattr(m.config, "max_position_embeddings", 1 << 30) or 1 << 30) for m in models.values())
+    if max(prompt_len, gen_prompt_len + gen_len + 1) > limit:
+        raise LeanmlError(f"--prompt-len {prompt_len} / --gen-len {gen_len} go past the model's "
+                          f"{limit} positions; use shorter lengths")
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    prefill: dict[str, list[float]] = {k: [] for k in models}
+    decode: dict[str, list[float]] = {k: [] for k in models}
+    peaks: dict[str, int] = {}
+    rss_reset: dict[str, bool] = {}
+    try:
+        for name, m in models.items():
+            d = devices[name]
+            for _ in range(warmup):
+                _prefill_seconds(m, prompt.to(d), d)
+                if gen_len:
+                    greedy_decode(m, gen_prompt.to(d), min(gen_len, 4))
+        steps = tqdm(range(repeats), desc="speed", disable=not progress, leave=False)
+        for _ in steps:
+            for name, m in models.items():
+                d = devices[name]
+                if d.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(d)
+                else:
+                    rss_reset[name] = _rss_peak_reset()
+                prefill[name].append(_prefill_seconds(m, prompt.to(d), d))
+                if gen_len:
+                    decode[name].append(greedy_decode(m, gen_prompt.to(d), gen_len)[0])
+                peak = torch.cuda.max_memory_allocated(d) if d.type == "cuda" else _rss_peak_bytes()
+                peaks[name] = max(peaks.get(name, 0), int(peak))
+    finally:
+        torch.set_num_threads(old_threads)
+    results = {}
+    for name, m in models.items():
+        d = devices[name]
+        pre = statistics.median(prefill[name])
+        dec = statistics.median(decode[name]) if gen_len else None
+        results[name] = {
+            "device": str(d),
+            "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
+            "batch_size": batch_size,
+            "prompt_len": prompt_len,
+            "gen_prompt_len": gen_prompt_len,
+            "gen_len": gen_len,
+            "repeats": repeats,
+            "warmup": warmup,
+            "torch_threads": torch.get_num_threads() if threads is None else threads,
+            "prefill_seconds": pre,
+            "prefill_tok_s": batch_size * prompt_len / pre,
+            "decode_seconds": dec,
+            "decode_tok_s": batch_size * gen_len / dec if dec else None,
+            "prefill_runs_s": prefill[name],
+            "decode_runs_s": decode[name],
+            "peak_memory_bytes": peaks[name],
+            "peak_memory_kind": ("cuda max_memory_allocated" if d.type == "cuda" else
+                                 "process peak RSS" + ("" if rss_reset.get(name) else " since start")),
+        }
+    return results
+
+
+def measure_speed(
+    model: nn.Module,
+    tokenizer: Any = None,
+    device: str | torch.device | None = None,
+    prompt_len: int = 256,
+    gen_len: int = 32,
+    repeats: int = 5,
+    batch_size: int = 1,
+    gen_prompt_len: int = 32,
+    warmup: int = 1,
+    threads: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Prefill and decode tokens/s and peak memory of one causal LM (median of ``repeats`` runs).
+
+    Token ids are random (seeded), so ``tokenizer`` is not needed; when given, its vocabulary bounds
+    the ids. Returns ``prefill_tok_s``, ``decode_tok_s``, their per-run seconds, ``peak_memory_bytes``
+    and the settings. Works on any in-memory model that takes ``input_ids`` and a KV cache.
+    """
+    vocab = len(tokenizer) if tokenizer is not None else None
+    return measure_speeds({"model": model}, device, prompt_len, gen_len, repeats, batch_size, gen_prompt_len,
+                          warmup, threads, seed, progress, vocab)["model"]
