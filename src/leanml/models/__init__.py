@@ -64,9 +64,16 @@ def _quiet_transformers() -> None:
     transformers.logging.set_verbosity_error()
 
 
-def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"):
+def load_model(
+    spec: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+    sparse_kernels: bool = False,
+):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode
-    on ``device`` with weights in ``dtype`` (``float32``, ``bfloat16`` or ``float16``)."""
+    on ``device`` with weights in ``dtype`` (``float32``, ``bfloat16`` or ``float16``).
+
+    ``sparse_kernels=True``: the model must be 2:4 sparse; its decoder linears then run on
+    semi-structured sparse kernels (CUDA sm80+, float16/bfloat16; on the CPU the model stays dense with
+    a one-line warning), see :func:`leanml.models.sparse.to_sparse_kernels`."""
     dtype = parse_dtype(dtype)
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -112,7 +119,12 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: str 
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.use_cache = False
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    if sparse_kernels:
+        from leanml.models.sparse import to_sparse_kernels
+
+        to_sparse_kernels(model, progress=False)
+    return model, tokenizer
 
 
 def peek_model_type(spec: str) -> str | None:
