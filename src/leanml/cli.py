@@ -16,6 +16,7 @@ from leanml.utils import LeanmlError
 # Modules that provide ``register(subparsers)``; order is the order shown in --help.
 SUBSYSTEMS = [
     "leanml.prune.cli",  # prune, eval
+    "leanml.eval.speed_cli",  # speed
     "leanml.memory.cli",  # train
     "leanml.recover.cli",  # recover
     "leanml.ctr.cli",  # ctr

@@ -100,3 +100,26 @@ def test_dir_size_counts_weight_files_only(tmp_path):
     assert dir_size_bytes(tmp_path / "model.safetensors") == 1000
     with pytest.raises(LeanmlError, match="does not exist"):
         dir_size_bytes(tmp_path / "nope")
+
+
+def test_speed_command_writes_a_report(tmp_path, capsys):
+    import json
+
+    from leanml.cli import main
+    from leanml.models import save_model
+    from recover.helpers import tiny_tokenizer
+
+    tok = tiny_tokenizer(vocab=97)
+    save_model(tiny_llama(), tok, tmp_path / "a")
+    save_model(tiny_llama(seed=1), tok, tmp_path / "b")
+    out = tmp_path / "speed.json"
+    assert main(["speed", "--model", str(tmp_path / "a"), str(tmp_path / "b"), "--device", "cpu",
+                 "--prompt-len", "16", "--gen-len", "3", "--repeats", "2", "--threads", "1",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["model"] for r in report["models"]] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    for r in report["models"]:
+        assert r["disk_bytes"] == dir_size_bytes(r["model"]) > 0 and r["params"] > 0
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and len(r["decode_runs_s"]) == 2
+    assert "prefill tok/s" in capsys.readouterr().out
+    assert main(["speed", "--model", str(tmp_path / "a"), "--repeats", "0", "--json", str(out)]) == 2
