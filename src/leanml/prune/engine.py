@@ -38,6 +38,7 @@ import copy
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -54,16 +55,18 @@ from leanml.models.layerwise import (
     forward_layer,
     layer_on,
     patched_forward,
-    run_layer,
     to_device,
 )
 from leanml.models.layout import DecoderAdapter, Group, get_adapter, group_calls, layer_linears
+from leanml.models.shards import LayerStore
 from leanml.models.surgery import load_layer_state
 from leanml.prune.base import GroupStats, LinearSpecs, Pruner, output_error
 from leanml.prune.masks import MaskSpec, sparsity_of
 from leanml.utils import LeanmlError, atomic_file
 
-ENGINE_READY = True
+#: out of device memory (``torch.OutOfMemoryError`` where torch has it)
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+_CPU = torch.device("cpu")
 #: with intra-layer correction, reuse the outputs of a layer's finished parts in its later passes
 #: (identical results; a switch for the test that checks it)
 REUSE_FINISHED_PARTS = True
@@ -81,7 +84,8 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 class _Streams:
-    """Pruned and dense activations entering the current layer (CPU tensors, one row per window)."""
+    """Pruned and dense activations entering the current layer (one row per window), on the streams'
+    home device (:class:`_Place`)."""
 
     def __init__(self, pruned: torch.Tensor, dense: torch.Tensor | None) -> None:
         self.pruned = pruned
@@ -89,6 +93,158 @@ class _Streams:
 
     def dense_or_pruned(self) -> torch.Tensor:
         return self.pruned if self.dense is None else self.dense
+
+
+# --------------------------------------------------------------------------------------------------
+# where the activation streams live
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work, so a host clock read after it measures that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Place:
+    """Where layers compute (``device``) and where the activation streams live between layers
+    (``home``): the compute device itself while its free memory allows (no copies at all), otherwise
+    the host, in pinned memory when the device is a GPU, each batch's copy to the device issued one
+    batch ahead on a side stream so it overlaps the current batch's compute, and the outputs copied
+    back without blocking."""
+
+    def __init__(self, device: torch.device, home: torch.device) -> None:
+        self.device = device
+        self.home = home
+        self.pinned = home.type == "cpu" and device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if self.pinned else None
+
+    def adopt(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """``x`` moved to the streams' home (pinned there when the device is a GPU)."""
+        if x is None:
+            return None
+        if self.pinned:
+            return x if x.is_pinned() else x.cpu().pin_memory()
+        return x.to(self.home)
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """A device tensor kept at home until a later pass (a copy when home is elsewhere)."""
+        return x.detach().to(self.home, copy=x.device != self.home)
+
+    def feed(self, x: torch.Tensor, batch_size: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """``(b, start, end, x[start:end] on the device)`` for every batch of ``x``."""
+        batches = _batches(x.shape[0], batch_size)
+        if x.device == self.device or not (self.pinned and x.is_pinned()):
+            for b, s, e in batches:
+                yield b, s, e, x[s:e].to(self.device)
+            return
+        stream = self._copy_stream
+        assert stream is not None
+
+        def start(s: int, e: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+            with torch.cuda.stream(stream):
+                t = x[s:e].to(self.device, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            return t, ev
+
+        nxt = start(*batches[0][1:])
+        for i, (b, s, e) in enumerate(batches):
+            cur, ev = nxt
+            if i + 1 < len(batches):
+                nxt = start(*batches[i + 1][1:])
+            torch.cuda.current_stream(self.device).wait_event(ev)
+            cur.record_stream(torch.cuda.current_stream(self.device))
+            yield b, s, e, cur
+
+    def sink(self, n: int) -> _Sink:
+        return _Sink(n, self)
+
+
+class _Sink:
+    """Collects a pass's per-batch device outputs into one tensor of ``n`` rows at home."""
+
+    def __init__(self, n: int, place: _Place) -> None:
+        self.n = n
+        self.place = place
+        self.buf: torch.Tensor | None = None
+
+    def put(self, s: int, e: int, y: torch.Tensor) -> None:
+        if self.buf is None:
+            self.buf = torch.empty((self.n, *y.shape[1:]), dtype=y.dtype, device=self.place.home,
+                                   pin_memory=self.place.pinned)
+        self.buf[s:e].copy_(y, non_blocking=self.place.pinned)
+
+    def result(self) -> torch.Tensor:
+        assert self.buf is not None
+        if self.place.pinned:  # the copies back were not waited for
+            torch.cuda.current_stream(self.place.device).synchronize()
+        return self.buf
+
+
+def stream_home(device: torch.device, stream_bytes: int, stream_device: str = "auto") -> torch.device:
+    """Where the activation streams live: ``"cpu"`` (host), ``"device"`` (the compute device), or
+    ``"auto"``: the compute device when it is a GPU whose free memory holds the streams twice over
+    (each layer's input and output) with half the free memory to spare, else the host."""
+    if stream_device not in ("auto", "device", "cpu"):
+        raise LeanmlError(f"stream_device must be auto, device or cpu, got {stream_device!r}")
+    if device.type == "cpu" or stream_device == "cpu":
+        return torch.device("cpu")
+    if stream_device == "device":
+        return device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return device if 2 * stream_bytes <= free // 2 else torch.device("cpu")
+    return torch.device("cpu")
+
+
+class _Checkpointer:
+    """Writes resume checkpoints on a background thread, off the layer walk's critical path.
+
+    Each finished layer's weights are snapshotted to the host at once and written behind the walk; the
+    activation streams (the big part) are snapshotted after the first layer, then every ``interval``
+    seconds (0: after every layer), and always after the last layer. Files are written in order, each atomically, so a kill leaves a
+    consistent checkpoint: ``state.pt`` names the next layer only after the layers before it are on
+    disk. :meth:`close` waits for every pending write and raises the first error one raised."""
+
+    def __init__(self, ckpt: Path, interval: float) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        ckpt.mkdir(parents=True, exist_ok=True)
+        self.ckpt = ckpt
+        self.interval = interval
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leanml-ckpt")
+        self.pending: list[Any] = []
+        self.last_state = float("-inf")  # the first finished layer is always snapshotted
+
+    def layer(self, idx: int, layer: nn.Module) -> None:
+        sd = {k: v.detach().to("cpu", copy=True) for k, v in layer.state_dict().items()}
+        self.pending.append(self.pool.submit(_atomic_save, sd, self.ckpt / f"layer_{idx:03d}.pt"))
+
+    def state(self, make: Any, last: bool) -> None:
+        """Snapshot the state ``make()`` returns when due (``last``: always)."""
+        now = time.perf_counter()
+        if not last and now - self.last_state < self.interval:
+            return
+        self.last_state = now
+        self._wait()  # at most one stream snapshot in flight: bounded memory
+        state = make()
+
+        def write() -> None:
+            _atomic_save({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()},
+                         self.ckpt / "state.pt")
+
+        self.pending.append(self.pool.submit(write))
+
+    def _wait(self) -> None:
+        done, self.pending = self.pending, []
+        for f in done:
+            f.result()
+
+    def close(self) -> None:
+        try:
+            self._wait()
+        finally:
+            self.pool.shutdown(wait=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,7 +405,7 @@ def _one_pass(
     kw: list[dict[str, Any]],
     needs_dense: bool,
     batch_size: int,
-    device: torch.device,
+    place: _Place,
     model_type: str,
 ) -> tuple[list[Group], dict[str, GroupStats], torch.Tensor, torch.Tensor | None]:
     """Statistics of every group from passes of the still dense layer, all groups at once.
@@ -258,18 +414,21 @@ def _one_pass(
     group name, the dense layer's output on the pruned stream (the reference of the error report) and,
     with a dense stream, its output on the dense stream (the next dense stream)."""
     moments: dict[str, _Moments] = {}
-    ref_out, dense_out = [], []
-    for b, s, e in _batches(streams.pruned.shape[0], batch_size):
+    device = place.device
+    n = streams.pruned.shape[0]
+    ref_out, dense_out = place.sink(n), place.sink(n)
+    dense_feed = place.feed(streams.dense, batch_size) if needs_dense and streams.dense is not None else None
+    for b, s, e, xb in place.feed(streams.pruned, batch_size):
         cap = _Capture(layer, None if groups is None else [g.leader for g in groups])
-        ref_out.append(cap.run(layer, streams.pruned[s:e].to(device), kw[b]).cpu())
+        ref_out.put(s, e, cap.run(layer, xb, kw[b]))
         if groups is None:
             groups = [Group(name, {n: layer.get_submodule(n) for n in names})
                       for name, names in group_calls(layer_linears(layer), cap.calls, model_type)]
         dense_in: dict[str, torch.Tensor] = {}
         out_sq: dict[str, torch.Tensor] = {}
-        if needs_dense and streams.dense is not None:
+        if dense_feed is not None:
             dcap = _Capture(layer, [g.leader for g in groups], energies=[n for g in groups for n in g.linears])
-            dense_out.append(dcap.run(layer, streams.dense[s:e].to(device), kw[b]).cpu())
+            dense_out.put(s, e, dcap.run(layer, next(dense_feed)[3], kw[b]))
             dense_in, out_sq = dcap.inputs, dcap.out_sq
         for g in groups:
             xs = _flat(cap.inputs[g.leader])
@@ -281,14 +440,14 @@ def _one_pass(
         del cap
     assert groups is not None
     stats = {name: m.stats() for name, m in moments.items()}
-    return groups, stats, torch.cat(ref_out), (torch.cat(dense_out) if dense_out else None)
+    return groups, stats, ref_out.result(), (dense_out.result() if dense_feed is not None else None)
 
 
 def _dense_pass(
     layer: nn.Module, groups: list[Group], src: torch.Tensor, kw: list[dict[str, Any]], batch_size: int,
-    device: torch.device, by_output: set[str] = frozenset(),
+    place: _Place, by_output: set[str] = frozenset(),
 ) -> tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]], torch.Tensor]:
-    """One pass of the still dense ``layer`` over ``src`` that keeps, per batch and on the CPU, every
+    """One pass of the still dense ``layer`` over ``src`` that keeps, per batch and at home, every
     group's input (for the groups named in ``by_output``: the outputs of its linears, bias excluded,
     under ``"out:" + name``) and its linears' squared outputs per row; returns both, per batch, and
     the layer's outputs."""
@@ -296,17 +455,17 @@ def _dense_pass(
     outputs = [n for g in groups if g.name in by_output for n in g.linears]
     cache: dict[str, list[torch.Tensor]] = {n: [] for n in leaders + [_OUT + n for n in outputs]}
     energies: list[dict[str, torch.Tensor]] = []
-    outs = []
-    for b, s, e in _batches(src.shape[0], batch_size):
+    outs = place.sink(src.shape[0])
+    for b, s, e, xb in place.feed(src, batch_size):
         cap = _Capture(layer, leaders, energies=[n for g in groups for n in g.linears], keep_outputs=outputs)
-        outs.append(cap.run(layer, src[s:e].to(device), kw[b]).cpu())
+        outs.put(s, e, cap.run(layer, xb, kw[b]))
         for name in leaders:
             x = cap.inputs[name]
-            cache[name].append(x.reshape(-1, x.shape[-1]).cpu())
+            cache[name].append(place.keep(x.reshape(-1, x.shape[-1])))
         for name in outputs:
-            cache[_OUT + name].append(cap.outputs[name].cpu())
+            cache[_OUT + name].append(place.keep(cap.outputs[name]))
         energies.append(cap.out_sq)
-    return cache, energies, torch.cat(outs)
+    return cache, energies, outs.result()
 
 
 _OUT = "out:"
@@ -367,7 +526,9 @@ class _FinishedParts:
     of a tuple output being ``None``); a part that fails the check, or is called more than once per
     forward, is computed in full."""
 
-    def __init__(self, layer: nn.Module, pending: set[str], budget: int) -> None:
+    def __init__(self, layer: nn.Module, pending: set[str], budget: int,
+                 home: torch.device = _CPU) -> None:
+        self.home = home  # where recorded outputs and kept inputs live
         self.parts = {name: {f"{name}.{n}" if n else name for n, m in child.named_modules() if isinstance(m, nn.Linear)}
                       for name, child in layer.named_children()}
         self.parts = {k: v for k, v in self.parts.items() if v}
@@ -377,7 +538,7 @@ class _FinishedParts:
         self.outputs: dict[str, list[Any]] = {}
         self._recording: dict[str, list[Any]] = {}
         self._refused: set[str] = set()
-        #: part -> (its finishing linear, that linear's input per batch on the CPU)
+        #: part -> (its finishing linear, that linear's input per batch at home)
         self._inputs: dict[str, tuple[nn.Module, list[torch.Tensor]]] = {}
         #: parts whose short cut passed the check, with the structure of their output (0: a tensor;
         #: k > 0: a tuple of k, the tensor first and ``None`` after it)
@@ -407,7 +568,7 @@ class _FinishedParts:
             self._drop_inputs(part)
             return False
         module = self.modules[part].get_submodule(linear[len(part) + 1:])
-        self._inputs.setdefault(part, (module, []))[1].append(x.detach().to("cpu", copy=x.device.type != "cpu"))
+        self._inputs.setdefault(part, (module, []))[1].append(x.detach().to(self.home, copy=x.device != self.home))
         self.budget -= size
         return True
 
@@ -487,7 +648,7 @@ class _FinishedParts:
                 def hook(module: nn.Module, args: Any, out: Any, rec: list[Any] = rec, calls: list[int] = calls) -> None:
                     calls[0] += 1
                     if calls[0] == 1:
-                        rec.append(_clone(out, torch.device("cpu")))
+                        rec.append(_clone(out, self.home))
 
                 handles.append(self.modules[name].register_forward_hook(hook))
                 stack.callback(self._check_calls, name, calls, b)
@@ -522,7 +683,7 @@ def _group_stats_intra(
     kw: list[dict[str, Any]],
     needs_dense: bool,
     batch_size: int,
-    device: torch.device,
+    place: _Place,
     dense_cache: tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None,
     finished: _FinishedParts | None = None,
 ) -> GroupStats:
@@ -531,13 +692,15 @@ def _group_stats_intra(
     when given, else from the dense copy stopped at the same linear). ``finished`` reuses the outputs
     of the layer's finished parts."""
     m: _Moments | None = None
+    device = place.device
     dense_in = streams.dense_or_pruned()
     batches = _batches(streams.pruned.shape[0], batch_size)
     part = finished.finishes(group) if finished is not None else None
-    for b, s, e in batches:
+    dense_feed = place.feed(dense_in, batch_size) if needs_dense and dense_cache is None else None
+    for b, _s, _e, xb in place.feed(streams.pruned, batch_size):
         cap = _Capture(layer, [group.leader], stop_at=group.leader)
         with finished.batch(b, device) if finished is not None else contextlib.nullcontext():
-            cap.run(layer, streams.pruned[s:e].to(device), kw[b])
+            cap.run(layer, xb, kw[b])
         if part is not None:
             assert finished is not None
             if not finished.keep_input(part, group.leader, b, cap.inputs[group.leader]):
@@ -553,9 +716,9 @@ def _group_stats_intra(
                 ys = {n: dense_cache[0][_OUT + n][b].to(device) for n in group.linears}
             out_sq = {n: dense_cache[1][b][n] for n in group.linears}
         elif needs_dense:
-            assert dense_layer is not None
+            assert dense_layer is not None and dense_feed is not None
             dcap = _Capture(dense_layer, [group.leader], stop_at=group.leader)
-            dcap.run(dense_layer, dense_in[s:e].to(device), kw[b])
+            dcap.run(dense_layer, next(dense_feed)[3], kw[b])
             x = _flat(dcap.inputs[group.leader])
         if m is None:
             m = _Moments(xs.shape[1], device, needs_dense, hd=dense_cache is None, cross="C" if ys else "G")
@@ -566,30 +729,27 @@ def _group_stats_intra(
     return m.stats()
 
 
-def _run_pruned(
-    layer: nn.Module, x: torch.Tensor, kw: list[dict[str, Any]], batch_size: int, device: torch.device,
-    finished: _FinishedParts | None,
-) -> torch.Tensor:
-    """The pruned layer on ``x`` (what the next layer reads), reusing finished parts' outputs."""
-    if finished is None or not finished.active:
-        return run_layer(layer, x, kw, batch_size, device)
-    outs = []
-    for b, s, e in _batches(x.shape[0], batch_size):
-        with finished.batch(b, device, record=False):
-            outs.append(first(forward_layer(layer, x[s:e].to(device), kw[b])).cpu())
-    return torch.cat(outs)
+def _run_layer(layer: nn.Module, x: torch.Tensor, kw: list[dict[str, Any]], batch_size: int, place: _Place,
+               finished: _FinishedParts | None = None) -> torch.Tensor:
+    """``layer`` on every batch of ``x`` (what the next layer reads), the output at home; ``finished``
+    reuses the outputs of a pruned layer's finished parts."""
+    outs = place.sink(x.shape[0])
+    for b, s, e, xb in place.feed(x, batch_size):
+        with finished.batch(b, place.device, record=False) if finished is not None and finished.active \
+                else contextlib.nullcontext():
+            outs.put(s, e, first(forward_layer(layer, xb, kw[b])))
+    return outs.result()
 
 
 def _discover(
     layer: nn.Module, streams: _Streams, kw: list[dict[str, Any]], batch_size: int, device: torch.device,
     model_type: str,
-) -> tuple[list[Group], torch.Tensor]:
-    """The layer's groups from its first batch; also returns that batch's output."""
+) -> list[Group]:
+    """The layer's groups, from a pass over its first batch."""
     cap = _Capture(layer, None)
-    out = cap.run(layer, streams.pruned[:batch_size].to(device), kw[0])
-    groups = [Group(name, {n: layer.get_submodule(n) for n in names})
-              for name, names in group_calls(layer_linears(layer), cap.calls, model_type)]
-    return groups, out.cpu()
+    cap.run(layer, streams.pruned[:batch_size].to(device), kw[0])
+    return [Group(name, {n: layer.get_submodule(n) for n in names})
+            for name, names in group_calls(layer_linears(layer), cap.calls, model_type)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -619,13 +779,22 @@ def _prune_layer(
     spec: LinearSpecs,
     intra_layer: bool,
     batch_size: int,
-    device: torch.device,
+    place: _Place,
     dense_cache_bytes: int = 2**31,
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Prune one decoder layer; return its report, the pruned layer's output on the pruned stream,
     (with a dense stream) the dense layer's output on the dense stream, and the dense layer's output on
-    the pruned stream."""
-    t0 = time.perf_counter()
+    the pruned stream.
+
+    Phase times (``stats_seconds``, ``prune_seconds``, ``forward_seconds``) are read after waiting for
+    the device, so on a GPU they measure the work, not its launch."""
+    device = place.device
+
+    def clock() -> float:
+        _sync(device)
+        return time.perf_counter()
+
+    t0 = clock()
     needs_dense = pruner.needs_dense and pruner.needs_stats
     groups: list[Group] | None = adapter.pairs(layer) if pruner.structured else None
     dense_layer: nn.Module | None = None
@@ -638,16 +807,16 @@ def _prune_layer(
 
     def report_group(group: Group, dense_w: dict[str, torch.Tensor], st: GroupStats | None, extra: dict) -> None:
         nonlocal t_report
-        t = time.perf_counter()
+        t = clock()
         for n, lin in group.linears.items():
             linear_reports[n] = {**_linear_report(group, n, dense_w[n], lin.weight.data, st), **extra.get(n, {})}
-        t_report += time.perf_counter() - t
+        t_report += clock() - t
 
     def prune(group: Group, st: GroupStats | None) -> dict[str, dict[str, Any]]:
         nonlocal t_prune
-        t = time.perf_counter()
+        t = clock()
         extra = pruner.prune_group(group, st, spec) or {}
-        t_prune += time.perf_counter() - t
+        t_prune += clock() - t
         for n, fields in extra.items():  # e.g. the producers of a structured pair
             if n not in group.linears:
                 lin = layer.get_submodule(n)
@@ -658,23 +827,23 @@ def _prune_layer(
         if groups is None:
             groups = [Group(name, {name: lin}) for name, lin in layer_linears(layer).items()]
         dense_layer = copy.deepcopy(layer)
-        t_stats = time.perf_counter() - t0
+        t_stats = clock() - t0
         for g in groups:
             if pruner.touches(g):
                 dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
                 report_group(g, dense_w, None, prune(g, None))
     elif not intra_layer:
         groups, stats, ref_out, dense_next = _one_pass(
-            layer, groups, streams, kw, needs_dense, batch_size, device, adapter.model_type
+            layer, groups, streams, kw, needs_dense, batch_size, place, adapter.model_type
         )
-        t_stats = time.perf_counter() - t0
+        t_stats = clock() - t0
         for g in groups:
             if pruner.touches(g):
                 dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
                 report_group(g, dense_w, stats[g.name], prune(g, stats[g.name]))
     else:
         if groups is None:
-            groups, _ = _discover(layer, streams, kw, batch_size, device, adapter.model_type)
+            groups = _discover(layer, streams, kw, batch_size, device, adapter.model_type)
         touched = [g for g in groups if pruner.touches(g)]
         cache = None
         src = streams.dense_or_pruned()
@@ -682,7 +851,7 @@ def _prune_layer(
         if needs_dense and _dense_cache_bytes(touched, src, by_output) <= dense_cache_bytes:
             # one pass of the dense layer gives every group's dense input or outputs (and the layer's
             # dense output)
-            inputs, energies, out = _dense_pass(layer, touched, src, kw, batch_size, device, by_output)
+            inputs, energies, out = _dense_pass(layer, touched, src, kw, batch_size, place, by_output)
             cache = (inputs, energies)
             if streams.dense is not None:
                 dense_next = out
@@ -693,13 +862,13 @@ def _prune_layer(
         used = _dense_cache_bytes(touched, src, by_output) if cache is not None else 0
         if REUSE_FINISHED_PARTS:
             finished = _FinishedParts(layer, {n for g in touched for n in [*g.linears, *g.producers]},
-                                      dense_cache_bytes - used)
-        t_stats = time.perf_counter() - t0
+                                      dense_cache_bytes - used, place.home)
+        t_stats = clock() - t0
         for g in touched:
-            t = time.perf_counter()
-            st = _group_stats_intra(layer, dense_layer, g, streams, kw, needs_dense, batch_size, device, cache,
+            t = clock()
+            st = _group_stats_intra(layer, dense_layer, g, streams, kw, needs_dense, batch_size, place, cache,
                                     finished)
-            t_stats += time.perf_counter() - t
+            t_stats += clock() - t
             dense_w = {n: lin.weight.data.clone() for n, lin in g.linears.items()}
             report_group(g, dense_w, st, prune(g, st))
             if finished is not None:
@@ -712,19 +881,19 @@ def _prune_layer(
         for n, lin in g.producers.items():  # producers of structured pairs changed too
             if n in linear_reports:
                 linear_reports[n]["sparsity"] = sparsity_of(lin.weight.data)
-    t = time.perf_counter()
-    pruned_next = _run_pruned(layer, streams.pruned, kw, batch_size, device, finished)
+    t = clock()
+    pruned_next = _run_layer(layer, streams.pruned, kw, batch_size, place, finished)
     if streams.dense is not None:  # the dense model's activations: what a dense-target method aims at
         if dense_next is None:
             assert dense_layer is not None
-            dense_next = run_layer(dense_layer, streams.dense, kw, batch_size, device)
+            dense_next = _run_layer(dense_layer, streams.dense, kw, batch_size, place)
         reference = dense_next
     else:  # the dense layer on the same (pruned-path) input
         if ref_out is None:
             assert dense_layer is not None
-            ref_out = run_layer(dense_layer, streams.pruned, kw, batch_size, device)
+            ref_out = _run_layer(dense_layer, streams.pruned, kw, batch_size, place)
         reference = ref_out
-    t_forward = time.perf_counter() - t
+    t_forward = clock() - t
     changed = {n for g in groups if pruner.touches(g) for n in [*g.linears, *g.producers]}
     zeros = sum(int((lin.weight == 0).sum()) for n, lin in layer_linears(layer).items() if n in changed)
     numel = sum(lin.weight.numel() for n, lin in layer_linears(layer).items() if n in changed)
@@ -791,6 +960,9 @@ def prune_model(
     sparsity_profile: str | Sequence[float] = "uniform",
     owl: dict[str, float] | None = None,
     dense_cache_bytes: int = 2**31,
+    stream_device: str = "auto",
+    checkpoint_interval: float = 0.0,
+    layer_store: LayerStore | None = None,
 ) -> dict[str, Any]:
     """Prune ``model`` in place, layer by layer; return the report (per-layer and per-linear stats).
 
@@ -807,8 +979,21 @@ def prune_model(
     decoder layer; unstructured methods only, without an N:M pattern. For unstructured masks the total
     over all pruned linears is exact: ``round(sum_l s_l * numel_l)`` weights (see :func:`linear_specs`).
     ``dense_cache_bytes``: with intra-layer correction and a dense target, the dense inputs of a layer's
-    groups are kept on the CPU when they fit in this many bytes (one dense pass instead of one partial
-    pass per group); larger layers fall back to the partial passes.
+    groups are kept beside the streams when they fit in this many bytes (one dense pass instead of one
+    partial pass per group); larger layers fall back to the partial passes.
+    ``stream_device``: where the activation streams live between layers (:func:`stream_home`):
+    ``"auto"`` keeps them on a GPU while its free memory allows, else in pinned host memory.
+    ``checkpoint_interval``: with ``checkpoint_dir``, every finished layer is written at once and the
+    activation streams at most every this many seconds (0: after every layer); all writes run on a
+    background thread (:class:`_Checkpointer`).
+    ``layer_store``: streamed runs (:mod:`leanml.prune.stream`): the model is a meta-device skeleton and
+    the store materializes the outer modules around the input capture and each layer for its turn, then
+    writes and frees it; ``None``: the weights are in ``model``.
+
+    Timing: every layer record carries ``solver_seconds`` (the method's own work: its statistics
+    passes, its solves and the pass of the pruned layer that feeds the next one, read after waiting
+    for the device) and ``engine_seconds`` (the rest of the layer's wall time: moving the layer and its
+    inputs, copies, reports, checkpoints); the report sums both.
     """
     if calib_ids.dim() != 2:
         raise LeanmlError(f"calibration ids must be (nsamples, seqlen), got shape {tuple(calib_ids.shape)}")
@@ -875,6 +1060,7 @@ def prune_model(
     capture_seconds = 0.0
     layer_reports: list[dict[str, Any]] = []
     state_path = ckpt / "state.pt" if ckpt else None
+    seconds_before = 0.0  # wall seconds the interrupted runs spent, when resuming
     if state_path is not None and state_path.exists():
         state = torch.load(state_path, weights_only=False)
         if state.get("fingerprint") != _fingerprint(meta):
@@ -883,51 +1069,94 @@ def prune_model(
             )
         start_layer = state["next_layer"]
         layer_reports = state["reports"]
+        seconds_before = float(state.get("seconds", 0.0))
         streams = _Streams(state["pruned"], state["dense"])
         kwargs = state["kwargs"]
-        for i in range(start_layer):
+        for i in range(start_layer if layer_store is None else 0):  # streamed: already in the output
             load_layer_state(all_layers[i], torch.load(ckpt / f"layer_{i:03d}.pt", weights_only=True))
         if "pruner" in state:
             pruner.load_state_dict(state["pruner"])
     else:
         from leanml.models.layerwise import outer_on
 
+        if layer_store is None:  # e.g. structured methods' allocation pre-pass on the dense model
+            pruner.prepare(model, adapter, calib_ids, batch_size=batch_size, device=device, spec=spec,
+                           progress=progress)
         t = time.perf_counter()
+        if layer_store is not None:
+            layer_store.load_outer(model)
         with outer_on(model, adapter, device):
             inps, kwargs = capture_layer_inputs(model, adapter, calib_ids, batch_size)
+        if layer_store is not None:
+            layer_store.release_outer(model)
         capture_seconds = time.perf_counter() - t
         streams = _Streams(inps, inps.clone() if keep_dense else None)
+    stream_bytes = sum(_nbytes(x) for x in (streams.pruned, streams.dense) if x is not None)
+    place = _Place(device, stream_home(device, stream_bytes, stream_device))
+    streams = _Streams(place.adopt(streams.pruned), place.adopt(streams.dense))
+    writer = _Checkpointer(ckpt, checkpoint_interval) if ckpt is not None else None
 
     # layers after the last one to prune change nothing: the walk stops there
     bar = tqdm(range(start_layer, max(todo) + 1), desc=f"prune {pruner.name}", unit="layer", disable=not progress)
-    for idx in bar:
-        layer = all_layers[idx]
-        kw = [to_device(k, device) for k in kwargs[idx]]
-        with layer_on(layer, device):
-            if idx in todo:
-                lspec = per_linear[idx] if per_linear is not None else spec
-                report, pruned_next, dense_next, dense_out = _prune_layer(
-                    layer, adapter, streams, kw, pruner, lspec, intra_layer, batch_size, device, dense_cache_bytes
-                )
-                report["layer"] = idx
-                report["sparsity_requested"] = requested[idx]
-                layer_reports.append(report)
-                bar.set_postfix(err=f"{report['rel_output_error']:.2e}")
-            else:
-                pruned_next = dense_out = run_layer(layer, streams.pruned, kw, batch_size, device)
-                dense_next = (run_layer(layer, streams.dense, kw, batch_size, device)
-                              if streams.dense is not None else None)
-        # dense-input mode: every layer sees the dense model's activations (here the pruned stream
-        # holds them, so the dense layer's output on it is the next input)
-        streams = _Streams(pruned_next, dense_next) if sequential else _Streams(dense_out, None)
-        if ckpt is not None:
-            ckpt.mkdir(parents=True, exist_ok=True)
-            _atomic_save(layer.state_dict(), ckpt / f"layer_{idx:03d}.pt")
-            _atomic_save({"fingerprint": _fingerprint(meta), "next_layer": idx + 1, "reports": layer_reports,
-                          "pruned": streams.pruned, "dense": streams.dense, "kwargs": kwargs,
-                          "pruner": pruner.state_dict()}, state_path)
-    bar.close()
+    try:
+        for idx in bar:
+            t_layer = time.perf_counter()
+            layer = all_layers[idx]
+            if layer_store is not None:
+                layer_store.load(idx, layer)
+            kw = [to_device(k, device) for k in kwargs[idx]]
+            with layer_on(layer, device):
+                if idx in todo:
+                    lspec = per_linear[idx] if per_linear is not None else spec
+                    report, pruned_next, dense_next, dense_out = _prune_layer(
+                        layer, adapter, streams, kw, pruner, lspec, intra_layer, batch_size, place, dense_cache_bytes
+                    )
+                    report["layer"] = idx
+                    report["sparsity_requested"] = requested[idx]
+                    layer_reports.append(report)
+                    bar.set_postfix(err=f"{report['rel_output_error']:.2e}")
+                else:
+                    report = None
+                    pruned_next = dense_out = _run_layer(layer, streams.pruned, kw, batch_size, place)
+                    dense_next = (_run_layer(layer, streams.dense, kw, batch_size, place)
+                                  if streams.dense is not None else None)
+            # dense-input mode: every layer sees the dense model's activations (here the pruned stream
+            # holds them, so the dense layer's output on it is the next input)
+            streams = _Streams(pruned_next, dense_next) if sequential else _Streams(dense_out, None)
+            if layer_store is not None:
+                streams = _Streams(*layer_store.spill(idx, streams.pruned, streams.dense))
+            if writer is not None:
+                writer.layer(idx, layer)
+                writer.state(lambda idx=idx, streams=streams: {
+                    "fingerprint": _fingerprint(meta), "next_layer": idx + 1, "reports": list(layer_reports),
+                    "pruned": streams.pruned, "dense": streams.dense, "kwargs": kwargs,
+                    "pruner": pruner.state_dict(), "seconds": seconds_before + time.perf_counter() - t_start,
+                }, last=idx == max(todo))
+            if layer_store is not None:  # after its checkpoint snapshot: written out, then freed
+                layer_store.release(idx, layer)
+            if report is not None:
+                _sync(device)
+                report["seconds"] = time.perf_counter() - t_layer
+                report["solver_seconds"] = report["stats_seconds"] + report["prune_seconds"] + report["forward_seconds"]
+                report["engine_seconds"] = report["seconds"] - report["solver_seconds"]
+    except _OOM as exc:
+        raise LeanmlError(
+            f"out of memory on {device} while pruning: lower the batch size (batch_size={batch_size}, "
+            "--batch-size) or keep the activation streams on the host (stream_device='cpu', --stream-device cpu)"
+        ) from exc
+    finally:
+        bar.close()
+        if writer is not None:
+            if sys.exc_info()[0] is None:
+                writer.close()
+            else:  # already failing: finish what was queued, keep the first error
+                with contextlib.suppress(Exception):
+                    writer.close()
     final_info = pruner.finalize(model, adapter) if finalize else {}
+    _sync(device)
+    # over every layer, the ones pruned before a resume included
+    prune_seconds = seconds_before + time.perf_counter() - t_start
+    solver_seconds = sum(lay.get("solver_seconds", 0.0) for lay in layer_reports)
     return {
         "engine": {
             "sequential": sequential,
@@ -937,6 +1166,8 @@ def prune_model(
             "resumed_from_layer": start_layer,
             "dense_stream": keep_dense,
             "capture_seconds": capture_seconds,
+            "stream_device": str(place.home),
+            "checkpoint_interval": checkpoint_interval if ckpt is not None else None,
         },
         "method": pruner.name,
         "method_config": pruner.config(),
@@ -944,5 +1175,7 @@ def prune_model(
                  "profile": profile_info},
         "layers": layer_reports,
         "finalize": final_info,
-        "prune_seconds": time.perf_counter() - t_start,
+        "prune_seconds": prune_seconds,
+        "solver_seconds": solver_seconds,
+        "engine_seconds": prune_seconds - solver_seconds,
     }

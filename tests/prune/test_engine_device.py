@@ -1,0 +1,91 @@
+"""The engine's placement of activation streams, its timing split and its background checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builders import tiny_llama
+from leanml.prune import engine
+from leanml.prune.engine import _Place, prune_model, stream_home
+from leanml.prune.masks import MaskSpec
+from leanml.prune.methods.baselines import SparseGPTPruner, WandaPruner
+from leanml.utils import LeanmlError
+
+IDS = torch.randint(0, 256, (12, 32), generator=torch.Generator().manual_seed(0))
+CUDA = torch.device("cuda")
+
+
+def test_streams_stay_on_a_gpu_while_its_free_memory_holds_them(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 2**30, 80 * 2**30))
+    assert stream_home(CUDA, 2 * 2**30) == CUDA  # input and output, twice over, in half the free memory
+    assert stream_home(CUDA, 2 * 2**30 + 1) == torch.device("cpu")
+    assert stream_home(CUDA, 2**40, "device") == CUDA  # asked for: no check
+    assert stream_home(CUDA, 1, "cpu") == torch.device("cpu")
+    assert stream_home(torch.device("cpu"), 1, "device") == torch.device("cpu")
+    with pytest.raises(LeanmlError, match="stream_device must be auto, device or cpu"):
+        stream_home(CUDA, 1, "gpu")
+
+
+def test_feeding_and_collecting_batches_on_one_device_makes_no_copies():
+    place = _Place(torch.device("cpu"), torch.device("cpu"))
+    x = torch.randn(7, 3, 4)
+    seen = list(place.feed(x, 3))
+    assert [(b, s, e) for b, s, e, _ in seen] == [(0, 0, 3), (1, 3, 6), (2, 6, 7)]
+    assert all(xb.data_ptr() == x[s].data_ptr() for _, s, _, xb in seen)  # views, not copies
+    sink = place.sink(7)
+    for _, s, e, xb in seen:
+        sink.put(s, e, xb * 2)
+    torch.testing.assert_close(sink.result(), x * 2)
+
+
+def test_the_report_splits_wall_time_into_solver_and_engine():
+    report = prune_model(tiny_llama(seed=1, layers=3), IDS, SparseGPTPruner(), MaskSpec(0.5), progress=False)
+    for lay in report["layers"]:
+        assert lay["solver_seconds"] == pytest.approx(lay["stats_seconds"] + lay["prune_seconds"] + lay["forward_seconds"])
+        assert lay["seconds"] >= lay["solver_seconds"] > 0 and lay["engine_seconds"] >= 0
+    assert report["solver_seconds"] == pytest.approx(sum(lay["solver_seconds"] for lay in report["layers"]))
+    assert report["engine_seconds"] == pytest.approx(report["prune_seconds"] - report["solver_seconds"])
+    assert report["engine"]["stream_device"] == "cpu"
+
+
+class _Crash(SparseGPTPruner):
+    def __init__(self, at_layer_call: int) -> None:
+        super().__init__()
+        self.calls = 0
+        self.at = at_layer_call
+
+    def prune_group(self, group, stats, spec):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return super().prune_group(group, stats, spec)
+
+
+def test_streams_are_snapshotted_at_the_interval_and_a_resume_redoes_the_rest_exactly(tmp_path):
+    ref = tiny_llama(seed=4, layers=3)
+    prune_model(ref, IDS, SparseGPTPruner(), MaskSpec(0.5), progress=False)
+    model = tiny_llama(seed=4, layers=3)
+    with pytest.raises(KeyboardInterrupt):  # dies inside layer 2; with a long interval only layer 0's
+        prune_model(model, IDS, _Crash(10), MaskSpec(0.5), checkpoint_dir=tmp_path, progress=False,  # streams
+                    checkpoint_interval=3600)                                                        # are kept
+    assert (tmp_path / "layer_000.pt").exists() and (tmp_path / "layer_001.pt").exists()
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    assert state["next_layer"] == 1 and state["seconds"] > 0
+    resumed = tiny_llama(seed=4, layers=3)
+    report = prune_model(resumed, IDS, SparseGPTPruner(), MaskSpec(0.5), checkpoint_dir=tmp_path, progress=False,
+                         checkpoint_interval=3600)
+    assert report["engine"]["resumed_from_layer"] == 1
+    assert report["prune_seconds"] > state["seconds"]  # the interrupted run's time counts too
+    for a, b in zip(ref.state_dict().values(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _OutOfMemory(WandaPruner):
+    def prune_group(self, group, stats, spec):
+        raise engine._OOM("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_running_out_of_device_memory_names_a_smaller_batch_or_host_streams():
+    with pytest.raises(LeanmlError, match=r"lower the batch size \(batch_size=4.*stream_device='cpu'"):
+        prune_model(tiny_llama(), IDS, _OutOfMemory(), MaskSpec(0.5), batch_size=4, progress=False)
