@@ -1,17 +1,29 @@
 """The ``leanml`` command line: one subcommand per job.
 
 Each subsystem registers its own subcommands through a ``register(subparsers)`` function in its
-``cli`` module; this file only wires them together and turns :class:`LeanmlError` into a one-line
-message with exit code 2.
+``cli`` module; this file only wires them together and decides how a command ends:
+
+- a user error (:class:`LeanmlError`, a bad option, an unreadable or unwritable file) prints one line
+  ``leanml: error: ...`` (a bad option adds one line pointing to ``--help``) and exits with code 2;
+- an unexpected exception (a bug) prints one line naming it and exits with code 1;
+- Ctrl-C and SIGTERM print the same line ("interrupted", and the command that resumes the run when it
+  left a checkpoint) and exit with code 130 or 143; temporary folders are removed on the way out.
+
+``LEANML_DEBUG=1`` prints the traceback as well.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
+import shlex
 import sys
+import traceback
+from pathlib import Path
 
-from leanml.utils import LeanmlError
+from leanml.utils import LeanmlError, SigtermInterrupt, interrupt_on_sigterm
 
 # Modules that provide ``register(subparsers)``; order is the order shown in --help.
 SUBSYSTEMS = [
@@ -34,8 +46,22 @@ EPILOG = """examples:
 """
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (plus one pointing to ``--help``), not the usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sub = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
+        m = re.match(r"argument ([^:]+): (.*)", message, re.S)
+        if m:  # "argument --batch-size: must be at least 1" -> "--batch-size must be at least 1"
+            flag, rest = m.group(1).split("/")[0], m.group(2)
+            message = f"{flag} {rest}" if rest.startswith(("must ", "is ", "expected ")) else f"{flag}: {rest}"
+        sys.stderr.write(f"leanml: error: {sub}{message}\n")
+        sys.stderr.write(f"leanml: see '{self.prog} --help' for the options\n")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="leanml",
         description="Cheaper, better industrial deep learning.",
         epilog=EPILOG,
@@ -53,20 +79,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def debug() -> bool:
+    """Whether ``LEANML_DEBUG`` asks for tracebacks."""
+    return os.environ.get("LEANML_DEBUG", "") not in ("", "0")
+
+
+def interrupted_line(args: argparse.Namespace, argv: list[str]) -> str:
+    """What an interrupted command prints: how to resume it when it left a checkpoint (``OUT.ckpt``)."""
+    out = getattr(args, "out", None)
+    if out and hasattr(args, "resume"):
+        ckpt = Path(out).with_name(Path(out).name + ".ckpt")
+        if ckpt.exists():
+            again = argv if "--resume" in argv else [*argv, "--resume"]
+            return f"leanml: interrupted; resume with: leanml {shlex.join(again)}"
+    return "leanml: interrupted; no output was written"
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a bad option (2, one line already printed)
+        return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
-        result = args.func(args)
+        with interrupt_on_sigterm():
+            result = args.func(args)
     except LeanmlError as exc:
+        if debug():
+            traceback.print_exc()
         print(f"leanml: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("leanml: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        if debug():
+            traceback.print_exc()
+        print(interrupted_line(args, argv), file=sys.stderr)
+        return 143 if isinstance(exc, SigtermInterrupt) else 130
+    except OSError as exc:  # a file that cannot be read or written, a full disk: the machine's, not a bug
+        if debug():
+            traceback.print_exc()
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"leanml: error: {exc.strerror or exc}{where}; check the path, its permissions and the free space",
+              file=sys.stderr)
+        return 2
+    except Exception as exc:  # a bug: one line by default, the traceback on request
+        if debug():
+            raise
+        first = (str(exc).splitlines() or [""])[0][:300]
+        print(f"leanml: error: unexpected {type(exc).__name__}: {first} (a bug: rerun with LEANML_DEBUG=1 and "
+              "report the traceback)", file=sys.stderr)
+        return 1
     return int(result or 0)
 
 

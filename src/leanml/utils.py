@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import glob
 import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,23 +38,97 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
-    """Refuse an existing output directory unless ``overwrite`` (raises :class:`LeanmlError`)."""
-    path = Path(out)
+def check_output_dir(out: str | os.PathLike, overwrite: bool, flag: str = "--out") -> Path:
+    """Check an output directory before any work: refuse an existing one unless ``overwrite``, refuse a
+    path that is a file or whose folder cannot be written, and remove temporary folders left beside it
+    by a killed run (see :func:`clean_stale`). Raises :class:`LeanmlError`; creates nothing."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise LeanmlError(f"{flag} {path} is a file, not a directory; choose another {flag}")
     if path.exists() and not overwrite:
-        raise LeanmlError(f"output directory {path} already exists; choose another --out or pass --overwrite")
+        raise LeanmlError(f"output directory {path} already exists; choose another {flag} or pass --overwrite")
+    check_writable(path.parent, flag)
+    clean_stale(path)
     return path
+
+
+def check_writable(folder: str | os.PathLike, flag: str = "--out") -> None:
+    """Raise :class:`LeanmlError` unless a file can be created in ``folder`` (or, when it does not exist
+    yet, in its nearest existing ancestor). Probes with a real temporary file, so read-only mounts and
+    immutable folders are found too; nothing is left behind."""
+    folder = Path(folder).expanduser().absolute()
+    probe_dir = folder
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise LeanmlError(f"{flag}: {probe_dir} is a file, so {folder} cannot be created; choose another {flag}")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".leanml-probe-", dir=probe_dir)
+    except OSError as exc:
+        raise LeanmlError(f"{flag}: cannot write in {probe_dir} ({exc.strerror}); choose a writable {flag}") from exc
+    os.close(fd)
+    os.unlink(name)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def clean_stale(out: str | os.PathLike) -> list[Path]:
+    """Remove temporary siblings of ``out`` left by a killed run: ``.NAME.tmp-PID-*`` and ``.NAME.old-PID``
+    (from :func:`atomic_dir`) and ``.NAME.tmp-PID*`` files (from :func:`atomic_file`) whose process PID is
+    gone, and legacy ``.NAME.tmp-XXXXXXXX`` folders without a PID. An ``.old`` folder whose output is
+    missing (a run killed between the two renames of an overwrite) is put back. Returns what was removed."""
+    out = Path(out).expanduser()
+    if not out.parent.is_dir():
+        return []
+    removed = []
+    for prefix in (f".{out.name}.tmp-", f".{out.name}.old-"):
+        for cand in out.parent.glob(glob.escape(prefix) + "*"):
+            rest = cand.name[len(prefix):]
+            digits = rest.split("-", 1)[0].split(".", 1)[0]
+            pid = int(digits) if digits.isdigit() else None
+            if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
+                continue
+            if prefix.endswith(".old-") and cand.is_dir() and not out.exists():
+                cand.rename(out)  # killed between the two renames of an overwrite: the old output comes back
+                continue
+            if cand.is_dir() and not cand.is_symlink():
+                shutil.rmtree(cand, ignore_errors=True)
+            else:
+                cand.unlink(missing_ok=True)
+            removed.append(cand)
+    return removed
+
+
+def clean_stale_in(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files a killed run left inside ``folder`` (``.NAME.tmp-PID*`` of a dead PID),
+    e.g. in a checkpoint folder before resuming from it. Returns what was removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    names = {p.name.split(".tmp-", 1)[0][1:] for p in folder.glob(".*.tmp-*")}
+    return [r for name in sorted(names) for r in clean_stale(folder / name)]
 
 
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success rename it to ``out`` (replacing it if ``overwrite``).
 
-    On an exception the temporary directory is removed, so ``out`` never appears half-written.
+    On an exception (Ctrl-C and SIGTERM under the CLI included) the temporary directory is removed, so
+    ``out`` never appears half-written; one left by SIGKILL is removed by the next run's
+    :func:`check_output_dir`.
     """
     final = check_output_dir(out, overwrite)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    # the PID in the name lets a later run tell a killed run's leftovers from a live run's folder
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     try:
         yield tmp
     except BaseException:
@@ -247,3 +324,157 @@ def exit_on_sigterm() -> None:
     import sys
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+class SigtermInterrupt(KeyboardInterrupt):
+    """SIGTERM, raised as a ``KeyboardInterrupt`` so a killed command cleans up and reports like Ctrl-C."""
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """Inside the block, SIGTERM raises :class:`SigtermInterrupt` (a ``KeyboardInterrupt``): temporary
+    folders are removed and the command prints the same "interrupted" line as after Ctrl-C. The previous
+    handler comes back afterwards; outside the main thread this does nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SigtermInterrupt()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# --- command-line option types: a bad value is refused by the parser, naming its flag -------------------
+
+
+def int_at_least(low: int) -> Any:
+    """An argparse ``type`` for integers ``>= low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def float_in(low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = False,
+             what: str = "") -> Any:
+    """An argparse ``type`` for finite floats in an interval (``high=None``: no upper bound);
+    ``low_open``/``high_open`` exclude the end points; ``what`` says what the value is ("a share of ...")."""
+    import math
+
+    lo_b, hi_b = "(" if low_open else "[", ")" if high_open else "]"
+    where = f"in {lo_b}{low:g}, {high:g}{hi_b}" if high is not None else (f"> {low:g}" if low_open else f">= {low:g}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {where}, got {text!r}") from None
+        bad = not math.isfinite(value) or value < low or (low_open and value == low)
+        if high is not None:
+            bad = bad or value > high or (high_open and value == high)
+        if bad:
+            raise argparse.ArgumentTypeError(f"is {what} {where}, got {text}" if what else f"must be {where}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def default_threads() -> int:
+    """Torch threads by default: the cores this process may use (affinity mask and cgroup quota)."""
+    return max(1, int(cores_available()["cores"]))
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """Add ``--threads N`` (torch intra-op threads; default: the cores this process may use)."""
+    p.add_argument("--threads", type=int_at_least(1), default=None, metavar="N",
+                   help=f"torch threads (default: the cores this process may use, here {default_threads()}); "
+                        "lower it when other jobs share the machine")
+
+
+def apply_threads(threads: int | None) -> int:
+    """Set torch's intra-op thread count (``None``: :func:`default_threads`); returns the count used."""
+    n = threads or default_threads()
+    torch.set_num_threads(n)
+    return n
+
+
+def parse_device(arg: str | None, flag: str = "--device") -> torch.device:
+    """``--device``: ``None`` (cuda when present, else cpu), ``cpu``, ``cuda``/``cuda:N`` or ``mps``, checked
+    against this machine; raises :class:`LeanmlError` with one line naming the fix."""
+    if arg is None:
+        return default_device()
+    try:
+        device = torch.device(arg)
+    except (RuntimeError, ValueError):
+        raise LeanmlError(f"unknown {flag} {arg!r}; use cpu or cuda (or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LeanmlError(f"{flag} {arg}: no CUDA device is available here; use {flag} cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise LeanmlError(f"{flag} {arg}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                              f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+        return device
+    if device.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise LeanmlError(f"{flag} mps: no Apple MPS device is available here; use {flag} cpu")
+        return device
+    raise LeanmlError(f"{flag} {arg}: leanml runs on cpu or cuda, not {device.type}; use {flag} cpu or cuda")
+
+
+def announce_eta(what: str, done: int, total: int, seconds: float, unit: str) -> str | None:
+    """The line "estimated N s for the rest" after the first ``done`` of ``total`` units took ``seconds``
+    (``None`` when nothing is left)."""
+    left = total - done
+    if left <= 0 or done <= 0:
+        return None
+    rest = seconds / done * left
+    mins = f" ({rest / 60:.1f} min)" if rest >= 120 else ""
+    return f"{what}: {done} {unit}{'s' if done > 1 else ''} took {seconds:.1f} s; " \
+           f"estimated {rest:.0f} s{mins} for the rest ({left} {unit}{'s' if left > 1 else ''})"
+
+
+def _tqdm_base() -> type:
+    from tqdm.auto import tqdm
+
+    return tqdm
+
+
+class EtaBar(_tqdm_base()):  # type: ignore[misc]
+    """A tqdm bar that also prints one plain line "estimated N s for the rest" once its first unit of work
+    is done (a log file, unlike the bar, keeps it). A drop-in for ``tqdm.auto.tqdm``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._eta_from = (self.n, time.perf_counter())
+        self._eta_said = False
+
+    def update(self, n: float | None = 1) -> bool | None:
+        out = super().update(n)
+        if not self._eta_said and not self.disable and self.total and self.n > self._eta_from[0]:
+            self._eta_said = True
+            done = int(self.n - self._eta_from[0])
+            line = announce_eta(self.desc or "work", done, int(self.total - self._eta_from[0]),
+                                time.perf_counter() - self._eta_from[1], self.unit or "it")
+            if line:
+                self.write(line, file=sys.stderr)
+        return out

@@ -15,10 +15,17 @@ Registry:
   calibrate on it.
 - ``wikitext2``, ``ptb``, ``c4``: the standard loaders through ``datasets`` (need a hub).
 - any path to a local UTF-8 text file: calib = first 90 %, test = last 10 %, train = val = calib.
+  A file that is not UTF-8 (e.g. Latin-1) is refused with the command that converts it, rather than
+  read with replacement characters: a silently garbled corpus would calibrate or evaluate on noise.
+
+Texts are cached per process (:func:`load_text`), so a command can read its corpora first, before it
+loads a model (:func:`check_corpus`), at no extra cost.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 
 import torch
@@ -77,6 +84,23 @@ def load_text(name: str, split: str) -> str:
     """The raw text of corpus ``name`` split ``split`` (one of ``calib``, ``test``, ``train``, ``val``)."""
     if split not in SPLITS:
         raise LeanmlError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    stamp = None
+    if name not in ("shakespeare", "reviews", *HUB_CORPORA):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            if path.exists():
+                raise LeanmlError(f"corpus {name!r} is a folder; pass a .txt file or one of: {', '.join(corpora())}")
+            if os.sep in name or path.suffix:
+                raise LeanmlError(f"no such file {name!r}; pass an existing .txt file or one of: "
+                                  f"{', '.join(corpora()[:-1])}")
+            raise LeanmlError(f"unknown corpus {name!r}; use one of: {', '.join(corpora())}")
+        st = path.stat()
+        stamp = (st.st_mtime_ns, st.st_size)
+    return _load_text(name, split, stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_text(name: str, split: str, stamp: tuple[int, int] | None) -> str:
     if name == "shakespeare":
         if split == "test":
             plays = SHAKESPEARE_TEST
@@ -97,12 +121,36 @@ def load_text(name: str, split: str) -> str:
         if split == "val":
             raise LeanmlError(f"{name} has no val split here; use --data shakespeare or reviews for validation")
         return _hub_text(name, split)
-    path = Path(name).expanduser()
-    if path.is_file():
-        text = path.read_text(encoding="utf-8", errors="replace")
-        cut = int(len(text) * 0.9)
-        return text[cut:] if split == "test" else text[:cut]
-    raise LeanmlError(f"unknown corpus {name!r}; use one of: {', '.join(corpora())}")
+    text = read_utf8(Path(name).expanduser())
+    cut = int(len(text) * 0.9)
+    return text[cut:] if split == "test" else text[:cut]
+
+
+def read_utf8(path: Path) -> str:
+    """A text file's contents, refusing (:class:`LeanmlError`) a file that is empty or not UTF-8."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise LeanmlError(f"cannot read {path} ({exc.strerror}); check the path and its permissions") from exc
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise LeanmlError(
+            f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); convert it first, "
+            f"e.g. iconv -f latin1 -t utf-8 {path} > {path.with_suffix('.utf8.txt').name}"
+        ) from exc
+    if not text.strip():
+        raise LeanmlError(f"{path} is empty; pass a text file with the corpus")
+    return text
+
+
+def check_corpus(name: str, split: str, flag: str) -> None:
+    """Read corpus ``name`` now (it is cached for the run), so that a missing, undecodable or unreachable
+    corpus is refused before a model is loaded; the error names ``flag``."""
+    try:
+        load_text(name, split)
+    except LeanmlError as exc:
+        raise LeanmlError(f"{flag}: {exc}") from exc
 
 
 def _hub_text(name: str, split: str) -> str:
@@ -111,6 +159,14 @@ def _hub_text(name: str, split: str) -> str:
     except ImportError as exc:  # pragma: no cover - datasets is a declared extra
         raise LeanmlError("the `datasets` package is needed for hub corpora: pip install 'leanml[hub]'") from exc
     hf_split = {"calib": "train", "train": "train", "test": "test"}[split]
+    from leanml.models.check import hub_offline, hub_reachable
+
+    if not hub_offline() and not hub_reachable():
+        # no connection: read only the local datasets cache rather than retrying the hub for half a minute
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        import datasets.config
+
+        datasets.config.HF_HUB_OFFLINE = True
     try:
         if name == "wikitext2":
             ds = load_dataset("wikitext", "wikitext-2-raw-v1", split=hf_split)
@@ -124,8 +180,8 @@ def _hub_text(name: str, split: str) -> str:
         return "\n\n".join(ds["text"][:3000] if hf_split == "train" else ds["text"][:1100])
     except Exception as exc:  # network / hub errors come in many types
         raise LeanmlError(
-            f"could not load {name} from the hub ({type(exc).__name__}); offline, use --data shakespeare "
-            f"or a local .txt file"
+            f"could not load {name} from the hub ({type(exc).__name__}{', offline' if hub_offline() else ''}) "
+            f"and it is not cached; use shakespeare, reviews or a local .txt file"
         ) from exc
 
 

@@ -7,7 +7,16 @@ import csv
 import logging
 import sys
 
-from leanml.utils import LeanmlError, atomic_dir, machine_info, write_json
+from leanml.utils import (
+    LeanmlError,
+    add_threads_arg,
+    apply_threads,
+    atomic_dir,
+    float_in,
+    int_at_least,
+    machine_info,
+    write_json,
+)
 
 EPILOG = """examples:
   leanml train --model smollm2-135m --data shakespeare --memory adacc --memory-budget 0.5
@@ -43,9 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a model directory, a .gguf file or a hub id")
     p.add_argument("--data", default="shakespeare", help="text corpus (training split)")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seqlen", type=int, default=256)
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch-size", type=int_at_least(1), default=4)
+    p.add_argument("--seqlen", type=int_at_least(2), default=256)
+    p.add_argument("--steps", type=int_at_least(1), default=50)
     p.add_argument("--memory", choices=["none", "checkpoint", "sac", "compile", "adacc"], default="adacc")
     p.add_argument("--compile-blocks", nargs="?", const="1,0.5,0", default=None, metavar="BUDGETS",
                    help="adacc: also offer each layer as a compiled block (torch.compile; minutes of compile time) at "
@@ -53,12 +62,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weights and activations dtype")
     p.add_argument("--memory-budget", default="0.5", help="fraction of the unoptimized peak, bytes, or a size like 2GB")
-    p.add_argument("--max-error", type=float, default=0.05, help="cap on the relative error of lossy compressors")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--max-error", type=float_in(0, 1, low_open=True), default=0.05,
+                   help="cap on the relative error of lossy compressors")
+    p.add_argument("--lr", type=float_in(0, low_open=True), default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default out/train-<memory>)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--save", action="store_true", help="also save the fine-tuned model into the output directory")
+    add_threads_arg(p)
     p.set_defaults(func=run)
 
 
@@ -80,9 +91,10 @@ def run(args: argparse.Namespace) -> int:
     """Run ``leanml train``."""
     import torch
 
-    from leanml.data.text import load_text, token_windows
+    from leanml.data.text import check_corpus, load_text, token_windows
     from leanml.memory.train import TrainConfig, run_training
     from leanml.models import check_dtype, load_model, save_model
+    from leanml.models.check import check_model_input
     from leanml.utils import check_output_dir, default_device
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -92,19 +104,21 @@ def run(args: argparse.Namespace) -> int:
     cfg.check()
     if cfg.compile_blocks and args.memory != "adacc":
         raise LeanmlError(f"--compile-blocks is an option of --memory adacc, not of --memory {args.memory}")
-    if args.seqlen < 2:
-        raise LeanmlError(f"--seqlen must be at least 2, got {args.seqlen}")
     out = args.out or f"out/train-{args.memory}"
     check_output_dir(out, args.overwrite)
+    threads = apply_threads(args.threads)
     device = default_device()
     dtype = getattr(torch, args.dtype)
     check_dtype(dtype, device)
+    check_model_input(args.model, args.seqlen)
+    check_corpus(args.data, "train", "--data")
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     windows = token_windows(tokenizer, load_text(args.data, "train"), args.seqlen)
     torch.manual_seed(args.seed)
     result = run_training(model, windows, cfg)
     with atomic_dir(out, overwrite=args.overwrite) as tmp:
-        report = {"config": vars(args) | {"func": None}, "machine": machine_info(), "result": result}
+        report = {"config": vars(args) | {"func": None}, "threads": threads, "machine": machine_info(),
+                  "result": result}
         write_json(tmp / "report.json", report)
         with open(tmp / "losses.csv", "w", newline="") as f:
             w = csv.writer(f)

@@ -75,6 +75,10 @@ def load_model(
     semi-structured sparse kernels (CUDA sm80+, float16/bfloat16; on the CPU the model stays dense with
     a one-line warning), see :func:`leanml.models.sparse.to_sparse_kernels`."""
     dtype = parse_dtype(dtype)
+    if spec not in BUNDLED:
+        from leanml.models.check import check_model_spec
+
+        check_model_spec(spec)  # files complete and a decoder-only causal LM, before any weight is read
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

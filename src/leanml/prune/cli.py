@@ -11,7 +11,21 @@ from typing import Any
 
 import torch
 
-from leanml.utils import LeanmlError, Timer, atomic_dir, check_output_dir, machine_info, write_json
+from leanml.utils import (
+    LeanmlError,
+    Timer,
+    add_threads_arg,
+    apply_threads,
+    atomic_dir,
+    check_output_dir,
+    check_writable,
+    clean_stale_in,
+    float_in,
+    int_at_least,
+    machine_info,
+    parse_device,
+    write_json,
+)
 
 PRUNE_EPILOG = """examples:
   leanml prune --model smollm2-135m --method sparsegpt --sparsity 0.5 --out out/sgpt50
@@ -29,18 +43,21 @@ EVAL_EPILOG = """examples:
   leanml eval --model smollm2-135m --data shakespeare --seqlen 512
   leanml eval --model out/sgpt50 --data shakespeare --seqlen 512 --max-windows 20 --json ppl.json
   leanml eval --model ./big-model --dtype bfloat16 --device cuda   # layer by layer: the model stays on the CPU
+
+eval prints the perplexity and writes nothing unless --json FILE is given.
 """
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="HF directory, .gguf file, hub id, or smollm2-135m")
-    p.add_argument("--seqlen", type=int, default=512, help="tokens per window (512 on CPU)")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    p.add_argument("--seqlen", type=int_at_least(2), default=512, help="tokens per window (512 on CPU)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=4, help="windows per forward pass")
     p.add_argument("--device", default=None,
                    help="where each decoder layer does its work: cpu or cuda (default: cuda when present); "
                         "the model's weights stay on the CPU and visit the device layer by layer")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype to load (statistics and solves stay float32; default float32)")
+    add_threads_arg(p)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,7 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_common(p)
     methods = available()
     p.add_argument("--method", default="sparsegpt", choices=methods, help="pruning method")
-    p.add_argument("--sparsity", type=float, default=0.5, help="fraction of weights to remove, in (0, 1)")
+    p.add_argument("--sparsity", type=float_in(0, 1, low_open=True, high_open=True), default=0.5,
+                   help="fraction of weights to remove, in (0, 1)")
     p.add_argument("--pattern", default=None, help="N:M semi-structured pattern, e.g. 2:4 (overrides --sparsity)")
     p.add_argument(
         "--scope", choices=["row", "layer"], default=None,
@@ -68,12 +86,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="per-layer sparsity of unstructured methods: uniform, or owl (outlier-weighted, Yin et al. 2024; "
              "the total stays exact)",
     )
-    p.add_argument("--owl-m", type=float, default=5.0, help="owl: outlier threshold M on |W|*||X|| (default 5)")
-    p.add_argument("--owl-lambda", type=float, default=0.08,
+    p.add_argument("--owl-m", type=float_in(0, low_open=True), default=5.0, help="owl: outlier threshold M on |W|*||X|| (default 5)")
+    p.add_argument("--owl-lambda", type=float_in(0, 1), default=0.08,
                    help="owl: largest deviation of a layer's sparsity from the target (default 0.08)")
     p.add_argument("--calib", default="shakespeare", help="calibration corpus (shakespeare, a .txt, wikitext2, c4, ptb)")
-    p.add_argument("--nsamples", type=int, default=64, help="calibration windows")
-    p.add_argument("--calib-samples", type=float, default=0.0, metavar="F",
+    p.add_argument("--nsamples", type=int_at_least(1), default=64, help="calibration windows")
+    p.add_argument("--calib-samples", type=float_in(0, 1, what="a share of the calibration windows"), default=0.0, metavar="F",
                    help="share F in [0, 1] of the calibration windows sampled from the model itself (temperature 1, "
                         "from its BOS token; self-generated calibration beside --calib); default 0")
     p.add_argument("--seed", type=int, default=0, help="calibration sampling seed")
@@ -88,7 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gather a layer's statistics in one pass of the dense layer (default for magnitude, "
                         "wanda, sparsegpt)")
     p.add_argument("--eval-data", default="shakespeare", help="corpus whose test split gives perplexity")
-    p.add_argument("--eval-windows", type=int, default=None, help="evaluate on the first N test windows (default all)")
+    p.add_argument("--eval-windows", type=int_at_least(1), default=None,
+                   help="evaluate on the first N test windows (default all)")
     p.add_argument("--no-eval", action="store_true", help="skip perplexity before/after")
     p.add_argument("--out", required=True, help="output directory (appears only when complete)")
     p.add_argument("--save-format", choices=["safetensors", "compressed"], default="safetensors",
@@ -109,20 +128,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     _add_common(e)
     e.add_argument("--data", default="shakespeare", help="corpus (shakespeare, reviews, a .txt file, wikitext2, ptb, c4)")
-    e.add_argument("--max-windows", type=int, default=None, help="evaluate the first N windows only")
-    e.add_argument("--json", default=None, help="where to write the JSON result (default runs/eval-*.json)")
+    e.add_argument("--max-windows", type=int_at_least(1), default=None, help="evaluate the first N windows only")
+    e.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the result as JSON to FILE (default: print it only, write nothing)")
     e.set_defaults(func=run_eval)
 
 
 def _device(arg: str | None) -> torch.device:
-    if arg is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if arg.startswith("cuda") and not torch.cuda.is_available():
-        raise LeanmlError("--device cuda asked for, but no CUDA device is available; use --device cpu")
-    try:
-        return torch.device(arg)
-    except RuntimeError as exc:
-        raise LeanmlError(f"unknown --device {arg!r}; use cpu or cuda") from exc
+    """``--device`` checked against this machine (see :func:`leanml.utils.parse_device`)."""
+    return parse_device(arg)
 
 
 def _check_seqlen(model: torch.nn.Module, seqlen: int) -> None:
@@ -133,15 +147,17 @@ def _check_seqlen(model: torch.nn.Module, seqlen: int) -> None:
         raise LeanmlError(f"--seqlen must be at least 2, got {seqlen}")
 
 
-def evaluate(model, tokenizer, data: str, seqlen: int, max_windows: int | None, batch_size: int, device) -> dict:
-    """Perplexity on the test split of ``data``; returns a dict for reports."""
+def evaluate(model, tokenizer, data: str, seqlen: int, max_windows: int | None, batch_size: int, device,
+             flag: str = "--max-windows") -> dict:
+    """Perplexity on the test split of ``data``; returns a dict for reports. ``flag`` names the option
+    that set ``max_windows`` in errors."""
     from leanml.data.text import load_text, token_windows
     from leanml.eval.perplexity import perplexity
 
     windows = token_windows(tokenizer, load_text(data, "test"), seqlen)
     if max_windows is not None:
         if max_windows < 1:
-            raise LeanmlError(f"--max-windows must be at least 1, got {max_windows}")
+            raise LeanmlError(f"{flag} must be at least 1, got {max_windows}")
         windows = windows[:max_windows]
     layerwise = any(p.device != torch.device(device) for p in model.parameters())
     with Timer() as t:
@@ -150,21 +166,38 @@ def evaluate(model, tokenizer, data: str, seqlen: int, max_windows: int | None, 
             "seconds": t.seconds, "device": str(device), "layerwise": layerwise}
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    from leanml.models import check_dtype, load_model, parse_dtype
+def check_json_out(path: str | None, flag: str = "--json") -> Path | None:
+    """Refuse, before any work, a JSON output path that is a folder or cannot be written."""
+    if path is None:
+        return None
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise LeanmlError(f"{flag} {out} is a folder; give a file path, e.g. {flag} {out / 'eval.json'}")
+    check_writable(out.parent, flag)
+    return out
 
+
+def run_eval(args: argparse.Namespace) -> int:
+    from leanml.data.text import check_corpus
+    from leanml.models import check_dtype, load_model, parse_dtype
+    from leanml.models.check import check_model_input
+
+    # every input is checked before the model is loaded
+    json_out = check_json_out(args.json)
+    threads = apply_threads(args.threads)
     device = _device(args.device)
     dtype = parse_dtype(args.dtype)
     check_dtype(dtype, device)
+    check_model_input(args.model, args.seqlen)
+    check_corpus(args.data, "test", "--data")
     model, tokenizer = load_model(args.model, dtype=dtype)  # stays on the CPU; layers visit the device
     _check_seqlen(model, args.seqlen)
     result = evaluate(model, tokenizer, args.data, args.seqlen, args.max_windows, args.batch_size, device)
-    result.update({"model": args.model, "dtype": args.dtype, "machine": machine_info()})
-    path = Path(args.json) if args.json else Path("runs") / (
-        f"eval-{Path(args.model).name}-{Path(args.data).stem}-{args.seqlen}.json"
-    )
-    write_json(path, result)
-    print(f"perplexity {result['ppl']:.3f}  ({args.data} test, {result['windows']} x {args.seqlen} tokens)  -> {path}")
+    result.update({"model": args.model, "dtype": args.dtype, "threads": threads, "machine": machine_info()})
+    if json_out is not None:
+        write_json(json_out, result)
+    print(f"perplexity {result['ppl']:.3f}  ({args.data} test, {result['windows']} x {args.seqlen} tokens)"
+          + (f"  -> {json_out}" if json_out else ""))
     return 0
 
 
@@ -245,6 +278,7 @@ def run_prune(args: argparse.Namespace) -> int:
         parse_dtype,
         save_model,
     )
+    from leanml.models.check import check_model_input
     from leanml.models.layout import get_adapter
     from leanml.prune.engine import check_spec, prune_model
     from leanml.prune.masks import MaskSpec, parse_pattern
@@ -252,14 +286,9 @@ def run_prune(args: argparse.Namespace) -> int:
 
     t_total = time.perf_counter()
     # cheap checks first: nothing is loaded or written before the input is known to be good
+    # (ranges of numeric options are checked by the parser)
     pattern = parse_pattern(args.pattern)
     cls = pruner_class(args.method)
-    if pattern is None and not 0.0 < args.sparsity < 1.0:
-        raise LeanmlError(f"--sparsity must be in (0, 1), got {args.sparsity}")
-    if args.nsamples < 1:
-        raise LeanmlError(f"--nsamples must be at least 1, got {args.nsamples}")
-    if not 0.0 <= args.calib_samples <= 1.0:
-        raise LeanmlError(f"--calib-samples is a share of the calibration windows in [0, 1], got {args.calib_samples}")
     if args.sparsity_profile != "uniform" and (pattern is not None or cls.structured):
         what = f"the {args.pattern} pattern" if pattern is not None else f"structured {args.method}"
         raise LeanmlError(f"--sparsity-profile {args.sparsity_profile} sets unstructured per-layer sparsities; "
@@ -276,14 +305,24 @@ def run_prune(args: argparse.Namespace) -> int:
         check_output_dir(out, args.overwrite)
     ckpt = out.with_name(out.name + ".ckpt")
     if ckpt.exists() and not args.resume and rank == 0:
-        raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; pass --resume to continue or delete it")
+        raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; add --resume to continue it, "
+                          f"or delete {ckpt} to start over")
+    if rank == 0:
+        clean_stale_in(ckpt)
+    threads = apply_threads(args.threads)
     device = _device(args.device)
     check_dtype(dtype, device)
     if args.save_format == "compressed":
         from leanml.models.compressed import _require
 
         _require()
+    check_model_input(args.model, args.seqlen)
     _check_model_type(args.model, cls.structured)
+    from leanml.data.text import check_corpus
+
+    check_corpus(args.calib, "calib", "--calib")
+    if not args.no_eval:
+        check_corpus(args.eval_data, "test", "--eval-data")
 
     with Timer() as t_load:
         model, tokenizer = load_model(args.model, dtype=dtype)  # stays on the CPU; layers visit the device
@@ -295,7 +334,8 @@ def run_prune(args: argparse.Namespace) -> int:
 
     before = None
     if not args.no_eval and rank == 0:
-        before = evaluate(model, tokenizer, args.eval_data, args.seqlen, args.eval_windows, args.batch_size, device)
+        before = evaluate(model, tokenizer, args.eval_data, args.seqlen, args.eval_windows, args.batch_size, device,
+                          flag="--eval-windows")
         print(f"dense perplexity {before['ppl']:.3f}")
 
     engine_kwargs = dict(
@@ -316,11 +356,18 @@ def run_prune(args: argparse.Namespace) -> int:
         if report is None:
             return 0
     else:
-        report = prune_model(model, calib, pruner, spec, checkpoint_dir=ckpt, **engine_kwargs)
+        try:
+            report = prune_model(model, calib, pruner, spec, checkpoint_dir=ckpt, **engine_kwargs)
+        except LeanmlError as exc:
+            if args.resume and "different settings" in str(exc):  # name the fixes the next checks accept
+                raise LeanmlError(f"the checkpoint in {ckpt} was made with other settings; rerun --resume with the "
+                                  f"settings of the interrupted run, or delete {ckpt} to start over") from exc
+            raise
 
     after = None
     if not args.no_eval:
-        after = evaluate(model, tokenizer, args.eval_data, args.seqlen, args.eval_windows, args.batch_size, device)
+        after = evaluate(model, tokenizer, args.eval_data, args.seqlen, args.eval_windows, args.batch_size, device,
+                         flag="--eval-windows")
         print(f"pruned perplexity {after['ppl']:.3f}")
 
     sparsity = measured_sparsity(model, adapter)
@@ -338,6 +385,7 @@ def run_prune(args: argparse.Namespace) -> int:
         "timings": {"load_seconds": t_load.seconds, "calib_seconds": t_calib.seconds,
                     "prune_seconds": report["prune_seconds"],
                     "total_seconds": time.perf_counter() - t_total},
+        "threads": threads,
         "machine": machine_info(),
     })
     sparse = [n for n in decoder_linear_names(model) if bool((model.get_submodule(n).weight == 0).any())]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from leanml.utils import LeanmlError
+from leanml.utils import LeanmlError, add_threads_arg, float_in, int_at_least
 
 EPILOG = """examples:
   leanml prune --model smollm2-135m --method sparsegpt --sparsity 0.5 --out out/sgpt50
@@ -52,6 +52,8 @@ too small for float16 is stored as its smallest normal number, so the zeros stay
 plain safetensors that from_pretrained loads, or with --save-format compressed in the compressed-tensors
 sparse-bitmask format (what leanml prune --save-format compressed writes; leanml loads it back).
 Checkpoints go to DIR.ckpt every --checkpoint-every steps and are removed when DIR is written.
+Every input (model files, corpora, teacher, output folder, options) is checked before the model is
+loaded; a run refused later (e.g. a budget below the smallest plan) leaves no DIR.ckpt behind.
 """
 
 
@@ -71,22 +73,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="the pruned model: a directory written by leanml prune (or any HF dir)")
     p.add_argument("--teacher", default=None, help="dense teacher to distil: a model spec, or 'source' (the model pruned)")
     p.add_argument("--data", default="shakespeare", help="training corpus; its train split is used (shakespeare: every play but Hamlet)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=2, help="windows per step")
-    p.add_argument("--seqlen", type=int, default=256, help="tokens per training window")
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    p.add_argument("--steps", type=int_at_least(1), default=200, help="optimizer steps")
+    p.add_argument("--batch-size", type=int_at_least(1), default=2, help="windows per step")
+    p.add_argument("--seqlen", type=int_at_least(2), default=256, help="tokens per training window")
+    p.add_argument("--lr", type=float_in(0, low_open=True), default=1e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int_at_least(0), default=10, help="linear warm-up steps, then cosine decay")
+    p.add_argument("--min-lr-ratio", type=float_in(0, 1), default=0.1, help="final learning rate / peak")
+    p.add_argument("--weight-decay", type=float_in(0), default=0.0)
+    p.add_argument("--max-grad-norm", type=float_in(0), default=1.0, help="gradient clipping (0: off)")
     p.add_argument("--memory", choices=["none", "checkpoint", "sac", "adacc"], default="adacc",
                    help="training-memory strategy")
     p.add_argument("--memory-budget", default=None,
                    help="Adacc budget: fraction of the unoptimized peak, bytes, or a size (default 0.5)")
-    p.add_argument("--max-error", type=float, default=0.05, help="Adacc: cap on the relative error of lossy compressors")
-    p.add_argument("--kd-weight", type=float, default=0.5, help="weight of the distillation term, in [0, 1]")
-    p.add_argument("--kd-temperature", type=float, default=1.0, help="distillation temperature")
-    p.add_argument("--teacher-samples", type=float, default=0.0,
+    p.add_argument("--max-error", type=float_in(0, 1, low_open=True), default=0.05, help="Adacc: cap on the relative error of lossy compressors")
+    p.add_argument("--kd-weight", type=float_in(0, 1), default=0.5, help="weight of the distillation term, in [0, 1]")
+    p.add_argument("--kd-temperature", type=float_in(0, low_open=True), default=1.0, help="distillation temperature")
+    p.add_argument("--teacher-samples", type=float_in(0, 1, what="a share of the training windows"), default=0.0,
                    help="share of the training windows sampled from the teacher instead of read from --data, "
                         "in [0, 1] (needs --teacher; default 0)")
     p.add_argument("--teacher-samples-cache", default=None, metavar="DIR",
@@ -96,10 +98,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-mask", action="store_true", help="train every weight (a dense fine-tune; sparsity is not kept)")
     p.add_argument("--eval-data", default="shakespeare,reviews",
                    help="comma-separated corpora whose test split gives perplexity before/after")
-    p.add_argument("--eval-seqlen", type=int, default=512, help="tokens per evaluation window")
-    p.add_argument("--eval-windows", type=int, default=None, help="evaluate the first N test windows of each corpus")
+    p.add_argument("--eval-seqlen", type=int_at_least(2), default=512, help="tokens per evaluation window")
+    p.add_argument("--eval-windows", type=int_at_least(1), default=None, help="evaluate the first N test windows of each corpus")
     p.add_argument("--no-eval", action="store_true", help="skip the perplexities")
-    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (DIR.ckpt)")
+    p.add_argument("--checkpoint-every", type=int_at_least(1), default=50, help="steps between checkpoints (DIR.ckpt)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint of an interrupted run")
     p.add_argument("--seed", type=int, default=0, help="batch order seed")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -110,17 +112,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="dtype of the saved model (default: the input's); training is float32")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    add_threads_arg(p)
     p.set_defaults(func=run)
 
 
 def _device(arg: str | None):  # noqa: ANN202
-    import torch
+    from leanml.utils import parse_device
 
-    if arg is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if arg.startswith("cuda") and not torch.cuda.is_available():
-        raise LeanmlError("--device cuda asked for, but no CUDA device is available; use --device cpu")
-    return torch.device(arg)
+    return parse_device(arg)
 
 
 def _check_seqlen(model: Any, seqlen: int, flag: str) -> None:
@@ -157,12 +156,9 @@ def _check_save_format(fmt: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``leanml recover``."""
-    from leanml.data.text import load_text, token_windows
-    from leanml.models import count_parameters, decoder_linear_names, load_model, parse_dtype, save_model
-    from leanml.recover.api import RecoverConfig, recover
-    from leanml.recover.masks import MaskKeeper, cast_keeping_zeros
-    from leanml.recover.source import check_masks, check_teacher, declaration, parse_nm, read_report
-    from leanml.utils import atomic_dir, check_output_dir, machine_info, write_json
+    from leanml.recover.api import RecoverConfig
+    from leanml.recover.source import parse_nm
+    from leanml.utils import apply_threads, check_output_dir, check_writable, clean_stale_in
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     # cheap checks first: nothing is loaded or written before the input is known to be good
@@ -178,14 +174,14 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
     )
     cfg.check()
-    if not 0.0 <= args.teacher_samples <= 1.0:
-        raise LeanmlError(f"--teacher-samples is a share of the training windows, in [0, 1]; got {args.teacher_samples}")
     if args.teacher_samples > 0 and args.teacher is None:
         raise LeanmlError("--teacher-samples draws training windows from the teacher: pass --teacher too")
     if args.teacher_samples_cache is not None and not args.teacher_samples > 0:
         raise LeanmlError("--teacher-samples-cache keeps the teacher's samples: pass --teacher-samples too")
     if args.teacher_samples_cache is not None and Path(args.teacher_samples_cache).is_file():
         raise LeanmlError(f"--teacher-samples-cache {args.teacher_samples_cache} is a file; it must be a directory")
+    if args.teacher_samples_cache is not None:
+        check_writable(args.teacher_samples_cache, "--teacher-samples-cache")
     if args.no_mask and args.pattern:
         raise LeanmlError("--no-mask trains every weight, so --pattern cannot be kept; drop one of them")
     parse_nm(args.pattern)
@@ -193,11 +189,51 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out, args.overwrite)
     ckpt = out.with_name(out.name + ".ckpt")
     if ckpt.exists() and not args.resume:
-        raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; pass --resume to continue or delete it")
+        raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; add --resume to continue it, "
+                          f"or delete {ckpt} to start over")
     eval_names = [] if args.no_eval else [c.strip() for c in args.eval_data.split(",") if c.strip()]
-    if args.eval_windows is not None and args.eval_windows < 1:
-        raise LeanmlError(f"--eval-windows must be at least 1, got {args.eval_windows}")
+    threads = apply_threads(args.threads)
     device = _device(args.device)
+    _check_inputs(args, eval_names)
+    clean_stale_in(ckpt)
+    # from here on a refused run removes the checkpoint folder it made (teacher samples) before training began
+    fresh_ckpt = not ckpt.exists()
+    try:
+        return _run(args, cfg, out, ckpt, eval_names, device, threads)
+    except LeanmlError:
+        if fresh_ckpt and ckpt.is_dir() and not (ckpt / "state.pt").exists():
+            shutil.rmtree(ckpt, ignore_errors=True)
+        raise
+
+
+def _check_inputs(args: argparse.Namespace, eval_names: list[str]) -> None:
+    """Everything checkable before a model is loaded: the model's and teacher's files, window lengths,
+    the corpora."""
+    from leanml.data.text import check_corpus
+    from leanml.models.check import check_model_input, check_model_spec
+    from leanml.recover.source import declaration, read_report
+
+    check_model_input(args.model, args.seqlen)
+    if eval_names:
+        check_model_input(args.model, args.eval_seqlen, "--eval-seqlen")
+    teacher = args.teacher
+    if teacher == "source":
+        teacher = declaration(read_report(args.model)).source_model  # none: refused after loading, as before
+    if teacher:
+        check_model_spec(teacher, flag="--teacher")
+    check_corpus(args.data, "train", "--data")
+    for name in eval_names:
+        check_corpus(name, "test", "--eval-data")
+
+
+def _run(args: argparse.Namespace, cfg: Any, out: Path, ckpt: Path, eval_names: list[str], device: Any,
+         threads: int) -> int:
+    from leanml.data.text import load_text, token_windows
+    from leanml.models import count_parameters, decoder_linear_names, load_model, parse_dtype, save_model
+    from leanml.recover.api import recover
+    from leanml.recover.masks import MaskKeeper, cast_keeping_zeros
+    from leanml.recover.source import check_masks, check_teacher, declaration, read_report
+    from leanml.utils import announce_eta, atomic_dir, machine_info, write_json
 
     save_dtype = args.dtype or _input_dtype(args.model)
     model, tokenizer = load_model(args.model)  # float32: training keeps float32 weights and optimizer state
@@ -234,8 +270,17 @@ def run(args: argparse.Namespace) -> int:
         eval_sets[name] = w[: args.eval_windows] if args.eval_windows else w
     params = count_parameters(model)
 
+    first: dict[str, Any] = {}
+
+    def say_eta(done: int, entry: dict[str, Any]) -> None:  # one plain line after the first step
+        if not first:
+            first["done"] = done
+            line = announce_eta("recover", 1, cfg.steps - done + 1, entry["step_s"], "step")
+            if line:
+                print(line, file=sys.stderr, flush=True)
+
     result = recover(model, windows, cfg, teacher=teacher, masks=keeper, eval_sets=eval_sets,
-                     checkpoint_dir=ckpt, device=device)
+                     checkpoint_dir=ckpt, device=device, on_step=say_eta)
 
     pattern = mask_info.get("pattern") or ("structured" if decl.structured else "unstructured")
     report = {
@@ -255,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
         if report_in else None,
         **{k: v for k, v in result.items() if k not in ("data", "config")},
         "recover_config": result["config"],
+        "threads": threads,
         "machine": machine_info(),
     }
     dtype = parse_dtype(save_dtype)
@@ -344,7 +390,8 @@ def _mix_teacher_samples(windows: Any, teacher: Any, teacher_name: str, tokenize
             torch.save({"key": ckey, "windows": samples, "sampling_seconds": sampling_seconds}, tmp)
     if not reused:
         ckpt.mkdir(parents=True, exist_ok=True)
-        torch.save({"key": key, "windows": samples, "sampling_seconds": sampling_seconds}, path)
+        with atomic_file(path) as tmp:  # a run killed while saving leaves no half-written samples
+            torch.save({"key": key, "windows": samples, "sampling_seconds": sampling_seconds}, tmp)
     seconds = time.perf_counter() - t0
     order = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[:n_corpus]
     mixed = torch.cat([samples, windows[order]])
