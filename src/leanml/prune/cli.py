@@ -37,6 +37,7 @@ PRUNE_EPILOG = """examples:
   leanml prune --model ./big-model --dtype bfloat16 --device cuda --save-format compressed --out out/big
   torchrun --nproc_per_node=2 -m leanml prune --method fista --mode dense --out out/fista-par
   leanml prune ... --resume        # continue an interrupted run from its last finished layer
+  leanml prune --model ./llama-70b --dtype bfloat16 --stream --max-memory 8GB --out out/big   # bigger than memory
 """
 
 EVAL_EPILOG = """examples:
@@ -115,6 +116,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(compressed-tensors sparse-bitmask: a 50%% model is about half the size on disk)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--resume", action="store_true", help="continue from the per-layer checkpoint of an interrupted run")
+    p.add_argument("--stream", action="store_true",
+                   help="never hold the whole model: read each layer from the safetensors shards, write it pruned, "
+                        "free it (models bigger than memory; no perplexity)")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="with --stream (implies it): host-memory cap, e.g. 1.2GB; activations spill to disk above it")
     for name in methods:
         pruner_class(name).add_args(p)
     p.set_defaults(func=run_prune)
@@ -323,6 +329,10 @@ def run_prune(args: argparse.Namespace) -> int:
     check_corpus(args.calib, "calib", "--calib")
     if not args.no_eval:
         check_corpus(args.eval_data, "test", "--eval-data")
+    if args.stream or args.max_memory is not None:
+        from leanml.prune.stream import run_streamed
+
+        return run_streamed(args, pruner, spec, dtype, device, out, ckpt)
 
     with Timer() as t_load:
         model, tokenizer = load_model(args.model, dtype=dtype)  # stays on the CPU; layers visit the device
