@@ -100,5 +100,5 @@ def test_compressed_format_reloads_the_same_weights_and_is_smaller(tmp_path):
     # values (half of the float32 weights) plus one bit per weight and row offsets
     assert 0.5 < sizes["compressed_bytes"] / sizes["dense_bytes"] < 0.56
     config = json.loads((tmp_path / "c" / "config.json").read_text())
-    assert config["quantization_config"]["sparsity_config"]["format"] == "sparse-bitmask"
-    assert "model.embed_tokens" not in config["quantization_config"]["sparsity_config"]["targets"]
+    assert config["leanml_compressed"]["format"] == "sparse-bitmask"
+    assert "model.embed_tokens" not in config["leanml_compressed"]["targets"]
