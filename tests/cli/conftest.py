@@ -9,9 +9,17 @@ in a few seconds and most fail in validation before anything heavy is loaded.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import os
+import queue
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,12 +56,75 @@ def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return base
 
 
+#: environment variables that leanml reads when a command runs (not at import), so a forked child may set them
+RUNTIME_ENV = {"LEANML_DEBUG", "LEANML_CACHE"}
+_idle: queue.SimpleQueue = queue.SimpleQueue()
+_all_servers: list[subprocess.Popen] = []
+
+
+def _take_server() -> subprocess.Popen:
+    """An idle fork server (see ``forkserver.py``), or a new one; give it back with ``_idle.put``."""
+    while True:
+        try:
+            proc = _idle.get_nowait()
+        except queue.Empty:
+            break
+        if proc.poll() is None:
+            return proc
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py"))], cwd=ROOT,
+                            env=cli_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert json.loads(proc.stdout.readline()).get("ready"), "the fork server did not start"
+    _all_servers.append(proc)
+    return proc
+
+
+@atexit.register
+def _stop_servers() -> None:
+    for proc in _all_servers:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+def _read_reply(proc: subprocess.Popen, deadline: float) -> dict:
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+        raise subprocess.TimeoutExpired("leanml (forked)", left)
+    return json.loads(proc.stdout.readline())
+
+
 def run_cli(args: list[str], cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-            timeout: float = 120) -> CliResult:
-    """Run ``python -m leanml *args`` and return its exit code, stdout and stderr."""
-    proc = subprocess.run([sys.executable, "-m", "leanml", *map(str, args)], cwd=cwd, env=cli_env(env),
-                          capture_output=True, text=True, timeout=timeout)
-    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+            timeout: float = 120, fresh: bool = False) -> CliResult:
+    """Run ``leanml *args`` and return its exit code, stdout and stderr.
+
+    By default the command runs in a child forked from a process that has already imported leanml (the
+    real ``leanml.cli.main`` with its own cwd, environment, output files and exit code, in milliseconds
+    instead of seconds); ``fresh=True``, or an ``env`` that sets more than :data:`RUNTIME_ENV`, runs a new
+    ``python -m leanml`` instead."""
+    args = [str(a) for a in args]
+    if fresh or set(env or {}) - RUNTIME_ENV:
+        proc = subprocess.run([sys.executable, "-m", "leanml", *args], cwd=cwd, env=cli_env(env),
+                              capture_output=True, text=True, timeout=timeout)
+        return CliResult(proc.returncode, proc.stdout, proc.stderr)
+    server = _take_server()
+    with tempfile.TemporaryDirectory(prefix="leanml-cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        request = {"args": args, "cwd": str(Path(cwd or os.getcwd()).absolute()),
+                   "env": {"LEANML_DEBUG": "", **(env or {})}, "out": str(out), "err": str(err)}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        deadline = time.monotonic() + timeout
+        pid = _read_reply(server, deadline)["pid"]
+        try:
+            code = _read_reply(server, deadline)["code"]
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            _read_reply(server, time.monotonic() + 30)
+            raise
+        _idle.put(server)
+        return CliResult(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
 def start_cli(args: list[str], cwd: str | os.PathLike | None = None,
@@ -158,3 +229,61 @@ def model_copy(cli_model_dir, tmp_path) -> Path:
     import shutil
 
     return Path(shutil.copytree(cli_model_dir, tmp_path / "model"))
+
+
+def save_tiny_bert(path: str | os.PathLike) -> Path:
+    """A tiny random BERT encoder (what ``leanml`` must refuse) with the word-level tokenizer."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                     vocab_size=256, max_position_embeddings=128)
+    BertForMaskedLM(cfg).save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return Path(path)
+
+
+def save_zeroed_copy(src: Path, dst: Path, sparsity: float = 0.5) -> Path:
+    """A copy of a tiny LLaMA directory whose decoder linears lose their smallest weights (a pruned model
+    for ``leanml recover``, made without running the pruner)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and ".layers." in name:
+                w = mod.weight
+                k = int(w.numel() * sparsity)
+                w[w.abs() <= w.abs().flatten().kthvalue(k).values] = 0
+    model.save_pretrained(dst)
+    for f in Path(src).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def llm_inputs(tmp_path_factory) -> Path:
+    """A folder of inputs for the LLM commands: ``model/`` (tiny LLaMA), ``pruned/`` (half its decoder
+    weights zero), ``bert/`` (an encoder), ``text.txt`` (UTF-8), ``latin1.txt``. Tests must not modify it."""
+    root = tmp_path_factory.mktemp("llm-inputs")
+    save_tiny_llama(root / "model")
+    save_zeroed_copy(root / "model", root / "pruned")
+    save_tiny_bert(root / "bert")
+    (root / "text.txt").write_text(SAMPLE_TEXT, encoding="utf-8")
+    (root / "latin1.txt").write_bytes(("Caf\u00e9 cr\u00e8me, na\u00efve fa\u00e7ade. " * 200).encode("latin-1"))
+    return root
+
+
+def truncated_copy(src: Path, dst: Path, name: str = "model.safetensors", keep: float = 0.6) -> Path:
+    """A copy of model directory ``src`` whose file ``name`` keeps only its first ``keep`` share of bytes."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    data = (src / name).read_bytes()
+    (dst / name).write_bytes(data[: int(len(data) * keep)])
+    return dst
