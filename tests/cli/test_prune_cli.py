@@ -11,16 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli.conftest import assert_unchanged, assert_user_error, run_cli, snapshot, truncated_copy
-from cli.parallel import Case, readonly_dir, run_cases
-
-
-def resolve(name: str, d: Path, shared: Path) -> str:
-    """``name`` in the case folder, else in the shared inputs, else as given (a missing path, a hub id)."""
-    for base in (d, shared):
-        if (base / name).exists():
-            return str(base / name)
-    return name
+from cli.conftest import assert_unchanged, assert_user_error, run_cli, snapshot
+from cli.llm_cases import readonly, resolve, setup_cut_config, setup_readonly, setup_truncated, with_option
+from cli.parallel import Case, run_cases
 
 
 def prune(*extra: str, model: str = "model", calib: str = "text.txt", out: str = "out"):
@@ -30,16 +23,6 @@ def prune(*extra: str, model: str = "model", calib: str = "text.txt", out: str =
                 "--eval-data", str(shared / "text.txt"), "--seqlen", "32", "--nsamples", "2",
                 "--out", str(d / out), *extra]
     return args
-
-
-def _truncated(d: Path, shared: Path) -> None:
-    truncated_copy(shared / "model", d / "cut")
-
-
-def _cut_config(d: Path, shared: Path) -> None:
-    shutil.copytree(shared / "model", d / "cutcfg")
-    text = (d / "cutcfg" / "config.json").read_text()
-    (d / "cutcfg" / "config.json").write_text(text[: len(text) // 2])
 
 
 def _no_config(d: Path, shared: Path) -> None:
@@ -61,14 +44,6 @@ def _ckpt_left(d: Path, shared: Path) -> None:
     (d / "out.ckpt" / "state.pt").write_bytes(b"\0" * 16)
 
 
-def _readonly(d: Path, shared: Path) -> None:
-    (d / "ro-path").write_text(str(readonly_dir(d / "ro")))
-
-
-def _ro_out(d: Path, shared: Path) -> list[str]:
-    return prune(out="unused")(d, shared)[:-2] + ["--out", str(Path((d / "ro-path").read_text()) / "out")]
-
-
 def _empty(d: Path, shared: Path) -> None:
     (d / "empty.txt").write_text("")
 
@@ -87,8 +62,8 @@ CASES = [
     Case("unknown-method", prune("--method", "best"), ("--method", "best")),
     Case("device-foo", prune("--device", "foo"), ("--device", "foo")),
     Case("device-mps", prune("--device", "mps"), ("--device mps",)),
-    Case("truncated-safetensors", prune(model="cut"), ("model.safetensors", "truncated"), setup=_truncated),
-    Case("config-cut-mid-line", prune(model="cutcfg"), ("config.json", "not valid JSON"), setup=_cut_config),
+    Case("truncated-safetensors", prune(model="cut"), ("model.safetensors", "truncated"), setup=setup_truncated),
+    Case("config-cut-mid-line", prune(model="cutcfg"), ("config.json", "not valid JSON"), setup=setup_cut_config),
     Case("no-config", prune(model="nocfg"), ("no config.json",), setup=_no_config),
     Case("missing-model", prune(model="/no/such/model"), ("/no/such/model", "does not exist")),
     Case("hub-id-offline", prune(model="someorg/no-such-model"), ("someorg/no-such-model", "not reachable")),
@@ -99,7 +74,8 @@ CASES = [
     Case("wikitext2-offline", prune("--calib", "wikitext2"), ("wikitext2", "hub")),
     Case("out-exists", prune(), ("already exists", "--overwrite"), setup=_out_exists),
     Case("out-is-file", prune(), ("is a file",), setup=_out_is_file),
-    Case("out-read-only", _ro_out, ("--out", "cannot write"), setup=_readonly),
+    Case("out-read-only", with_option(prune(), "--out", lambda d, s: readonly(d) / "out"), ("--out", "cannot write"),
+         setup=setup_readonly),
     Case("checkpoint-left", prune(), ("--resume", "delete"), setup=_ckpt_left),
 ]
 if not torch.cuda.is_available():
