@@ -138,13 +138,18 @@ def assert_no_traceback(result: CliResult) -> None:
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, str(result)
 
 
-def assert_user_error(result: CliResult, *needles: str, code: int = 2) -> str:
-    """A clean user error: exit ``code``, one ``leanml: error:`` line, at most one more stderr line (a hint),
-    no traceback; each of ``needles`` appears in the error line. Returns the error line."""
+def assert_user_error(result: CliResult, *needles: str, code: int = 2, before_work: bool = True) -> str:
+    """A clean user error: exit ``code``, one ``leanml: error:`` line, no traceback; each of ``needles``
+    appears in the error line. ``before_work`` (a refusal before anything ran): at most one more stderr
+    line, a hint to ``--help``; else progress bars may come first but the error line is the last.
+    Returns the error line."""
     assert result.code == code, str(result)
     assert_no_traceback(result)
     assert len(result.error_lines) == 1, str(result)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
+    if not before_work:
+        assert lines[-1] == result.error_lines[0], str(result)
+        lines = lines[-1:]
     assert len(lines) <= 2, str(result)
     if len(lines) == 2:
         hint = lines[1] if lines[0].startswith("leanml: error:") else lines[0]
