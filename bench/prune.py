@@ -272,7 +272,9 @@ def prune_ours(ctx: Context, label: str, pattern: str, profile: str, seed: int, 
             "mask_scope": report["mask"]["scope"], "engine": {**report["engine"], "owl": engine["owl"]},
             "settings": f"leanml prune --method {label.partition(':')[0]} defaults",
             "profile_info": {k: v for k, v in profile_info.items() if k != "name"} or None,
-            "engine_prune_seconds": report["prune_seconds"]}
+            "engine_prune_seconds": report["prune_seconds"],
+            # the method's own work (statistics passes, solves, the pruned layer's forward) and the rest
+            "solver_seconds": report["solver_seconds"], "engine_seconds": report["engine_seconds"]}
 
 
 def ensure_peers(python: Path) -> None:

@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ignore", type=lambda s: [x for x in s.split(",") if x], default=DEFAULT_IGNORE,
                     help="comma list of modules to leave alone (default re:.*lm_head)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="weights' dtype (default float32); on a GPU machine the sequential pipeline moves "
+                         "each layer to the GPU while the model stays on the CPU")
     ap.add_argument("--out", required=True, help="output directory (created; must not exist)")
     args = ap.parse_args(argv)
     if args.sparsity is not None and not 0.0 < args.sparsity < 1.0:
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     nsamples, seqlen = ids.shape
     calib_sha = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
     dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     modifier, settings = make_modifier(args)
 
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         "total_seconds": time.perf_counter() - wall0,
         "total_cpu_seconds": cpu_seconds() - cpu0,
         "torch_threads": torch.get_num_threads(),
-        "device": "cpu",
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "dtype": args.dtype,
         "versions": versions(),
         "saved": saved,
         "argv": sys.argv,
