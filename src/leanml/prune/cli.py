@@ -116,6 +116,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(compressed-tensors sparse-bitmask: a 50%% model is about half the size on disk)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--resume", action="store_true", help="continue from the per-layer checkpoint of an interrupted run")
+    p.add_argument("--checkpoint-interval", type=float_in(0), default=0.0, metavar="SECONDS",
+                   help="write the activation streams for --resume at most every SECONDS (default 0: after every "
+                        "layer); finished layers are always written; all writes run in the background")
+    p.add_argument("--stream-device", choices=["auto", "device", "cpu"], default="auto",
+                   help="where activations live between layers: auto (default: on the GPU while its free memory "
+                        "allows, else pinned host memory), device, or cpu")
     p.add_argument("--stream", action="store_true",
                    help="never hold the whole model: read each layer from the safetensors shards, write it pruned, "
                         "free it (models bigger than memory; no perplexity)")
@@ -356,13 +362,15 @@ def run_prune(args: argparse.Namespace) -> int:
         device=device,
         sparsity_profile=args.sparsity_profile,
         owl={"m": args.owl_m, "lam": args.owl_lambda},
+        stream_device=args.stream_device,
+        checkpoint_interval=args.checkpoint_interval,
         fingerprint={"model": args.model, "calib": args.calib, "seed": args.seed, "seqlen": args.seqlen,
                      "dtype": args.dtype, "calib_samples": args.calib_samples},
     )
     if world > 1:
         from leanml.prune.parallel import prune_distributed
 
-        report = prune_distributed(model, calib, pruner, spec, **engine_kwargs)
+        report = prune_distributed(model, calib, pruner, spec, checkpoint_dir=ckpt, **engine_kwargs)
         if report is None:
             return 0
     else:
