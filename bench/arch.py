@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny family builders are shared with the tests
 
+from _common import replace_block  # noqa: E402
 from builders import FAMILIES, tiny_family  # noqa: E402
 from leanml.models import count_parameters, decoder_linear_names  # noqa: E402
 from leanml.prune.engine import prune_model  # noqa: E402
@@ -207,14 +208,7 @@ def render(data: dict[str, Any]) -> tuple[str, str]:
 
 def _replace_between_markers(path: Path, body: str) -> None:
     """Replace the text between the bench:arch markers of ``path`` (if the page has them)."""
-    if not path.exists():
-        return
-    text = path.read_text()
-    start, end = "<!-- bench:arch:start -->", "<!-- bench:arch:end -->"
-    if start in text and end in text:
-        pre, rest = text.split(start, 1)
-        _, post = rest.split(end, 1)
-        path.write_text(f"{pre}{start}\n{body}\n{end}{post}")
+    replace_block(path, "arch", f"\n{body}\n")
 
 
 def write_doc_table(coverage: str) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from _common import markers, replace_block
 from leanml.ctr.data import CTRData, image_attributes, load_dataset, validation_split
 from leanml.ctr.metrics import bootstrap_auc_diff_se
 from leanml.ctr.train import (
@@ -424,7 +425,7 @@ def main() -> int:
 
 
 DOCS = Path(__file__).parent.parent / "docs" / "ctr.md"
-MARK_START, MARK_END = "<!-- bench:ctr:start -->", "<!-- bench:ctr:end -->"
+MARK_START, MARK_END = markers("ctr")
 
 
 def write_docs_block(out: dict[str, Any]) -> None:
@@ -453,11 +454,7 @@ def write_docs_block(out: dict[str, Any]) -> None:
               "the command line (id+visual, DeepFM):", "", "```bash"]
     lines += [cli_line(d, c["chosen"]) for d, c in out.get("selection", {}).items()]
     lines += ["```", ""]
-    text = DOCS.read_text()
-    head, rest = text.split(MARK_START, 1)
-    _, tail = rest.split(MARK_END, 1)
-    with atomic_file(DOCS) as tmp:
-        tmp.write_text(head + MARK_START + "\n".join(lines) + MARK_END + tail)
+    replace_block(DOCS, "ctr", "\n".join(lines))
 
 
 # ----------------------------------------------------------------------------------------------- report

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from _common import replace_block
 from leanml.features.arena import Arena, NoArena
 from leanml.features.batch import FeatureBatch
 from leanml.features.data import generate_logs
@@ -624,15 +625,8 @@ def plot(res: dict[str, Any], out: Path) -> None:
 
 def write_docs_table(text: str) -> None:
     """The generated report between the bench markers of docs/features.md (headings demoted one level)."""
-    if not DOCS.exists():
-        return
-    page = DOCS.read_text()
-    start, end = "<!-- bench:features:start -->", "<!-- bench:features:end -->"
-    if start not in page or end not in page:
-        return
     body = "\n".join(("#" + ln if ln.startswith("#") else ln) for ln in text.splitlines()[1:]).strip()
-    new = page[: page.index(start) + len(start)] + "\n\n" + body + "\n\n" + page[page.index(end):]
-    DOCS.write_text(new)
+    replace_block(DOCS, "features", "\n\n" + body + "\n\n")
 
 
 # ------------------------------------------------------------------------------------------ main

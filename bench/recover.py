@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import replace_block
 from leanml.utils import exit_on_sigterm, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -613,14 +614,8 @@ def render(data: dict[str, Any], out: Path) -> None:
         tmp.write_text("# Recovery fine-tuning of pruned SmolLM2-135M under an Adacc budget\n\n" + body)
     if records:
         plot(records, out / "recover.png")
-    if DOC.exists() and out.resolve() == RESULTS.resolve():  # a scratch --out leaves the docs alone
-        text = DOC.read_text()
-        start, end = "<!-- bench:recover:start -->", "<!-- bench:recover:end -->"
-        if start in text and end in text:
-            head, rest = text.split(start, 1)
-            _, tail = rest.split(end, 1)
-            with atomic_file(DOC) as tmp:
-                tmp.write_text(f"{head}{start}\n{body}{end}{tail}")
+    if out.resolve() == RESULTS.resolve():  # a scratch --out leaves the docs alone
+        replace_block(DOC, "recover", f"\n{body}")
     print(body)
 
 

@@ -4,6 +4,7 @@ SmolLM2 tokenizer so command-line runs finish in seconds."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 
 from builders import tiny_llama
 
+# benchmark scripts loaded by the tests import their shared helpers (bench/_common.py) from bench/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
