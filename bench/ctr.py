@@ -157,6 +157,15 @@ class Stage:
                      "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def fit_seconds(fit: dict[str, Any]) -> str:
+    """A fit's seconds for the tables: measured in the run, the cached run's (marked), or unknown ("–")."""
+    if fit.get("seconds") is not None:
+        return f"{fit['seconds']:.0f}"
+    if fit.get("cached_fit_seconds") is not None:
+        return f"{fit['cached_fit_seconds']:.0f} (cached)"
+    return "–"
+
+
 def fit_items(data: CTRData, seed: int, overrides: dict[str, Any]) -> tuple[ItemFeatures, dict[str, Any]]:
     """Fit (or load from the cache) a content-ID model on ``data``'s old ads; item features and fit facts."""
     cfg = content_config_for(data, seed=seed, **overrides)
@@ -168,7 +177,10 @@ def fit_items(data: CTRData, seed: int, overrides: dict[str, Any]) -> tuple[Item
         z, zq = items.raw[rows], items.decoded[rows]
         return float(((z - zq) ** 2).sum(1).mean() / (z**2).sum(1).mean())
 
-    fit = {"seed_content": seed, "seconds": report.get("seconds"), "caption_top1": report.get("caption_top1"),
+    # a fit loaded from the cache was not timed here: its seconds are the cached run's, recorded apart
+    cached = bool(report.get("cached"))
+    fit = {"seed_content": seed, "seconds": None if cached else report.get("seconds"), "cached": cached,
+           "cached_fit_seconds": report.get("seconds") if cached else None, "caption_top1": report.get("caption_top1"),
            "usage": items.usage, "reseeded": [h.get("reseeded") for h in report["history"] if "reseeded" in h],
            # on the old ads the codebooks were fit on, and on the new ads they never saw
            "quant_rel_err": rel_err(data.old_items),
@@ -808,7 +820,7 @@ def render_selection(out: dict[str, Any]) -> list[str]:
             top1 = f"{f['caption_top1']:.3f}" if f.get("caption_top1") is not None else "–"
             mark = " **(chosen)**" if win else ""
             lines.append(f"| {d} | {r['design']} | {u['dead_codes']} (re-seeded {f['reseeded'] or '–'}) "
-                         f"| {u['unique_tuples']} | {qerrs(f)} | {top1} | {f['seconds'] or 0:.0f} "
+                         f"| {u['unique_tuples']} | {qerrs(f)} | {top1} | {fit_seconds(f)} "
                          f"| {r['variant']}{mark} | {r['bytes_per_ad']:g} | {r['raw_auc_new']:.4f} "
                          f"| {r['visual_auc_new']:.4f} | {r['id+visual_auc_new']:.4f} | {r['id+visual_auc_old']:.4f} |")
     lines += ["", "How the ad ID is added: ID dropout (DropoutNet-style: a training row's ad ID is replaced by the "
@@ -868,7 +880,7 @@ def render_fits(out: dict[str, Any]) -> list[str]:
     for f in fits:
         u = f["usage"]
         top1 = f"{f['caption_top1']:.3f}" if f.get("caption_top1") is not None else "–"
-        lines.append(f"| {f['dataset']} | {f['design']} | {f['seed_content']} | {f['seconds'] or 0:.0f} "
+        lines.append(f"| {f['dataset']} | {f['design']} | {f['seed_content']} | {fit_seconds(f)} "
                      f"| {u['dead_codes']} | {u['unique_tuples']} | {u['collision_rate']:.3f} "
                      f"| {qerrs(f)} | {top1} | {f['codebook_bytes']} |")
     lines.append("")

@@ -84,3 +84,10 @@ def test_cli_line_reproduces_the_chosen_design_through_the_real_parser():
     args = build_parser().parse_args(shlex.split(line)[1:])
     ov = _content_overrides(args)
     assert (ov["norm_groups"], ov["m"], ov["k"], ov["joint"], ov["codebook"]) == (8, 16, 64, False, "pq")
+
+
+def test_a_fit_loaded_from_the_cache_is_not_reported_as_timed():
+    C = load_bench("ctr")
+    assert C.fit_seconds({"seconds": 14.2}) == "14"
+    assert C.fit_seconds({"seconds": None, "cached_fit_seconds": 14.2}) == "14 (cached)"
+    assert C.fit_seconds({"seconds": None}) == "–"  # unknown is not 0

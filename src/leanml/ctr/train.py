@@ -149,7 +149,8 @@ def fit_dataset_content_ids(
     key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
     path = cache_dir() / "content_ids" / f"{data.name}-{key}"
     if use_cache and (path / "model.safetensors").exists():
-        return load_content_model(path), json.loads((path / "report.json").read_text())
+        # ``seconds`` there is the time of the fit that wrote the cache, not of this call
+        return load_content_model(path), {**json.loads((path / "report.json").read_text()), "cached": True}
     captions = [data.captions[i] for i in old]
     # embed all captions (one cache entry per dataset), then keep the old items' rows
     text = embed_texts(data.captions)[old] if config.loss == "infonce" else None
