@@ -1,6 +1,6 @@
 """Every method on a tiny random model of every family with a declared layout: exact sparsity (N:M
 per group of M), a saved directory that plain ``from_pretrained`` loads to the same logits, and for
-structured methods fewer parameters by exactly the removed MLP units."""
+structured methods fewer parameters by exactly the removed MLP units and key/value groups."""
 
 from __future__ import annotations
 
@@ -58,14 +58,19 @@ def test_unstructured_methods_prune_every_family_exactly(family, tmp_path, one_t
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
-def _removed_params(adapter, layer, removed: int) -> int:
-    """Parameters the shrink removes with ``removed`` MLP units of one layer."""
+def _removed_params(adapter, layer, removed: int, groups: int = 0) -> int:
+    """Parameters the shrink removes with ``removed`` MLP units and ``groups`` key/value groups of one
+    layer."""
     consumer = layer.get_submodule(adapter.mlp_out)
     per_unit = consumer.out_features
     for name in adapter.mlp_in:
         prod = layer.get_submodule(name)
         per_unit += adapter.mlp_segments * (prod.in_features + (prod.bias is not None))
-    return removed * per_unit
+    hidden, q_rows = adapter.config.hidden_size, adapter.group_size * adapter.head_dim
+    rows = q_rows + 2 * adapter.head_dim  # a group's query, key and value rows (Qwen2: with biases)
+    biased = layer.get_submodule(adapter.v_proj).bias is not None
+    per_group = rows * (hidden + biased) + q_rows * hidden  # and its output-projection columns
+    return removed * per_unit + groups * per_group
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -76,22 +81,24 @@ def test_structured_methods_shrink_every_family_and_reload(family, tmp_path, one
         before = count_parameters(model)
         width = getattr(model.config, adapter.intermediate_size_key)
         pairs = adapter.pairs(adapter.layers()[0])
-        if method == "flap" and not all(p.consumer_bias_ok for p in pairs):
+        heads = adapter.fixed_heads_reason() is None  # OPT, GPT-NeoX and one key/value head: MLP only
+        kv = adapter.num_kv_heads
+        pruner = pruner_class(method)(alloc="uniform", pairs="attention,mlp" if heads else "mlp")
+        if method == "flap" and not all(p.consumer_bias_ok for p in pairs if p.name in pruner.group_names):
             with pytest.raises(LeanmlError, match="flap adds a bias to .* cannot hold"):
-                prune_model(model, CALIB, _pruner(method), MaskSpec(0.5), progress=False)
+                prune_model(model, CALIB, pruner, MaskSpec(0.5), progress=False)
             continue
-        removed_expected = sum(_removed_params(adapter, layer, width // 2) for layer in adapter.layers())
-        report = prune_model(model, CALIB, _pruner(method), MaskSpec(0.5), progress=False, batch_size=2)
+        removed_expected = sum(_removed_params(adapter, layer, width // 2, kv // 2 if heads else 0)
+                               for layer in adapter.layers())
+        report = prune_model(model, CALIB, pruner, MaskSpec(0.5), progress=False, batch_size=2)
         fin = report["finalize"]
         assert getattr(model.config, adapter.intermediate_size_key) == fin["intermediate_size"] == width // 2
         added = fin["params_after"] - (before - removed_expected)  # biases bias compensation added
         assert added == 0 or method == "flap"
         assert fin["params_before"] == before and fin["params_after"] == count_parameters(model) < before
-        # attention keeps its shapes: half of the value rows are exact zeros in every layer
-        for layer in adapter.layers():
-            v = layer.get_submodule(adapter.v_proj).weight
-            rows = adapter.attention_units().rows[adapter.v_proj].flatten()
-            assert int((v[rows] == 0).all(dim=1).sum()) == rows.numel() // 2
+        # half of the key/value groups are gone where the stock attention can lose heads
+        assert fin["num_key_value_heads"] == (kv - kv // 2 if heads else kv)
+        assert get_adapter(model).num_kv_heads == (kv - kv // 2 if heads else kv)
         loaded, ref, got = _reload_logits(model, tmp_path / method)
         assert count_parameters(loaded) == fin["params_after"]
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)

@@ -148,6 +148,70 @@ def test_select_units_against_brute_force():
         assert got == ref
 
 
+def test_allocate_against_brute_force():
+    """The (groups, units) per layer that meets the budget with the least score lost, by enumeration of
+    every pair of counts."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(30):
+        L, G, n = 3, int(torch.randint(2, 5, (1,), generator=g)), 20
+        att = torch.rand(L, G, generator=g, dtype=torch.float64) * float(torch.rand(1, generator=g) * 3)
+        mlp = torch.rand(L, n, generator=g, dtype=torch.float64) * 0.1
+        cg, cu = int(torch.randint(5, 40, (1,), generator=g)), 3
+        budget = int(torch.randint(1, L * (G - 1) * cg + L * (n - 1) * cu, (1,), generator=g))
+        multiple = 1 if trial % 3 else 4
+        try:
+            got = core.allocate(att, mlp, cg, cu, budget, multiple)
+        except LeanmlError:
+            got = None
+        best = None
+        for k in range(G):
+            if L * k * cg > budget:
+                continue
+            for m in range(n):  # m < n: a layer keeps a unit
+                if (n - m) % multiple or L * (k * cg + m * cu) < budget:
+                    continue
+                lost = float(att.sort(1).values[:, :k].sum() + mlp.sort(1).values[:, :m].sum())
+                if best is None or lost < best[0] - 1e-12:
+                    best = (lost, k, m)
+                break  # the fewest units completing the budget for this k
+        if best is None:
+            assert got is None
+            continue
+        assert got is not None and (got["groups_removed"], got["units_removed"]) == best[1:], trial
+        assert got["score_lost"] == pytest.approx(best[0])
+        assert got["params_removed"] == L * (best[1] * cg + best[2] * cu) >= budget
+
+
+def test_allocate_rules_and_errors():
+    att = torch.tensor([[0.1, 0.15, 0.3]] * 2, dtype=torch.float64)
+    mlp = torch.full((2, 10), 0.05, dtype=torch.float64)
+    # cheap attention: two groups per layer (0.25, 40 params) beat one group and 4 units (0.3)
+    assert core.allocate(att, mlp, 20, 5, 80)["groups_removed"] == 2
+    assert core.allocate(att * 10, mlp, 20, 5, 80)["groups_removed"] == 0
+    forced = core.allocate(att * 10, mlp, 20, 5, 80, groups=1)
+    assert (forced["groups_removed"], forced["units_removed"]) == (1, 4)
+    # attention alone: the group count closest to the budget; never every group of a layer
+    assert core.allocate(att, None, 20, 0, 75)["groups_removed"] == 2
+    with pytest.raises(LeanmlError, match="every one of the 3 key/value groups"):
+        core.allocate(att, None, 20, 0, 110)
+    with pytest.raises(LeanmlError, match="too small to remove one key/value group"):
+        core.allocate(att, None, 20, 0, 10)
+    with pytest.raises(LeanmlError, match="--fasp-groups 3 must leave"):
+        core.allocate(att, mlp, 20, 5, 80, groups=3)
+    with pytest.raises(LeanmlError, match="every MLP unit of a layer"):
+        core.allocate(att, mlp, 20, 5, 2 * (2 * 20 + 10 * 5))
+
+
+def test_layer_scores_are_normalized_per_layer():
+    att = torch.tensor([[1.0, 3.0], [10.0, 30.0]])
+    mlp = torch.tensor([[2.0, 2.0, 2.0], [0.0, 0.0, 60.0]])
+    a, m = core.normalize_layer_scores(att, mlp)
+    torch.testing.assert_close(a.sum(1) + m.sum(1), torch.ones(2, dtype=torch.float64))
+    torch.testing.assert_close(a[0], torch.tensor([0.1, 0.3], dtype=torch.float64))
+    torch.testing.assert_close(m[1], torch.tensor([0.0, 0.0, 0.6], dtype=torch.float64))
+    assert core.normalize_layer_scores(None, mlp)[0] is None
+
+
 # ---------------------------------------------------------------------------------------------------
 # tiny models
 
@@ -178,6 +242,13 @@ def prune_by_hand(model, pruner: StructuredPairPruner, sparsity: float, ids: tor
 METHODS = [FaspPruner, WandaStructuredPruner, MagnitudeStructuredPruner, FlapPruner]
 
 
+def _unit_params(group) -> int:
+    """Parameters of one unit of a pair, counted from the modules (rows with biases, columns)."""
+    n = sum(group.units.rows[name].shape[1] * (p.in_features + (p.bias is not None))
+            for name, p in group.producers.items())
+    return n + group.units.columns.shape[1] * next(iter(group.linears.values())).out_features
+
+
 @pytest.mark.parametrize("make", [tiny_llama_untied, tiny_opt_biased], ids=["llama-gqa", "opt"])
 @pytest.mark.parametrize("cls", METHODS, ids=lambda c: c.name)
 def test_shrunk_model_equals_zeroed_model_and_loads_with_transformers(make, cls, tmp_path):
@@ -185,15 +256,19 @@ def test_shrunk_model_equals_zeroed_model_and_loads_with_transformers(make, cls,
     adapter = get_adapter(model)
     ids = _ids()
     params0 = count_parameters(model)
-    pruner = cls()
-    prune_by_hand(model, pruner, 0.25, ids)
-    # the zeroed dense-shaped model
+    is_opt = model.config.model_type == "opt"  # OPT's attention cannot lose heads: its MLP alone
+    pruner = cls(alloc="uniform", pairs="mlp" if is_opt else "attention,mlp")
+    prune_by_hand(model, pruner, 0.5, ids)
+    # the zeroed dense-shaped model: half of the MLP units and (LLaMA) one of two key/value groups
     width = model.config.intermediate_size if hasattr(model.config, "mlp_bias") else model.config.ffn_dim
+    removed = 0
     for layer in adapter.layers():
         groups = {g.name: g for g in adapter.pairs(layer)}
-        assert live_units(groups["mlp_out"]).numel() == width - 32
-        n_attn = adapter.num_kv_heads * adapter.head_dim  # LLaMA: 2 kv heads x 16; OPT: 4 heads x 16
-        assert live_units(groups["attn_out"]).numel() == n_attn - n_attn // 4
+        assert live_units(groups["mlp_out"]).numel() == width // 2
+        removed += width // 2 * _unit_params(groups["mlp_out"])
+        if not is_opt:
+            assert live_units(groups["attn_out"]).numel() == 1
+            removed += _unit_params(groups["attn_out"])
     test_ids = _ids(2, 24, seed=1)
     with torch.no_grad():
         ref = model(test_ids).logits
@@ -201,13 +276,13 @@ def test_shrunk_model_equals_zeroed_model_and_loads_with_transformers(make, cls,
     with torch.no_grad():
         got = model(test_ids).logits
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert report["intermediate_size"] == width - 32
+    assert report["intermediate_size"] == width // 2
     assert report["params_before"] == params0
-    n_layers = len(adapter.layers())
-    hidden = model.config.hidden_size
-    mlp_mats = 3 if hasattr(model.config, "mlp_bias") else 2
-    producer_bias = 1 if (not hasattr(model.config, "mlp_bias") or model.config.mlp_bias) else 0
-    expected = params0 + _added_biases(model, cls) - n_layers * 32 * (mlp_mats * hidden + producer_bias * (mlp_mats - 1))
+    if not is_opt:
+        assert report["num_key_value_heads"] == model.config.num_key_value_heads == 1
+        assert report["num_attention_heads"] == model.config.num_attention_heads == 2
+        assert report["attention_groups_removed"] == 1 and model.config.head_dim == 16
+    expected = params0 + _added_biases(model, cls) - removed
     assert report["params_after"] == expected == count_parameters(model)
 
     model.save_pretrained(tmp_path)
@@ -218,12 +293,12 @@ def test_shrunk_model_equals_zeroed_model_and_loads_with_transformers(make, cls,
 
 
 def _added_biases(model, cls) -> int:
-    """FLAP on LLaMA adds biases to every attention and MLP linear (zeros except the compensated ones)."""
+    """FLAP on LLaMA adds biases to every attention and MLP linear (zeros except the compensated ones),
+    counted after the shrink: 2 of 4 query heads and 1 of 2 key/value heads (16 dims), 64 MLP units."""
     if cls is not FlapPruner or not hasattr(model.config, "mlp_bias"):
         return 0
     cfg = model.config
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    per_layer = 2 * cfg.hidden_size + 2 * cfg.num_key_value_heads * hd + 2 * 128 + cfg.hidden_size
+    per_layer = 2 * 16 + 2 * 16 + cfg.hidden_size + 2 * 64 + cfg.hidden_size
     return cfg.num_hidden_layers * per_layer
 
 
@@ -233,22 +308,24 @@ def test_fasp_restoration_beats_no_restoration_on_layer_output():
     for cls in (FaspPruner, WandaStructuredPruner):
         model = tiny_llama_untied()
         dense = tiny_llama_untied()
-        prune_by_hand(model, cls(), 0.4, ids)
+        prune_by_hand(model, cls(alloc="uniform"), 0.4, ids)
         with torch.no_grad():
             errs[cls.name] = float((model(ids).logits - dense(ids).logits).pow(2).mean())
     assert errs["fasp"] < errs["wanda-sp"]
 
 
-def test_gqa_units_zero_value_rows_and_output_columns_in_every_query_head():
+def test_a_pruned_group_zeroes_its_query_key_value_rows_and_output_columns():
     model = tiny_llama_untied()
-    prune_by_hand(model, WandaStructuredPruner(pairs="attention"), 0.5, _ids())
+    prune_by_hand(model, WandaStructuredPruner(pairs="attention", alloc="uniform"), 0.5, _ids())
     attn = model.model.layers[0].self_attn
-    hd, rep = 16, 2
-    dead_rows = (attn.v_proj.weight == 0).all(dim=1).nonzero().flatten().tolist()
-    assert len(dead_rows) == 16
-    dead_cols = set((attn.o_proj.weight == 0).all(dim=0).nonzero().flatten().tolist())
-    expect = {((r // hd) * rep + q) * hd + r % hd for r in dead_rows for q in range(rep)}
-    assert dead_cols == expect
+    hd, rep = 16, 2  # 4 query heads, 2 key/value heads
+    dead_kv = (attn.v_proj.weight == 0).all(dim=1).nonzero().flatten().tolist()
+    assert len(dead_kv) == hd and dead_kv[0] % hd == 0 and dead_kv == list(range(dead_kv[0], dead_kv[0] + hd))
+    g = dead_kv[0] // hd
+    assert (attn.k_proj.weight == 0).all(dim=1).nonzero().flatten().tolist() == dead_kv
+    q_rows = list(range(g * rep * hd, (g + 1) * rep * hd))
+    assert (attn.q_proj.weight == 0).all(dim=1).nonzero().flatten().tolist() == q_rows
+    assert (attn.o_proj.weight == 0).all(dim=0).nonzero().flatten().tolist() == q_rows
     # MLP untouched when only attention is selected
     assert (model.model.layers[0].mlp.down_proj.weight != 0).all()
 
@@ -261,9 +338,15 @@ def test_bad_inputs_are_one_line_errors():
     with pytest.raises(LeanmlError, match="N:M"):
         FaspPruner().prune_group(group, stats, MaskSpec(pattern=(2, 4)))
     with pytest.raises(LeanmlError, match="remove all"):
-        WandaStructuredPruner().prune_group(group, stats, MaskSpec(sparsity=0.999))
+        WandaStructuredPruner(alloc="uniform").prune_group(group, stats, MaskSpec(sparsity=0.999))
+    with pytest.raises(LeanmlError, match="needs its allocation pre-pass"):
+        FaspPruner().prune_group(group, stats, MaskSpec(sparsity=0.2))
     with pytest.raises(LeanmlError, match="means"):
-        FlapPruner().prune_group(group, stats, MaskSpec(sparsity=0.2))
+        FlapPruner(alloc="uniform").prune_group(group, stats, MaskSpec(sparsity=0.2))
+    with pytest.raises(LeanmlError, match="--fasp-alloc"):
+        FaspPruner(alloc="global")
+    with pytest.raises(LeanmlError, match="--fasp-groups"):
+        FaspPruner(pairs="mlp", groups=1)
     with pytest.raises(LeanmlError, match="--fasp-pairs"):
         FaspPruner(pairs="heads")
     from transformers import BloomConfig, BloomForCausalLM
@@ -277,9 +360,13 @@ def test_cli_options_are_added_once_and_parsed():
     parser = argparse.ArgumentParser()
     for cls in METHODS:
         cls.add_args(parser)
-    args = parser.parse_args(["--fasp-pairs", "mlp", "--fasp-damp", "0.1", "--fasp-target", "dense"])
+    args = parser.parse_args(["--fasp-pairs", "mlp", "--fasp-damp", "0.1", "--fasp-target", "dense",
+                              "--fasp-alloc", "uniform", "--fasp-plan-samples", "3"])
     p = FaspPruner.from_args(args)
     assert p.pairs == ("mlp",) and p.damp == 0.1 and p.needs_dense is True
+    assert p.alloc == "uniform" and p.plan_samples == 3 and p.groups is None
+    q = WandaStructuredPruner.from_args(parser.parse_args(["--fasp-groups", "1"]))
+    assert q.alloc == "score" and q.groups == 1 and q.config()["groups"] == 1
     assert FaspPruner.needs_dense is False and FaspPruner().needs_dense is False  # class default untouched
     assert FlapPruner.from_args(args).pairs == ("mlp",)
     assert p.config()["target"] == "dense"

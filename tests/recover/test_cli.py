@@ -95,7 +95,8 @@ def test_fasp_model_recovers_at_its_smaller_size(work, tmp_path):
     assert small.config.intermediate_size < dense.config.intermediate_size
     assert small.num_parameters() == AutoModelForCausalLM.from_pretrained(pruned).num_parameters()
     report = json.loads((out / "report.json").read_text())
-    assert report["mask"]["structured"] and report["sparsity"]["out"] == report["sparsity"]["in"] > 0
+    # FASP removed its units physically (MLP units and whole key/value groups): no zeros left to keep
+    assert report["mask"]["structured"] and report["sparsity"]["out"] == report["sparsity"]["in"] == 0
     assert report["memory"]["within_budget"]
 
 

@@ -3,10 +3,16 @@
 Unstructured and N:M pruning need none of this (the linears and their groups are found by
 :func:`leanml.models.layout.discover_groups` on any decoder). Structured methods (FASP, FLAP,
 Wanda-sp, magnitude-sp) need to know which output rows of which producer feed which input columns of
-which consumer, which config key holds the MLP width, and which config flags give a linear a bias.
-Adding a family is one class here: name its ``model_types``, its value/output projections, its MLP
-producers/consumer, and override :meth:`~leanml.models.layout.DecoderAdapter.value_rows` for a fused
-qkv projection.
+which consumer, whether the stock attention can lose heads, which config key holds the MLP width, and
+which config flags give a linear a bias. Adding a family is one class here: name its ``model_types``,
+its query/key/value/output projections, its MLP producers/consumer, and override
+:meth:`~leanml.models.layout.DecoderAdapter.group_rows` for a fused qkv projection.
+
+Whole key/value groups (a key/value head with its query heads) can be removed where the stock attention
+reads ``head_dim`` from the config and sizes its projections as heads x ``head_dim`` (LLaMA, Mistral,
+Qwen2/3, Gemma 2/3, Phi-3). OPT and GPT-NeoX derive the head size from ``hidden_size /
+num_attention_heads``, so a model with fewer heads cannot be described by their configs: ``fixed_heads``
+says so and structured methods refuse their attention.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ class LlamaAdapter(DecoderAdapter):
     """LLaMA 2/3, SmolLM2: grouped-query attention, gated MLP; ``attention_bias`` / ``mlp_bias`` flags."""
 
     model_types = ("llama",)
+    q_proj = "self_attn.q_proj"
+    k_proj = "self_attn.k_proj"
     v_proj = "self_attn.v_proj"
     o_proj = "self_attn.o_proj"
     mlp_in = ("mlp.gate_proj", "mlp.up_proj")
@@ -81,8 +89,13 @@ class Phi3Adapter(DecoderAdapter):
     mlp_out = "mlp.down_proj"
     mlp_segments = 2
 
-    def value_rows(self, g: int, d: int) -> int:
-        return (self.num_heads + self.num_kv_heads) * self.head_dim + g * self.head_dim + d
+    def group_rows(self, g: int) -> dict[str, list[int]]:
+        hd, rep, nq, nkv = self.head_dim, self.group_size, self.num_heads, self.num_kv_heads
+        q = list(range(g * rep * hd, (g + 1) * rep * hd))
+        k = list(range(nq * hd + g * hd, nq * hd + (g + 1) * hd))
+        v = [r + nkv * hd for r in k]
+        assert self.v_proj is not None
+        return {self.v_proj: q + k + v}
 
 
 @register
@@ -90,11 +103,14 @@ class OPTAdapter(DecoderAdapter):
     """OPT: multi-head attention and a two-linear MLP, biases everywhere unless ``enable_bias`` is off."""
 
     model_types = ("opt",)
+    q_proj = "self_attn.q_proj"
+    k_proj = "self_attn.k_proj"
     v_proj = "self_attn.v_proj"
     o_proj = "self_attn.out_proj"
     mlp_in = ("fc1",)
     mlp_out = "fc2"
     intermediate_size_key = "ffn_dim"
+    fixed_heads = "OPTAttention sizes its heads as hidden_size / num_attention_heads"
     bias_flags = {"enable_bias": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                   "self_attn.out_proj", "fc1", "fc2")}
 
@@ -110,9 +126,11 @@ class GPTNeoXAdapter(DecoderAdapter):
     mlp_in = ("mlp.dense_h_to_4h",)
     mlp_out = "mlp.dense_4h_to_h"
     bias_flags = {"attention_bias": ("attention.query_key_value", "attention.dense")}
+    fixed_heads = "GPTNeoXAttention sizes its heads as hidden_size / num_attention_heads"
 
-    def value_rows(self, g: int, d: int) -> int:
-        return g * 3 * self.head_dim + 2 * self.head_dim + d
+    def group_rows(self, g: int) -> dict[str, list[int]]:
+        assert self.v_proj is not None
+        return {self.v_proj: list(range(g * 3 * self.head_dim, (g + 1) * 3 * self.head_dim))}
 
 
 def supported_model_types() -> list[str]:

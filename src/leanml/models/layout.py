@@ -7,9 +7,10 @@ Two kinds of knowledge live here:
   the input tensor they read, in forward order (:func:`discover_groups`). Unstructured and N:M
   pruning need nothing more.
 - **Declared per family** (:class:`DecoderAdapter` subclasses in :mod:`leanml.models.adapters`): the
-  structured pairs (attention value -> output projection, MLP input -> MLP output), including fused
-  projections, which rows of a fused weight belong to which unit, the config key of the MLP width and
-  the config flags that let stock classes load added biases.
+  structured pairs (attention heads -> output projection, MLP input -> MLP output), including fused
+  projections, which rows of a fused weight belong to which unit, whether the stock attention can lose
+  heads, the config key of the MLP width and the config flags that let stock classes load added
+  biases.
 
 Nothing here imports from :mod:`leanml.prune`.
 """
@@ -51,7 +52,9 @@ class StructUnits:
     ``rows``: per producer name, a (n_units, segments) long tensor of that producer's output rows per
     unit. A plain producer has one segment; a fused producer has one per part it fuses (Phi-3's
     ``gate_up_proj``: unit ``j`` is rows ``j`` and ``I + j``), and shrinking keeps the parts contiguous.
-    ``kind``: ``"mlp"`` or ``"attention"``.
+    ``kind``: ``"mlp"`` or ``"attention"``. An attention unit is one key/value group: a key/value head
+    with the query heads that read it; its rows are the group's query, key and value rows (per producer,
+    ascending) and its columns the output-projection columns its query heads feed.
     """
 
     columns: torch.Tensor
@@ -78,6 +81,8 @@ class Group:
     units: StructUnits | None = None
     #: for a pair: whether its consumer may carry a bias in a model the stock class loads
     consumer_bias_ok: bool = True
+    #: for a pair whose units the stock classes cannot drop physically: why (a one-line reason)
+    fixed_reason: str | None = None
 
     @property
     def leader(self) -> str:
@@ -204,14 +209,20 @@ class DecoderAdapter:
 
     The base class works for any decoder-only causal LM whose layers are an ``nn.ModuleList``
     (unstructured and N:M pruning). A family subclass declares its structured pairs by class
-    attributes (names inside a decoder layer); fused projections override :meth:`value_rows`.
+    attributes (names inside a decoder layer); fused projections override :meth:`group_rows`.
     """
 
     #: ``config.model_type`` values this adapter handles (empty for the generic adapter)
     model_types: ClassVar[tuple[str, ...]] = ()
-    #: attention value projection (may be a fused qkv projection) and output projection
+    #: attention query, key and value projections (one fused qkv projection: ``v_proj`` alone, with
+    #: :meth:`group_rows` overridden) and output projection
+    q_proj: ClassVar[str | None] = None
+    k_proj: ClassVar[str | None] = None
     v_proj: ClassVar[str | None] = None
     o_proj: ClassVar[str | None] = None
+    #: why the family's stock attention cannot lose heads (``None``: it reads ``head_dim`` from the
+    #: config, so ``num_attention_heads`` / ``num_key_value_heads`` may shrink)
+    fixed_heads: ClassVar[str | None] = None
     #: MLP producers (their output rows are the MLP units) and consumer
     mlp_in: ClassVar[tuple[str, ...]] = ()
     mlp_out: ClassVar[str | None] = None
@@ -276,27 +287,32 @@ class DecoderAdapter:
     def has_pairs(self) -> bool:
         return self.o_proj is not None or self.mlp_out is not None
 
-    def value_rows(self, g: int, d: int) -> int:
-        """Row of the value projection that holds value dimension ``d`` of key/value head ``g``."""
-        return g * self.head_dim + d
-
-    def attention_units(self) -> StructUnits:
-        """Units of the value -> output-projection pair.
-
-        A unit is one value dimension ``d`` of one key/value head ``g``; it feeds output-projection
-        column ``h*hd + d`` of every query head ``h`` in the group of ``g`` (grouped-query attention).
-        """
-        hd, nq, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head."""
+        nq, nkv = self.num_heads, self.num_kv_heads
         if nq % nkv:
             raise LeanmlError(f"{self.model_type}: {nq} query heads do not split into {nkv} key/value groups")
-        rep = nq // nkv
-        rows, cols = [], []
-        for g in range(nkv):
-            for d in range(hd):
-                rows.append([self.value_rows(g, d)])
-                cols.append([(g * rep + r) * hd + d for r in range(rep)])
-        assert self.v_proj is not None
-        return StructUnits(columns=torch.tensor(cols), rows={self.v_proj: torch.tensor(rows)}, kind="attention")
+        return nq // nkv
+
+    def group_rows(self, g: int) -> dict[str, list[int]]:
+        """Per producer, the output rows of key/value group ``g``: the rows of its query heads
+        ``g*rep .. g*rep+rep-1`` in the query projection, its key rows and its value rows."""
+        hd, rep = self.head_dim, self.group_size
+        q = list(range(g * rep * hd, (g + 1) * rep * hd))
+        kv = list(range(g * hd, (g + 1) * hd))
+        assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+        return {self.q_proj: q, self.k_proj: kv, self.v_proj: kv}
+
+    def attention_units(self) -> StructUnits:
+        """Units of the attention pair: one per key/value group ``g``, feeding output-projection columns
+        ``g*rep*hd .. (g+1)*rep*hd - 1`` (its query heads' outputs), with the rows of
+        :meth:`group_rows`."""
+        hd, rep = self.head_dim, self.group_size
+        per_group = [self.group_rows(g) for g in range(self.num_kv_heads)]
+        rows = {name: torch.tensor([r[name] for r in per_group]) for name in per_group[0]}
+        cols = torch.arange(self.num_kv_heads * rep * hd).reshape(self.num_kv_heads, rep * hd)
+        return StructUnits(columns=cols, rows=rows, kind="attention")
 
     def mlp_units(self, width: int) -> StructUnits:
         """Units of the MLP pair: unit ``j`` is column ``j`` of the consumer and, in each producer, row
@@ -317,10 +333,12 @@ class DecoderAdapter:
             )
         groups = []
         if self.o_proj is not None and self.v_proj is not None:
+            units = self.attention_units()
             groups.append(Group("attn_out", {self.o_proj: layer.get_submodule(self.o_proj)},
-                                producers={self.v_proj: layer.get_submodule(self.v_proj)},
-                                units=self.attention_units(),
-                                consumer_bias_ok=self.can_hold_bias(layer, self.o_proj)))
+                                producers={p: layer.get_submodule(p) for p in units.rows},
+                                units=units,
+                                consumer_bias_ok=self.can_hold_bias(layer, self.o_proj),
+                                fixed_reason=self.fixed_heads_reason()))
         if self.mlp_out is not None:
             consumer = layer.get_submodule(self.mlp_out)
             groups.append(Group("mlp_out", {self.mlp_out: consumer},
@@ -342,6 +360,15 @@ class DecoderAdapter:
                 if int(rows.max()) >= group.producers[name].out_features:
                     raise LeanmlError(f"{self.model_type}: the {group.name} layout does not fit {name} "
                                       f"({group.producers[name].out_features} outputs)")
+
+    def fixed_heads_reason(self) -> str | None:
+        """Why whole key/value groups cannot be removed from this model (``None`` when they can)."""
+        if self.fixed_heads is not None:
+            return f"{self.model_type}: attention heads cannot be removed ({self.fixed_heads})"
+        if self.num_kv_heads < 2:
+            return (f"{self.model_type}: each layer has one key/value group, and removing it would remove the "
+                    "whole attention")
+        return None
 
     def bias_flag_for(self, linear: str) -> str | None:
         """The config flag that gives ``linear`` a bias in the stock class, if any."""

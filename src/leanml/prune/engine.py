@@ -1079,8 +1079,9 @@ def prune_model(
     else:
         from leanml.models.layerwise import outer_on
 
-        if layer_store is None:  # e.g. structured methods' allocation pre-pass on the dense model
-            pruner.prepare(model, adapter, calib_ids, batch_size=batch_size, device=device, spec=spec,
+        if layer_store is None and pruner.structured:  # structured methods' allocation pre-pass (dense model)
+            pruner.prepare(  # type: ignore[attr-defined]
+                model, adapter, calib_ids, batch_size=batch_size, device=device, spec=spec,
                            progress=progress)
         t = time.perf_counter()
         if layer_store is not None:

@@ -156,3 +156,87 @@ def bias_compensation(W: torch.Tensor, mean: torch.Tensor, prune_cols: torch.Ten
     """FLAP's bias compensation: the bias change ``W[:, P] E[x_P]`` that keeps the removed columns'
     mean contribution (add it to the consumer's bias)."""
     return W[:, prune_cols].to(mean.dtype) @ mean[prune_cols]
+
+
+def normalize_layer_scores(att: torch.Tensor | None, mlp: torch.Tensor | None) -> tuple[torch.Tensor | None,
+                                                                                       torch.Tensor | None]:
+    """Divide each layer's unit scores by that layer's total over both pairs, so every layer's attention
+    groups and MLP units share one scale (a layer's scores sum to 1) and no layer outvotes the others by
+    its activation size. ``att`` is (layers, groups), ``mlp`` (layers, units); either may be ``None``."""
+    att = None if att is None else att.detach()
+    mlp = None if mlp is None else mlp.detach()
+    parts = [t.double() for t in (att, mlp) if t is not None]
+    total = sum(p.sum(dim=1, keepdim=True) for p in parts).clamp_min(torch.finfo(torch.float64).tiny)
+    return (None if att is None else att.double() / total), (None if mlp is None else mlp.double() / total)
+
+
+def allocate(
+    att: torch.Tensor | None,
+    mlp: torch.Tensor | None,
+    group_cost: int,
+    unit_cost: int,
+    budget: int,
+    multiple: int = 1,
+    groups: int | None = None,
+) -> dict[str, float | int]:
+    """Split a parameter budget between attention groups and MLP units by score.
+
+    ``att``: (layers, groups) group scores, ``mlp``: (layers, units) MLP unit scores, on one scale (see
+    :func:`normalize_layer_scores`); ``None`` for a pair that is not pruned. ``group_cost`` /
+    ``unit_cost``: parameters one group / one MLP unit holds in one layer; ``budget``: parameters to
+    remove in all. Every layer removes the same counts (stock configs have one head count and one MLP
+    width), so the choice is ``k`` groups and ``m`` units per layer: for each ``k`` from 0 to
+    ``groups - 1`` (never the last group; ``groups`` forces ``k``) whose groups alone stay within the
+    budget, ``m`` is the fewest units that complete it (the kept count rounded down to ``multiple``),
+    and the lost score is the sum over layers of the ``k`` lowest group scores and the ``m`` lowest unit
+    scores. The ``k`` with the least lost score wins (ties: fewer groups). Attention alone removes the
+    ``k`` whose parameters come closest to the budget.
+
+    Returns ``{"groups_removed": k, "units_removed": m, "params_removed": ..., "score_lost": ...}``.
+    Raises :class:`LeanmlError` when no choice meets the budget without removing every group or every
+    unit of a layer.
+    """
+    if multiple < 1:
+        raise LeanmlError(f"the kept-unit multiple must be >= 1, got {multiple}")
+    n_layers = (att if att is not None else mlp).shape[0]  # type: ignore[union-attr]
+    n_groups = 0 if att is None else int(att.shape[1])
+    n_units = 0 if mlp is None else int(mlp.shape[1])
+    att_cum = None if att is None else torch.cat([att.new_zeros(n_layers, 1), att.sort(dim=1).values.cumsum(1)], 1).sum(0)
+    mlp_cum = None if mlp is None else torch.cat([mlp.new_zeros(n_layers, 1), mlp.sort(dim=1).values.cumsum(1)], 1).sum(0)
+    if att is None:
+        ks = [0]
+    elif groups is not None:
+        if not 0 <= groups < n_groups:
+            raise LeanmlError(f"--fasp-groups {groups} must leave at least one of the {n_groups} key/value groups "
+                              f"of a layer: use 0..{n_groups - 1}")
+        ks = [groups]
+    elif mlp is None:  # attention alone: the group count closest to the budget
+        k = int(round(budget / (n_layers * group_cost)))
+        if k >= n_groups:
+            raise LeanmlError(f"this sparsity would remove every one of the {n_groups} key/value groups of a layer; "
+                              "use a smaller --sparsity or --fasp-pairs attention,mlp")
+        if k == 0:
+            raise LeanmlError("this sparsity is too small to remove one key/value group per layer from attention "
+                              "alone; raise --sparsity or use --fasp-pairs attention,mlp")
+        ks = [k]
+    else:
+        ks = [k for k in range(n_groups) if n_layers * k * group_cost <= budget] or [0]
+    best: dict[str, float | int] | None = None
+    for k in ks:
+        rest = budget - n_layers * k * group_cost
+        m = 0
+        if mlp is not None and rest > 0:
+            m = -(-rest // (n_layers * unit_cost))  # ceil
+            kept = (n_units - m) // multiple * multiple
+            m = n_units - kept
+            if kept <= 0:
+                continue
+        lost = (0.0 if att_cum is None else float(att_cum[k])) + (0.0 if mlp_cum is None else float(mlp_cum[m]))
+        if best is None or lost < best["score_lost"]:
+            best = {"groups_removed": k, "units_removed": m, "score_lost": lost,
+                    "params_removed": n_layers * (k * group_cost + m * unit_cost)}
+    if best is None:
+        raise LeanmlError(f"removing {budget:,} parameters would take every MLP unit of a layer"
+                          f"{' (with at most ' + str(n_groups - 1) + ' key/value groups per layer)' if n_groups else ''}; "
+                          "use a smaller --sparsity")
+    return best

@@ -1,10 +1,20 @@
 """Structured pruning of interlinked pairs behind the layer-wise engine: FASP and three baselines.
 
-All four methods act only on the structured pair groups of a decoder layer (``attn_out``: value rows
--> output-projection columns; ``mlp_out``: MLP input rows -> MLP output columns) and leave ``attn_in`` /
-``mlp_in`` untouched. In every layer they keep the same fraction of units of each pair (uniform ratio,
-rounding rule in :func:`leanml.prune.fasp.num_kept`), setting the pruned producer rows, producer biases
-and consumer columns to exact zeros, then :meth:`finalize` removes the MLP units physically.
+All four methods act only on the structured pair groups of a decoder layer (``attn_out``: the query,
+key and value rows of a key/value group -> its output-projection columns; ``mlp_out``: MLP input rows ->
+MLP output columns). They set the pruned producer rows, producer biases and consumer columns to exact
+zeros, then :meth:`finalize` removes the units physically (smaller MLPs, fewer heads).
+
+How many units each layer loses (``alloc``):
+
+- ``"score"`` (default): ``sparsity`` is the fraction of *all* the model's parameters to remove
+  (embeddings and head count in the total but are never cut). A dense pre-pass (:meth:`prepare`) scores
+  every attention group and MLP unit of every layer with the method's own unit score, normalizes each
+  layer's scores to sum 1, and :func:`leanml.prune.fasp.allocate` picks the number of groups and of MLP
+  units per layer -- the same in every layer, as stock configs require -- that meets the budget with the
+  least score lost.
+- ``"uniform"``: every layer keeps the same fraction of units of each pair (rounding rule in
+  :func:`leanml.prune.fasp.num_kept`; attention units are whole groups).
 
 ========================  ========================================  ==============================
 method                    unit score                                consumer update
@@ -15,10 +25,9 @@ method                    unit score                                consumer upd
 ``flap``                  ``Var(X_j) ||W_:,j||^2``                  bias compensation ``W_:,P E[x_P]``
 ========================  ========================================  ==============================
 
-Attention units follow grouped-query attention: one unit is one value dimension of one key/value
-head, feeding one output-projection column in each query head of its group (the adapter's
-``StructUnits``). Attention keeps its stock shapes: its pruned dimensions stay exact zeros in the saved
-model (see :mod:`leanml.models.surgery`).
+Attention units follow grouped-query attention: one unit is one key/value head with the query heads
+that read it (the adapter's ``StructUnits``). Families whose stock attention cannot lose heads (OPT,
+GPT-NeoX) and models with one key/value group are refused when attention is among the pairs.
 """
 
 from __future__ import annotations
@@ -30,12 +39,14 @@ import torch
 from torch import nn
 
 from leanml.models import surgery
+from leanml.models.layout import DecoderAdapter
 from leanml.prune import fasp as core
 from leanml.prune.base import Group, GroupStats, Pruner
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
 
 PAIRS = {"attention": "attn_out", "mlp": "mlp_out"}
+ALLOCS = ("score", "uniform")
 
 
 def _parse_pairs(text: str) -> tuple[str, ...]:
@@ -54,8 +65,17 @@ class StructuredPairPruner(Pruner):
     structured: ClassVar[bool] = True
     supports_pattern: ClassVar[bool] = False
 
+    #: whether the allocation pre-pass needs calibration data (magnitude-sp reads weights only)
+    plan_needs_data: ClassVar[bool] = True
+
     def __init__(
-        self, pairs: tuple[str, ...] | str = ("attention", "mlp"), multiple: int = 1, shrink: bool = True
+        self,
+        pairs: tuple[str, ...] | str = ("attention", "mlp"),
+        multiple: int = 1,
+        shrink: bool = True,
+        alloc: str = "score",
+        groups: int | None = None,
+        plan_samples: int = 8,
     ) -> None:
         self.pairs = _parse_pairs(pairs) if isinstance(pairs, str) else tuple(pairs)
         if any(p not in PAIRS for p in self.pairs):
@@ -63,9 +83,21 @@ class StructuredPairPruner(Pruner):
         if multiple < 1:
             raise LeanmlError(f"--fasp-multiple must be >= 1, got {multiple}")
         self.group_names = frozenset(PAIRS[p] for p in self.pairs)  # the engine groups this method prunes
+        if alloc not in ALLOCS:
+            raise LeanmlError(f"--fasp-alloc must be one of {', '.join(ALLOCS)}, got {alloc!r}")
+        if groups is not None and (alloc != "score" or "attention" not in self.pairs or groups < 0):
+            raise LeanmlError("--fasp-groups needs --fasp-alloc score with attention among --fasp-pairs and a count "
+                              f">= 0, got {groups}")
         self.multiple = int(multiple)
         self.shrink = bool(shrink)
+        self.alloc = alloc
+        self.groups = None if groups is None else int(groups)
+        if plan_samples < 1:
+            raise LeanmlError(f"--fasp-plan-samples must be >= 1, got {plan_samples}")
+        self.plan_samples = int(plan_samples)
         self._bias_params_added = 0  # biases created by bias compensation, for the params_before count
+        #: score allocation: units removed per layer by group name ("attn_out", "mlp_out"), and its record
+        self.plan: dict[str, Any] | None = None
 
     # ---- CLI -------------------------------------------------------------------------------------
     @classmethod
@@ -75,12 +107,22 @@ class StructuredPairPruner(Pruner):
             return
         g = parser.add_argument_group("structured pair pruning (fasp, wanda-sp, magnitude-sp, flap)")
         g.add_argument("--fasp-pairs", default="attention,mlp",
-                       help="pairs to prune: attention (value -> output projection), mlp, or both "
+                       help="pairs to prune: attention (whole key/value groups), mlp, or both "
                             "(default: attention,mlp)")
+        g.add_argument("--fasp-alloc", choices=ALLOCS, default="score",
+                       help="score: --sparsity is the fraction of all parameters removed, split between "
+                            "attention groups and MLP units by score (default); uniform: every pair of "
+                            "every layer loses the fraction --sparsity of its units")
+        g.add_argument("--fasp-groups", type=int, default=None,
+                       help="with --fasp-alloc score: remove exactly this many key/value groups per layer "
+                            "(default: chosen by score)")
+        g.add_argument("--fasp-plan-samples", type=int, default=8,
+                       help="with --fasp-alloc score: calibration windows the allocation's dense pre-pass "
+                            "reads (default: 8)")
         g.add_argument("--fasp-multiple", type=int, default=1,
                        help="round the kept units per layer to a multiple of this (default: 1)")
         g.add_argument("--fasp-no-shrink", action="store_true",
-                       help="keep pruned MLP units as zeros instead of physically smaller MLPs")
+                       help="keep pruned units as zeros instead of physically smaller MLPs and attention")
         g.add_argument("--fasp-damp", type=float, default=0.01,
                        help="fasp: least-squares damping towards the dense weights, relative to each "
                             "feature's diag(H) (default: 0.01)")
@@ -94,6 +136,9 @@ class StructuredPairPruner(Pruner):
             "pairs": getattr(args, "fasp_pairs", "attention,mlp"),
             "multiple": getattr(args, "fasp_multiple", 1),
             "shrink": not getattr(args, "fasp_no_shrink", False),
+            "alloc": getattr(args, "fasp_alloc", "score"),
+            "groups": getattr(args, "fasp_groups", None),
+            "plan_samples": getattr(args, "fasp_plan_samples", 8),
         }
 
     @classmethod
@@ -101,10 +146,15 @@ class StructuredPairPruner(Pruner):
         return cls(**cls._common(args))
 
     def config(self) -> dict[str, Any]:
-        return {"pairs": list(self.pairs), "multiple": self.multiple, "shrink": self.shrink}
+        return {"pairs": list(self.pairs), "multiple": self.multiple, "shrink": self.shrink, "alloc": self.alloc,
+                "groups": self.groups, "plan_samples": self.plan_samples}
 
     # ---- method-specific parts -------------------------------------------------------------------
-    def unit_scores(self, W: torch.Tensor, stats: GroupStats, columns: torch.Tensor) -> torch.Tensor:
+    def unit_scores(
+        self, W: torch.Tensor, sq_norms: torch.Tensor, mean: torch.Tensor | None, columns: torch.Tensor
+    ) -> torch.Tensor:
+        """Per unit, its score (higher: more important) from the consumer weight ``W`` and per input
+        column the mean square ``sq_norms`` (``diag(H)``) and mean of the consumer's input."""
         raise NotImplementedError
 
     def update(
@@ -115,30 +165,143 @@ class StructuredPairPruner(Pruner):
 
     # ---- engine hooks ----------------------------------------------------------------------------
     def check_layer(self, groups: list[Group], spec: MaskSpec) -> None:
-        """Fail before calibration on a layer without the pairs or a sparsity that would leave a pair
-        with no unit (the engine itself refuses N:M patterns for structured methods)."""
-        pairs = [g for g in groups if self.touches(g)]
+        """Fail before calibration on a layer without the pairs, attention whose heads cannot be
+        removed, or (uniform allocation) a sparsity that would leave a pair with no unit (the engine
+        itself refuses N:M patterns for structured methods)."""
+        pairs = [g for g in groups if g.units is not None and g.name in self.group_names]
         missing = self.group_names - {g.name for g in pairs}
         if missing:
             raise LeanmlError(f"{self.name}: this architecture has no known pair map for {', '.join(sorted(missing))}")
         for g in pairs:
-            core.num_kept(g.units.n_units, spec.sparsity, self.multiple)
+            if g.fixed_reason is not None:
+                raise LeanmlError(f"{g.fixed_reason}; use --fasp-pairs mlp")
+            if self.alloc == "uniform":
+                core.num_kept(g.units.n_units, spec.sparsity, self.multiple)
+            elif not 0.0 <= spec.sparsity < 1.0:
+                raise LeanmlError(f"structured sparsity must be in [0, 1), got {spec.sparsity}; e.g. --sparsity 0.3")
 
     def touches(self, group: Group) -> bool:
-        """Only the selected structured pairs (``attn_out``, ``mlp_out``) are pruned."""
-        return group.units is not None and group.name in self.group_names
+        """Only the selected structured pairs (``attn_out``, ``mlp_out``) are pruned (under a score
+        allocation, only those it takes units from)."""
+        if group.units is None or group.name not in self.group_names:
+            return False
+        return self.plan is None or self.plan["removed"].get(group.name, 0) > 0
+
+    # ---- score allocation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare(
+        self,
+        model: nn.Module,
+        adapter: DecoderAdapter,
+        calib_ids: torch.Tensor,
+        *,
+        batch_size: int = 8,
+        device: torch.device | str | None = None,
+        spec: MaskSpec | None = None,
+        progress: bool = True,
+    ) -> dict[str, Any]:
+        """The score allocation's dense pre-pass (``alloc="score"``; nothing otherwise): walk the dense
+        model layer by layer on the first ``plan_samples`` calibration windows, score every attention group and MLP unit with
+        :meth:`unit_scores` on the dense inputs, and choose the units removed per layer
+        (:func:`leanml.prune.fasp.allocate`). An infeasible budget fails before the pass."""
+        if self.alloc != "score" or spec is None:
+            return {}
+        layers = adapter.layers()
+        pairs0 = {g.name: g for g in adapter.pairs(layers[0]) if g.units is not None and g.name in self.group_names}
+        costs = {name: _unit_cost(g) for name, g in pairs0.items()}
+        total = surgery.count_parameters(model)
+        budget = int(round(spec.sparsity * total))
+        n_units = {name: g.units.n_units for name, g in pairs0.items()}  # type: ignore[union-attr]
+        # feasibility from the shapes alone, before any calibration pass
+        dummy = {name: torch.zeros(len(layers), n) for name, n in n_units.items()}
+        core.allocate(dummy.get("attn_out"), dummy.get("mlp_out"), costs.get("attn_out", 0),
+                      costs.get("mlp_out", 0), budget, self.multiple, self.groups)
+        scores = self._dense_scores(model, adapter, calib_ids[: self.plan_samples], batch_size, device, progress)
+        att, mlp = core.normalize_layer_scores(scores.get("attn_out"), scores.get("mlp_out"))
+        choice = core.allocate(att, mlp, costs.get("attn_out", 0), costs.get("mlp_out", 0), budget,
+                               self.multiple, self.groups)
+        removed = {"attn_out": int(choice["groups_removed"]), "mlp_out": int(choice["units_removed"])}
+        self.plan = {
+            "removed": {k: v for k, v in removed.items() if k in pairs0},
+            "units": n_units,
+            "budget_params": budget,
+            "params_dense": total,
+            "params_removed_planned": int(choice["params_removed"]),
+            "unit_params": costs,
+            "score_lost": float(choice["score_lost"]),
+        }
+        return self.plan
+
+    def _dense_scores(
+        self, model: nn.Module, adapter: DecoderAdapter, calib_ids: torch.Tensor, batch_size: int,
+        device: torch.device | str | None, progress: bool,
+    ) -> dict[str, torch.Tensor]:
+        """(layers, units) dense unit scores of every selected pair."""
+        from tqdm.auto import tqdm
+
+        from leanml.models.layerwise import capture_layer_inputs, layer_on, outer_on, run_layer, to_device
+
+        layers = adapter.layers()
+        device = torch.device(device) if device is not None else next(model.parameters()).device
+        if self.plan_needs_data:
+            with outer_on(model, adapter, device):
+                hidden, kwargs = capture_layer_inputs(model, adapter, calib_ids, batch_size)
+        out: dict[str, list[torch.Tensor]] = {}
+        for i in tqdm(range(len(layers)), desc=f"{self.name} allocation", unit="layer", disable=not progress):
+            layer = layers[i]
+            pairs = [g for g in adapter.pairs(layer) if g.units is not None and g.name in self.group_names]
+            acc: dict[str, list[Any]] = {g.name: [0.0, 0.0, 0] for g in pairs}
+            handles = []
+            for g in pairs:
+                def hook(module: nn.Module, args: tuple[Any, ...], a: list[Any] = acc[g.name]) -> None:
+                    x = args[0].reshape(-1, args[0].shape[-1]).double()
+                    a[0] = a[0] + (x * x).sum(0)
+                    a[1] = a[1] + x.sum(0)
+                    a[2] += x.shape[0]
+
+                handles.append(layer.get_submodule(g.leader).register_forward_pre_hook(hook))
+            try:
+                with layer_on(layer, device):
+                    if self.plan_needs_data:
+                        kw = [to_device(k, device) for k in kwargs[i]]
+                        hidden = run_layer(layer, hidden, kw, batch_size, device)
+                    for g in pairs:
+                        W = g.linears[g.leader].weight.detach()
+                        a = acc[g.name]
+                        n = max(a[2], 1)
+                        sq = a[0] / n if a[2] else torch.zeros(W.shape[1], dtype=torch.float64, device=W.device)
+                        mean = a[1] / n if a[2] else torch.zeros_like(sq)
+                        out.setdefault(g.name, []).append(self.unit_scores(W, sq, mean, g.units.columns).cpu())
+            finally:
+                for h in handles:
+                    h.remove()
+        return {name: torch.stack(v) for name, v in out.items()}
+
+    def keep_count(self, group: Group, spec: MaskSpec) -> int:
+        """Units of ``group`` this layer keeps."""
+        n_units = group.units.n_units  # type: ignore[union-attr]
+        if self.alloc == "uniform":
+            return core.num_kept(n_units, spec.sparsity, self.multiple)
+        if self.plan is None:
+            raise LeanmlError(f"{self.name} with --fasp-alloc score needs its allocation pre-pass (prepare) before "
+                              "pruning; run it through leanml.prune.engine.prune_model or use --fasp-alloc uniform")
+        return n_units - int(self.plan["removed"].get(group.name, 0))
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs: the count of biases added by bias compensation so far."""
-        return {"bias_params_added": self._bias_params_added}
+        """What a resumed run needs: the count of biases added by bias compensation so far and the
+        score allocation."""
+        return {"bias_params_added": self._bias_params_added, "plan": self.plan}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._bias_params_added = int(state.get("bias_params_added", 0))
+        self.plan = state.get("plan", self.plan)
 
     @staticmethod
     def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
-        """Ranks prune disjoint layers: the biases they added add up."""
-        return {"bias_params_added": sum(int(s.get("bias_params_added", 0)) for s in states)}
+        """Ranks prune disjoint layers: the biases they added add up; every rank computed the same
+        allocation from the same dense model and data."""
+        return {"bias_params_added": sum(int(s.get("bias_params_added", 0)) for s in states),
+                "plan": next((s["plan"] for s in states if s.get("plan") is not None), None)}
 
     def prune_group(self, group: Group, stats: GroupStats, spec: MaskSpec) -> dict[str, dict[str, Any]]:
         """Prune the units of a structured pair group; other groups are left untouched."""
@@ -153,8 +316,8 @@ class StructuredPairPruner(Pruner):
         stats = _to_device(stats, W.device)
         units = group.units
         n_units = int(units.columns.shape[0])
-        keep = core.num_kept(n_units, spec.sparsity, self.multiple)
-        scores = self.unit_scores(W, stats, units.columns)
+        keep = self.keep_count(group, spec)
+        scores = self.unit_scores(W, stats.sq_norms, stats.mean, units.columns)
         kept = core.select_units(scores, keep)
         pruned = core.complement(kept, n_units)
         keep_cols = core.unit_columns(units.columns, kept)
@@ -180,25 +343,48 @@ class StructuredPairPruner(Pruner):
         return report
 
     def finalize(self, model: nn.Module, adapter: Any) -> dict[str, Any]:
-        """Physically shrink the MLPs (unless ``shrink`` is off) and make added biases loadable.
+        """Physically shrink the MLPs and the attention (unless ``shrink`` is off) and make added
+        biases loadable.
 
-        Returns parameter counts before pruning and after, the new MLP width and live units per layer.
+        Returns parameter counts before pruning and after, the new MLP width and head counts, live
+        units and key/value groups per layer, and the score allocation.
         """
         before = surgery.count_parameters(model) - self._bias_params_added
+        groups_before = adapter.num_kv_heads if adapter.v_proj is not None else None
         flags = surgery.ensure_bias_format(model, adapter)
-        mlp = {"intermediate_size": None, "live_units": []}
+        mlp: dict[str, Any] = {"intermediate_size": None, "live_units": []}
+        att: dict[str, Any] = {"num_key_value_heads": None, "num_attention_heads": None, "live_groups": []}
         if self.shrink:
+            att = surgery.shrink_attention(model, adapter)
             mlp = surgery.shrink_mlp(model, adapter)
         after = surgery.count_parameters(model)
+        removed_groups = None
+        if att["live_groups"] and groups_before is not None:
+            removed_groups = groups_before - max(att["live_groups"])
         return {
             "params_before": before,
             "params_after": after,
             "nonzero_params_after": surgery.count_nonzero(model),
             "intermediate_size": mlp["intermediate_size"],
             "mlp_live_units": mlp["live_units"],
+            "num_attention_heads": att["num_attention_heads"],
+            "num_key_value_heads": att["num_key_value_heads"],
+            "attention_groups_removed": removed_groups,
+            "attention_live_groups": att["live_groups"],
             "bias_flags_enabled": flags,
-            "attention": "pruned value/output dimensions kept as exact zeros (stock shapes)",
+            "allocation": self.plan,
         }
+
+
+def _unit_cost(group: Group) -> int:
+    """Parameters one unit of a structured pair holds in one layer: its producer rows (with biases) and
+    its consumer columns."""
+    assert group.units is not None
+    cost = 0
+    for name, prod in group.producers.items():
+        cost += int(group.units.rows[name].shape[1]) * (prod.in_features + (prod.bias is not None))
+    consumer = group.linears[group.leader]
+    return cost + int(group.units.columns.shape[1]) * consumer.out_features
 
 
 def _to_device(stats: GroupStats, device: torch.device) -> GroupStats:
@@ -239,8 +425,10 @@ class FaspPruner(StructuredPairPruner):
     def config(self) -> dict[str, Any]:
         return dict(super().config(), damp=self.damp, target=self.target)
 
-    def unit_scores(self, W: torch.Tensor, stats: GroupStats, columns: torch.Tensor) -> torch.Tensor:
-        return core.fasp_scores(W, stats.sq_norms, columns)
+    def unit_scores(
+        self, W: torch.Tensor, sq_norms: torch.Tensor, mean: torch.Tensor | None, columns: torch.Tensor
+    ) -> torch.Tensor:
+        return core.fasp_scores(W, sq_norms, columns)
 
     def update(
         self, W: torch.Tensor, stats: GroupStats, keep_cols: torch.Tensor, prune_cols: torch.Tensor
@@ -254,16 +442,21 @@ class WandaStructuredPruner(StructuredPairPruner):
 
     name: ClassVar[str] = "wanda-sp"
 
-    def unit_scores(self, W: torch.Tensor, stats: GroupStats, columns: torch.Tensor) -> torch.Tensor:
-        return core.fasp_scores(W, stats.sq_norms, columns)
+    def unit_scores(
+        self, W: torch.Tensor, sq_norms: torch.Tensor, mean: torch.Tensor | None, columns: torch.Tensor
+    ) -> torch.Tensor:
+        return core.fasp_scores(W, sq_norms, columns)
 
 
 class MagnitudeStructuredPruner(StructuredPairPruner):
     """Magnitude-sp: units ranked by the norms of their consumer columns; no data used."""
 
     name: ClassVar[str] = "magnitude-sp"
+    plan_needs_data: ClassVar[bool] = False
 
-    def unit_scores(self, W: torch.Tensor, stats: GroupStats, columns: torch.Tensor) -> torch.Tensor:
+    def unit_scores(
+        self, W: torch.Tensor, sq_norms: torch.Tensor, mean: torch.Tensor | None, columns: torch.Tensor
+    ) -> torch.Tensor:
         return core.magnitude_scores(W, columns)
 
 
@@ -290,17 +483,18 @@ class FlapPruner(StructuredPairPruner):
                 )
 
     @staticmethod
-    def _mean(stats: GroupStats) -> torch.Tensor:
-        mean = stats.mean
+    def _mean(mean: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         if mean is None:
             raise LeanmlError("flap needs the calibration input means, which this engine did not provide")
-        return mean.to(stats.H.dtype)
+        return mean.to(like.dtype)
 
-    def unit_scores(self, W: torch.Tensor, stats: GroupStats, columns: torch.Tensor) -> torch.Tensor:
-        return core.flap_scores(W, stats.sq_norms, self._mean(stats), columns)
+    def unit_scores(
+        self, W: torch.Tensor, sq_norms: torch.Tensor, mean: torch.Tensor | None, columns: torch.Tensor
+    ) -> torch.Tensor:
+        return core.flap_scores(W, sq_norms, self._mean(mean, sq_norms), columns)
 
     def update(
         self, W: torch.Tensor, stats: GroupStats, keep_cols: torch.Tensor, prune_cols: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        delta = core.bias_compensation(W, self._mean(stats), prune_cols)
+        delta = core.bias_compensation(W, self._mean(stats.mean, stats.H), prune_cols)
         return core.zero_columns(W, keep_cols), delta
