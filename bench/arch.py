@@ -34,16 +34,15 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the tiny family builders are shared with the tests
+from _common import replace_block
+from leanml.models import count_parameters, decoder_linear_names
+from leanml.models.tiny import FAMILIES, tiny_family
+from leanml.prune.engine import prune_model
+from leanml.prune.masks import MaskSpec
+from leanml.prune.methods import pruner_class
+from leanml.utils import machine_info, machine_line, write_json
 
-from _common import replace_block  # noqa: E402
-from builders import FAMILIES, tiny_family  # noqa: E402
-from leanml.models import count_parameters, decoder_linear_names  # noqa: E402
-from leanml.prune.engine import prune_model  # noqa: E402
-from leanml.prune.masks import MaskSpec  # noqa: E402
-from leanml.prune.methods import pruner_class  # noqa: E402
-from leanml.utils import machine_info, machine_line, write_json  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "prune.md"
