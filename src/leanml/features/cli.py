@@ -95,6 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ge.add_argument("--files", type=int, default=1)
     ge.add_argument("--gzip", action="store_true")
     ge.add_argument("--malformed-rate", type=float, default=0.0)
+    ge.add_argument("--overwrite", action="store_true", help="replace an existing --out folder that has files")
     ge.set_defaults(func=cmd_generate)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
@@ -103,8 +104,10 @@ def _input_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph", default="movielens", help="YAML file or bundled graph name (default movielens)")
     p.add_argument("--log", action="append", help="log file: .tsv/.jsonl (optionally .gz) or .parquet; repeatable "
                                                   "(default: MovieLens-100k train log)")
-    p.add_argument("--data-dir", help="where relative table paths resolve (default: the first log's directory)")
-    p.add_argument("--table", action="append", default=[], metavar="NAME=PATH", help="override a table path")
+    p.add_argument("--data-dir", help="where the graph's relative table paths resolve (default: the first log's "
+                                      "directory)")
+    p.add_argument("--table", action="append", default=[], metavar="NAME=PATH",
+                   help="override a table path (a relative PATH is relative to the current directory)")
     p.add_argument("--batch-rows", type=int, default=8192, help="rows per chunk / training batch (default 8192)")
     p.add_argument("--threads", type=int, default=1, help="threads for the CPU ops of one level (default 1)")
     p.add_argument("--no-arena", action="store_true", help="plain allocation instead of the per-batch arena")
@@ -117,31 +120,90 @@ def _input_args(p: argparse.ArgumentParser) -> None:
 
 
 def _tables(items: list[str]) -> dict[str, str]:
+    """``NAME=PATH`` overrides; a relative PATH is taken from the current directory (as every other path)."""
     out = {}
     for it in items:
-        if "=" not in it:
+        k, sep, v = it.partition("=")
+        if not sep or not k.strip() or not v.strip():
             raise LeanmlError(f"--table {it!r}: write it as NAME=PATH")
-        k, v = it.split("=", 1)
-        out[k] = v
+        out[k.strip()] = str(Path(v).expanduser().absolute())
     return out
 
 
-def _config(args: argparse.Namespace, quarantine: Path) -> Any:
+def _at_least(value: int | float, least: int | float, flag: str) -> None:
+    if value < least:
+        raise LeanmlError(f"{flag} {value}: use a number >= {least}")
+
+
+def _hidden(spec: str) -> tuple[int, ...]:
+    try:
+        hidden = tuple(int(h) for h in spec.split(",") if h.strip())
+    except ValueError:
+        hidden = ()
+    if not hidden or min(hidden) < 1:
+        raise LeanmlError(f"--hidden {spec!r}: give MLP widths as positive integers separated by commas, e.g. 128,64")
+    return hidden
+
+
+def _check_tables(cfg: Any) -> None:
+    """Every table the graph reads exists (a --table override must name one of them)."""
+    from leanml.features.graph import FeatureGraph
+
+    graph = FeatureGraph.from_dict(cfg.graph)
+    used = {t for t in (getattr(op, "table", None) for op in graph.ops) if isinstance(t, str)}
+    known = set(graph.tables) | used
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else None
+    for name in cfg.tables:
+        if name not in known:
+            raise LeanmlError(f"--table {name}=...: graph {graph.name} has no table {name!r}; its tables are "
+                              f"{', '.join(sorted(known)) or 'none'}")
+    paths = {**graph.tables, **cfg.tables}
+    for name in sorted(used):
+        path = Path(paths.get(name, name))
+        if name in cfg.tables:
+            if not path.exists():
+                raise LeanmlError(f"table {name!r} not found at {path} (--table paths are relative to the current "
+                                  f"directory); pass --table {name}=PATH to an existing file")
+            continue
+        if not path.is_absolute() and data_dir is not None:
+            path = data_dir / path
+        if not path.exists():
+            raise LeanmlError(f"table {name!r} not found at {path}; pass --table {name}=PATH or --data-dir")
+
+
+def _config(args: argparse.Namespace, quarantine: Path) -> tuple[Any, int]:
+    """The extraction config of --graph/--log/... with every input checked; also the logs' estimated lines."""
+    from leanml.features.checks import check_logs
     from leanml.features.data import movielens_logs
+    from leanml.features.graph import load_graph
     from leanml.features.pipeline import ExtractConfig
 
+    _at_least(args.batch_rows, 1, "--batch-rows")
+    _at_least(args.threads, 1, "--threads")
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():
+        raise LeanmlError(f"--data-dir {args.data_dir} is not a folder; pass the folder that holds the tables")
+    tables = _tables(args.table)
+    graph = load_graph(args.graph)
     logs = args.log
     if not logs:
         d = movielens_logs()
         logs = [str(d / "impressions_train.tsv")]
         if getattr(args, "test_log", None) is None and hasattr(args, "test_log"):
             args.test_log = [str(d / "impressions_test.tsv")]
-    if args.batch_rows < 1:
-        raise LeanmlError("--batch-rows must be >= 1")
-    return ExtractConfig.build(args.graph, logs, data_dir=args.data_dir, tables=_tables(args.table),
-                               batch_rows=args.batch_rows, threads=args.threads, arena=not args.no_arena,
-                               quarantine=str(args.quarantine or quarantine), engine=args.reader,
-                               entity=not args.no_entity)
+    infos = check_logs(logs, graph.schema)
+    if getattr(args, "test_log", None):
+        check_logs(args.test_log, graph.schema, what="--test-log")
+    cfg = ExtractConfig.build(graph, logs, data_dir=args.data_dir, tables=tables,
+                              batch_rows=args.batch_rows, threads=args.threads, arena=not args.no_arena,
+                              quarantine=str(quarantine), engine=args.reader, entity=not args.no_entity)
+    _check_tables(cfg)
+    return cfg, sum(i.lines_estimate for i in infos)
+
+
+def _quarantine_path(args: argparse.Namespace, default: Path) -> Path:
+    from leanml.features.checks import check_file_target
+
+    return check_file_target(Path(args.quarantine) if args.quarantine else default, "--quarantine")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -161,9 +223,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_extract(args: argparse.Namespace) -> int:
     from leanml.features.twostage import extract_to_parquet
+    from leanml.utils import check_output_dir
 
-    out = Path(args.out)
-    cfg = _config(args, out.parent / f"{out.name}.quarantine.jsonl")
+    out = check_output_dir(args.out, args.overwrite)
+    quarantine = _quarantine_path(args, out.parent / f"{out.name}.quarantine.jsonl")
+    cfg, _ = _config(args, quarantine)
     report = extract_to_parquet(cfg, out, overwrite=args.overwrite, progress=True)
     _print_summary(report["extract"], report["wall_s"], report["rows"])
     print(f"wrote {report['files']} file(s) to {out} (report: {out / 'report.json'})")
@@ -171,38 +235,62 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from leanml.features.pipeline import ExtractConfig, Extractor, evaluate, run_pipelined
-    from leanml.features.twostage import train_from_parquet
+    from leanml.features.checks import check_file_target, staged_files
+    from leanml.features.pipeline import ExtractConfig, Extractor, evaluate, no_rows_message, run_pipelined
+    from leanml.features.twostage import check_features_dir, train_from_parquet
 
-    if args.epochs < 1 or args.lr <= 0 or args.dim < 1:
-        raise LeanmlError("--epochs and --dim must be >= 1 and --lr > 0")
-    torch.set_num_threads(max(1, args.train_threads))
-    report_path = Path(args.report) if args.report else cache_dir() / "features" / "train_report.json"
-    hidden = tuple(int(h) for h in args.hidden.split(",") if h.strip())
-    kw = dict(epochs=args.epochs, lr=args.lr, dim=args.dim, hidden=hidden, progress=True)
-    cfg = None
+    _at_least(args.epochs, 1, "--epochs")
+    _at_least(args.dim, 1, "--dim")
+    _at_least(args.workers, 1, "--workers")
+    _at_least(args.prefetch, 1, "--prefetch")
+    _at_least(args.train_threads, 1, "--train-threads")
+    if not args.lr > 0:
+        raise LeanmlError(f"--lr {args.lr}: use a learning rate > 0")
+    hidden = _hidden(args.hidden)
+    report_path = check_file_target(Path(args.report) if args.report else cache_dir() / "features" /
+                                    "train_report.json", "--report")
+    quarantine = _quarantine_path(args, report_path.with_name(report_path.stem + ".quarantine.jsonl"))
     if args.features:
         if args.log:
             raise LeanmlError("give either --features (Parquet from `features extract`) or --log, not both")
-        model, report = train_from_parquet(args.features, **kw)
-        report["mode"] = "two_stage_train"
-    else:
-        cfg = _config(args, report_path.with_name(report_path.stem + ".quarantine.jsonl"))
         if args.engine == "ray":
-            from leanml.features.ray_runner import run_ray
+            raise LeanmlError("--engine ray reads logs; drop it with --features")
+        rows_estimate = check_features_dir(args.features)
+        if args.test_log:
+            from leanml.features.checks import check_logs
+            from leanml.features.graph import load_graph
 
-            model, report = run_ray(cfg, quarantine_dir=str(report_path.parent / "ray_quarantine"), **kw)
+            check_logs(args.test_log, load_graph(args.graph).schema, what="--test-log")
+    torch.set_num_threads(args.train_threads)
+    kw = dict(epochs=args.epochs, lr=args.lr, dim=args.dim, hidden=hidden, progress=True)
+    cfg = None
+    with staged_files(report_path, quarantine) as (tmp_report, tmp_quarantine):
+        if args.features:
+            model, report = train_from_parquet(args.features, total_rows=rows_estimate, **kw)
+            report["mode"] = "two_stage_train"
         else:
-            model, report = run_pipelined(cfg, prefetch=args.prefetch, producer=args.producer,
-                                          workers=args.workers, plans=not args.no_plans, **kw)
-    if args.test_log:
-        tcfg = ExtractConfig.build(cfg.graph if cfg else args.graph, args.test_log,
-                                   data_dir=args.data_dir or (cfg.data_dir if cfg else None),
-                                   tables=_tables(args.table), batch_rows=args.batch_rows, engine=args.reader)
-        report["test"] = evaluate(model, Extractor(tcfg), "cuda" if torch.cuda.is_available() else "cpu")
-    report["config"] = {k: v for k, v in vars(args).items() if k != "func"}
-    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    write_json(report_path, report)
+            cfg, rows_estimate = _config(args, tmp_quarantine)
+            if args.engine == "ray":
+                from leanml.features.ray_runner import run_ray
+
+                model, report = run_ray(cfg, quarantine_dir=str(report_path.parent / "ray_quarantine"), **kw)
+            else:
+                model, report = run_pipelined(cfg, prefetch=args.prefetch, producer=args.producer,
+                                              workers=args.workers, plans=not args.no_plans,
+                                              total_rows=rows_estimate, **kw)
+            ext = report.get("extract") or {}
+            if ext.get("quarantine_file"):
+                ext["quarantine_file"] = str(quarantine)
+        if not report["rows"]:
+            raise LeanmlError(no_rows_message(report.get("extract") or {}, "train on"))
+        if args.test_log:
+            tcfg = ExtractConfig.build(cfg.graph if cfg else args.graph, args.test_log,
+                                       data_dir=args.data_dir or (cfg.data_dir if cfg else None),
+                                       tables=_tables(args.table), batch_rows=args.batch_rows, engine=args.reader)
+            report["test"] = evaluate(model, Extractor(tcfg), "cuda" if torch.cuda.is_available() else "cpu")
+        report["config"] = {k: v for k, v in vars(args).items() if k != "func"}
+        report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        write_json(tmp_report, report)
     print(f"{report['mode']}: {report['rows']} rows in {report['wall_s']:.2f} s "
           f"({report['samples_s']:.0f} samples/s), train loss {report['loss']:.4f}" if "samples_s" in report else
           f"{report['mode']}: {report['rows']} rows in {report['wall_s']:.2f} s, train loss {report['loss']:.4f}")
@@ -230,11 +318,17 @@ def _print_summary(ext: dict[str, Any], wall: float, rows: int) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from leanml.features.data import generate_logs
+    from leanml.features.checks import check_writable
+    from leanml.features.data import check_generate_target, generate_logs
 
+    _at_least(args.rows, 1, "--rows")
+    _at_least(args.files, 1, "--files")
+    if args.files > args.rows:
+        raise LeanmlError(f"--files {args.files} is more than --rows {args.rows}; use at most one file per row")
     if not 0 <= args.malformed_rate < 1:
-        raise LeanmlError("--malformed-rate must be in [0, 1)")
+        raise LeanmlError(f"--malformed-rate {args.malformed_rate}: use a share in [0, 1)")
+    check_writable(check_generate_target(args.out, args.overwrite).parent, "--out")
     out = generate_logs(args.out, args.rows, seed=args.seed, files=args.files, gz=args.gzip,
-                        malformed_rate=args.malformed_rate)
+                        malformed_rate=args.malformed_rate, overwrite=args.overwrite)
     print(f"wrote {args.rows} impressions and user/item tables to {out}")
     return 0

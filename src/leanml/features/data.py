@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from leanml.data.offline import widedeep_data_dir
 from leanml.features.readers import Schema
-from leanml.utils import LeanmlError, atomic_file, cache_dir
+from leanml.utils import LeanmlError, atomic_dir, atomic_file, cache_dir
 
 LOG_SCHEMA = Schema((("ts", "int"), ("user_id", "int"), ("item_id", "int"), ("click", "int"), ("hist", "str")))
 GENRES = ["unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
@@ -111,17 +111,41 @@ def _draw(rng: np.random.Generator, cdf: np.ndarray, perm: np.ndarray, size: int
 def generate_logs(out_dir: str | Path, rows: int, *, seed: int = 0, n_users: int | None = None,
                   n_items: int | None = None, zipf_a: float = 1.1, files: int = 1, gz: bool = False,
                   unknown_item_rate: float = 0.002, malformed_rate: float = 0.0,
-                  chunk_rows: int = 500_000, progress: bool = True) -> Path:
+                  chunk_rows: int = 500_000, progress: bool = True, overwrite: bool = False) -> Path:
     """Write a synthetic log of ``rows`` impressions (same schema as the MovieLens logs); returns the dir.
 
     IDs are drawn with ``p(rank) ~ rank**-zipf_a``; history lengths are lognormal (median ~4, long tail,
     capped at 50); ``unknown_item_rate`` of impressions name items absent from ``items.jsonl`` (the
     graph's filter drops them); ``malformed_rate`` of lines are corrupted (for quarantine tests).
+
+    The files are written into a temporary folder beside ``out_dir`` that is renamed to ``out_dir`` at
+    the end, so a set of files under ``out_dir`` is always complete. An existing ``out_dir`` that is not
+    empty is refused unless ``overwrite`` (then it is replaced as a whole, older files included).
     """
     if rows < 1 or files < 1:
         raise LeanmlError("rows and files must be >= 1")
+    out = check_generate_target(out_dir, overwrite)
+    with atomic_dir(out, overwrite=True) as tmp:
+        _generate_into(tmp, rows, seed=seed, n_users=n_users, n_items=n_items, zipf_a=zipf_a, files=files, gz=gz,
+                       unknown_item_rate=unknown_item_rate, malformed_rate=malformed_rate, chunk_rows=chunk_rows,
+                       progress=progress)
+    return out
+
+
+def check_generate_target(out_dir: str | Path, overwrite: bool) -> Path:
+    """Refuse to write generated logs over a file, or over a folder with files in it unless ``overwrite``."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise LeanmlError(f"--out {out} is a file; give a folder for the generated logs")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise LeanmlError(f"--out {out} already has files; choose an empty or new folder, or pass --overwrite "
+                          "to replace it as a whole")
+    return out
+
+
+def _generate_into(out: Path, rows: int, *, seed: int, n_users: int | None, n_items: int | None, zipf_a: float,
+                   files: int, gz: bool, unknown_item_rate: float, malformed_rate: float, chunk_rows: int,
+                   progress: bool) -> None:
     rng = np.random.default_rng(seed)
     n_users = n_users or max(1000, rows // 40)
     n_items = n_items or max(500, rows // 200)
@@ -177,7 +201,6 @@ def generate_logs(out_dir: str | Path, rows: int, *, seed: int = 0, n_users: int
                 left -= n
                 bar.update(n)
     bar.close()
-    return out
 
 
 def _corrupt(text: str, rate: float, rng: np.random.Generator) -> str:

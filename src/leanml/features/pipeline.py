@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from leanml.features.arena import Arena, NoArena
 from leanml.features.batch import FeatureBatch
@@ -40,7 +39,7 @@ from leanml.features.model import CTROptimizer, FeatureDNN, FusedEmbedding, mode
 from leanml.features.readers import LogReader, Quarantine
 from leanml.features.scheduler import ExecStats, LayerwiseExecutor
 from leanml.features.shm import SlotRef, SlotRing
-from leanml.utils import LeanmlError
+from leanml.utils import EtaBar, LeanmlError
 
 
 @dataclass
@@ -443,15 +442,26 @@ class TrainReport:
         return d
 
 
+def no_rows_message(ext: dict[str, Any], what: str) -> str:
+    """The one-line error when extraction left no row (all quarantined or filtered)."""
+    q = ext.get("quarantined") or {}
+    why = f"{sum(q.values())} quarantined ({', '.join(f'{k}={v}' for k, v in sorted(q.items()))}), " if q else ""
+    return (f"no rows to {what}: {ext.get('lines_read', 0)} lines read, {why}{ext.get('rows_read', 0)} parsed, "
+            "none left after the graph's filters; check the log and the graph (nothing was written)")
+
+
 def train_on(model: FeatureDNN, batches: Iterable[FeatureBatch], opt: CTROptimizer,
              device: torch.device | str = "cpu", progress: bool = False, total: int | None = None,
              desc: str = "train", step_hook: Callable[[int], None] | None = None) -> TrainReport:
-    """One pass of BCE training over ``batches``; separates compute time from time waiting for batches."""
+    """One pass of BCE training over ``batches``; separates compute time from time waiting for batches.
+
+    With ``progress`` and ``total`` (rows expected, may be an estimate) the estimated time of the pass is
+    printed to stderr after the first batch."""
     rep = TrainReport()
     model.train()
     loss_fn = torch.nn.BCEWithLogitsLoss()
     total_loss = 0.0
-    bar = tqdm(total=total, desc=desc, unit="row", disable=not progress, leave=False)
+    bar = EtaBar(total=total, desc=desc, unit="row", disable=not progress, leave=False)
     it = iter(batches)
     while True:
         t0 = time.perf_counter()
@@ -506,13 +516,15 @@ def evaluate(model: FeatureDNN, batches: Iterable[FeatureBatch], device: torch.d
 def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, producer: str = "process",
                   workers: int = 1, lr: float = 1e-3, seed: int = 0, model: FeatureDNN | None = None,
                   dim: int = 16, hidden: tuple[int, ...] = (128, 64), device: str | None = None,
-                  progress: bool = False, plans: bool = True) -> tuple[FeatureDNN, dict[str, Any]]:
+                  progress: bool = False, plans: bool = True,
+                  total_rows: int | None = None) -> tuple[FeatureDNN, dict[str, Any]]:
     """Stream logs through the graph straight into training; returns the model and a JSON-able report.
 
     ``producer="process"``: ``workers`` DataLoader worker processes (shared memory, ``prefetch`` batches
     each, kept across epochs); ``"thread"``: one producer thread with a queue of ``prefetch`` batches.
     With ``plans`` the producers also build every batch's lookup plan for the model's fused table
-    (``lookup_sizes``), so that part of the training step runs beside it.
+    (``lookup_sizes``), so that part of the training step runs beside it. ``total_rows`` (log lines per
+    epoch, may be an estimate) gives the progress bar its length and an estimated time after the first batch.
     """
     torch.manual_seed(seed)
     graph = FeatureGraph.from_dict(cfg.graph)
@@ -530,7 +542,8 @@ def run_pipelined(cfg: ExtractConfig, *, epochs: int = 1, prefetch: int = 2, pro
     pf = Prefetcher(cfg, depth=prefetch, mode=producer, workers=workers, persistent=epochs > 1)
     try:
         for ep in range(epochs):
-            trains.append(train_on(model, pf, opt, dev, progress=progress, desc=f"pipelined epoch {ep + 1}"))
+            trains.append(train_on(model, pf, opt, dev, progress=progress, desc=f"pipelined epoch {ep + 1}",
+                                   total=total_rows))
             reps.append(pf.report)
             handoff.update(pf.handoff)
     finally:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import gzip
 import json
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -294,6 +295,19 @@ def iter_line_chunks(fh: IO[bytes], chunk_rows: int, block_bytes: int = 1 << 22
             start, k = stop, k + take
         if k:
             pending, ends = pending[start:], ends[k:] - start
+
+
+def _checked_read(chunks: Iterator[tuple[int, bytes, np.ndarray]], path: Path
+                  ) -> Iterator[tuple[int, bytes, np.ndarray]]:
+    """``chunks``, with a truncated or corrupt compressed stream turned into a one-line error."""
+    line = 1
+    try:
+        for item in chunks:
+            line = item[0] + len(item[2])
+            yield item
+    except (EOFError, OSError, zlib.error) as exc:
+        raise LeanmlError(f"log {path} is truncated or corrupt after line {line - 1} ({exc}); "
+                          "copy or compress it again") from None
 
 
 def _split_lines(buf: bytes, ends: np.ndarray) -> list[bytes]:
@@ -603,7 +617,7 @@ class LogReader:
 
     def _lines(self, path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
         with _open_binary(path) as fh:
-            for first, buf, ends in iter_line_chunks(fh, self.chunk_rows):
+            for first, buf, ends in _checked_read(iter_line_chunks(fh, self.chunk_rows), path):
                 if fmt == "tsv":
                     yield len(ends), lambda b=buf, e=ends, f=first: parse_tsv_chunk(
                         b, e, self.schema, self.quarantine, str(path), f, self.sep, self.engine)

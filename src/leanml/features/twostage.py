@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,11 @@ import torch
 from tqdm import tqdm
 
 from leanml.features.batch import FeatureBatch, _split_ids
+from leanml.features.checks import temp_sibling
 from leanml.features.graph import FeatureGraph
 from leanml.features.model import CTROptimizer, FeatureDNN, model_for_graph
-from leanml.features.pipeline import ExtractConfig, Extractor, train_on
-from leanml.utils import LeanmlError, atomic_dir, write_json
+from leanml.features.pipeline import ExtractConfig, Extractor, no_rows_message, train_on
+from leanml.utils import LeanmlError, atomic_dir, clean_stale, write_json
 
 BATCHES_PER_FILE = 64
 
@@ -61,7 +63,26 @@ def table_to_batch(table: pa.Table, seq_names: list[str], widths: dict[str, int]
 
 def extract_to_parquet(cfg: ExtractConfig, out: str | Path, overwrite: bool = False,
                        progress: bool = False) -> dict[str, Any]:
-    """Stage 1: extract every batch and write ``part-*.parquet`` (+ ``report.json``) into ``out`` atomically."""
+    """Stage 1: extract every batch and write ``part-*.parquet`` (+ ``report.json``) into ``out`` atomically.
+
+    The quarantine file (``cfg.quarantine``) is written under a temporary name and published with the
+    folder (a stale one of an earlier run is removed when this run quarantines nothing). Raises
+    :class:`LeanmlError`, writing nothing, when no row is left to write."""
+    final_q = Path(cfg.quarantine) if cfg.quarantine else None
+    if final_q is not None:
+        final_q.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale(final_q)
+        cfg = replace(cfg, quarantine=str(temp_sibling(final_q)))
+        Path(cfg.quarantine).unlink(missing_ok=True)
+    try:
+        return _extract(cfg, out, overwrite, progress, final_q)
+    finally:
+        if final_q is not None:
+            Path(cfg.quarantine).unlink(missing_ok=True)
+
+
+def _extract(cfg: ExtractConfig, out: str | Path, overwrite: bool, progress: bool,
+             final_q: Path | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     ex = Extractor(cfg)
     graph = ex.graph
@@ -94,11 +115,44 @@ def extract_to_parquet(cfg: ExtractConfig, out: str | Path, overwrite: bool = Fa
         if writer is not None:
             writer.close()
         rep = ex.report()
+        if not rows:
+            raise LeanmlError(no_rows_message(rep.as_dict(), "extract"))
+        if final_q is not None:
+            rep.quarantine_file = str(final_q) if rep.quarantine_file else None
+            if Path(cfg.quarantine).exists():
+                Path(cfg.quarantine).replace(final_q)
+            else:
+                final_q.unlink(missing_ok=True)
         wall = time.perf_counter() - t0
         report = {"stage": "extract", "rows": rows, "files": files, "wall_s": wall, "write_s": write_s,
                   "extract_s": rep.extract_s, "extract": rep.as_dict(), "graph": graph.name}
         write_json(tmp / "report.json", report)
     return report
+
+
+def check_features_dir(features_dir: str | Path) -> int:
+    """Raise unless ``features_dir`` holds readable ``part-*.parquet`` files from :func:`extract_to_parquet`
+    with rows; returns their row count."""
+    d = Path(features_dir)
+    if not d.is_dir():
+        raise LeanmlError(f"--features {d} is not a folder; pass the --out folder of `leanml features extract`")
+    files = sorted(d.glob("part-*.parquet"))
+    if not files:
+        raise LeanmlError(f"no part-*.parquet files in {d}; run `leanml features extract` first")
+    rows = 0
+    for f in files:
+        try:
+            pf = pq.ParquetFile(f)
+            meta = pf.schema_arrow.metadata or {}
+            json.loads(meta[b"graph"])
+        except (pa.ArrowException, OSError, KeyError, ValueError) as exc:
+            raise LeanmlError(f"{f} is not a readable feature file of `leanml features extract` "
+                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                              "run the extract again") from None
+        rows += pf.metadata.num_rows
+    if not rows:
+        raise LeanmlError(f"the feature files in {d} have no rows; run `leanml features extract` on a log with rows")
+    return rows
 
 
 def read_parquet_batches(features_dir: str | Path) -> Iterator[FeatureBatch]:
@@ -126,8 +180,11 @@ def parquet_graph(features_dir: str | Path) -> tuple[FeatureGraph, dict[str, int
 
 def train_from_parquet(features_dir: str | Path, *, epochs: int = 1, lr: float = 1e-3, seed: int = 0,
                        model: FeatureDNN | None = None, dim: int = 16, hidden: tuple[int, ...] = (128, 64),
-                       device: str | None = None, progress: bool = False) -> tuple[FeatureDNN, dict[str, Any]]:
-    """Stage 2: train from the Parquet features (reading is part of the measured time)."""
+                       device: str | None = None, progress: bool = False,
+                       total_rows: int | None = None) -> tuple[FeatureDNN, dict[str, Any]]:
+    """Stage 2: train from the Parquet features (reading is part of the measured time).
+
+    ``total_rows`` (rows per epoch) gives the progress bar its length and an estimated time after the first batch."""
     torch.manual_seed(seed)
     graph, cards = parquet_graph(features_dir)
     model = model or model_for_graph(graph, dim=dim, hidden=hidden,
@@ -136,7 +193,7 @@ def train_from_parquet(features_dir: str | Path, *, epochs: int = 1, lr: float =
     model.to(dev)
     opt = CTROptimizer(model, lr=lr)
     t0 = time.perf_counter()
-    trains = [train_on(model, read_parquet_batches(features_dir), opt, dev, progress=progress,
+    trains = [train_on(model, read_parquet_batches(features_dir), opt, dev, progress=progress, total=total_rows,
                        desc=f"train epoch {e + 1}") for e in range(epochs)]
     wall = time.perf_counter() - t0
     rows = sum(t.rows for t in trains)
