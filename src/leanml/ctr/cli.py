@@ -190,6 +190,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.set_defaults(func=cmd_eval)
 
 
+def _check_visual_ids(path: Path, on_missing: str) -> None:
+    """A --visual-ids table is read (and its format checked) before any data is loaded."""
+    from leanml.ctr.content_ids.schema import read_table
+
+    if not path.is_file():
+        raise LeanmlError(f"--visual-ids {path} does not exist; write it with `leanml ctr content-ids assign`")
+    try:
+        read_table(path, on_empty=on_missing)
+    except LeanmlError:
+        raise
+    except Exception as exc:  # pyarrow's errors for a file that is not Parquet
+        raise LeanmlError(f"--visual-ids {path} is not a readable Parquet table ({str(exc).splitlines()[0]}); "
+                          "write it again with `leanml ctr content-ids assign`") from None
+
+
+def _check_content_args(args: argparse.Namespace) -> None:
+    """The content-ID options are checked before the (long) fit: the same checks as the fit's config."""
+    from leanml.ctr.content_ids.trainer import ContentIDConfig
+
+    if args.content_epochs is not None and args.content_epochs < 1:
+        raise LeanmlError(f"--content-epochs {args.content_epochs}: use at least 1")
+    if args.m < 1 or args.dim < 1 or args.norm_groups < 0:
+        raise LeanmlError(f"--M {args.m}, --dim {args.dim}: use numbers >= 1 (and --norm-groups >= 0)")
+    cfg = ContentIDConfig(kind="cnn")
+    for key, value in _content_overrides(args).items():
+        setattr(cfg, key, value)
+    cfg.validate()
+
+
 def _load_data(name: str, seed: int):  # noqa: ANN202 - CTRData, imported lazily
     from leanml.ctr.data import load_dataset
 
@@ -206,6 +235,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     from leanml.utils import check_output_dir
 
     check_output_dir(args.out, args.overwrite)
+    _check_content_args(args)
     with Timer() as t:
         if args.data:
             data = _load_data(args.data, args.seed)
@@ -284,26 +314,34 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     from leanml.utils import check_output_dir
 
+    # every option and input is checked before any data is loaded or content IDs are fitted
     check_output_dir(args.out, args.overwrite)
     features = parse_features(args.features)
-    # options are checked before any data is loaded or content IDs are fitted
     cfg = CTRConfig(model=args.model, features=features, embed_dim=args.embed_dim, epochs=args.epochs,
                     lr=args.lr, id_dropout=args.id_dropout, visual_fields=args.visual_fields,
                     codeword_vector=args.codeword_vector, content_tower=args.content_tower,
                     id_mode=args.id_mode, seed=args.seed)
+    content_model = None
+    if args.visual_ids is not None:
+        if "raw" in features:
+            raise LeanmlError("--visual-ids carries IDs only; drop 'raw' from --features or use --content-ids")
+        _check_visual_ids(args.visual_ids, args.on_missing)
+    elif features != "id":
+        if args.content_ids is not None:
+            content_model = load_content_model(args.content_ids)
+        else:
+            _check_content_args(args)
     data = _load_data(args.data, args.seed)
     items, extra = None, {}
     with Timer() as t:
         if args.visual_ids is not None:
-            if "raw" in features:
-                raise LeanmlError("--visual-ids carries IDs only; drop 'raw' from --features or use --content-ids")
             items, data, info = items_from_table(data, args.visual_ids, on_missing=args.on_missing)
             extra["visual_table"] = info
             print(f"visual IDs from {args.visual_ids}: {info['ads_missing']} ads missing, "
                   f"{info['rows_dropped_train']} train / {info['rows_dropped_test']} test rows dropped")
         elif features != "id":
-            if args.content_ids is not None:
-                model = load_content_model(args.content_ids)
+            if content_model is not None:
+                model = content_model
                 extra["content_ids"] = str(args.content_ids)
             else:
                 model, cid_report = fit_dataset_content_ids(data, content_config_for(data, **_content_overrides(args)))
@@ -321,16 +359,23 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     _set_threads(args)
-    import json
+    from leanml.ctr.train import evaluate_run, items_from_table, load_ctr_run, read_run_report, run_config
+    from leanml.utils import check_writable
 
-    from leanml.ctr.train import evaluate_run, items_from_table, load_ctr_run
-
-    report_path = args.run / "report.json"
-    if not report_path.exists():
-        raise LeanmlError(f"{args.run} has no report.json; pass a folder written by `leanml ctr train --out`")
-    saved = json.loads(report_path.read_text())
+    if not args.run.is_dir():
+        raise LeanmlError(f"--run {args.run} is not a folder; pass a folder written by `leanml ctr train --out`")
+    saved = read_run_report(args.run)
+    run_config(saved, args.run)
+    for name in ("model.safetensors", "fields.npz"):
+        if not (args.run / name).is_file():
+            raise LeanmlError(f"{args.run} has no {name}; pass a complete folder written by `leanml ctr train --out`")
     data_args = saved.get("data_args", {"name": "fashion", "seed": 0})
-    data = _load_data(data_args["name"], data_args["seed"])
+    if not isinstance(data_args, dict) or data_args.get("name") not in DATASETS \
+            or not isinstance(data_args.get("seed", 0), int):
+        raise LeanmlError(f"{args.run / 'report.json'} names no known dataset (data_args {data_args!r}); "
+                          "the run folder is damaged: train it again")
+    check_writable(args.run, "--run")
+    data = _load_data(data_args["name"], data_args.get("seed", 0))
     if "visual_table" in saved:
         _, data, _ = items_from_table(data, saved["visual_table"]["table"], on_missing=data_args.get("on_missing", "error"))
     model, builder, _ = load_ctr_run(args.run, data)

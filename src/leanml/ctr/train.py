@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from leanml.ctr.content_ids.quantizer import usage_stats
 from leanml.ctr.content_ids.schema import global_ids
@@ -56,8 +56,8 @@ from leanml.ctr.content_ids.trainer import (
 )
 from leanml.ctr.data import CTRData
 from leanml.ctr.metrics import ctr_metrics
-from leanml.ctr.models import CTRModel, FieldSpec, build_model
-from leanml.utils import LeanmlError, atomic_dir, cache_dir, default_device, write_json
+from leanml.ctr.models import MODELS, CTRModel, FieldSpec, build_model
+from leanml.utils import EtaBar, LeanmlError, atomic_dir, cache_dir, default_device, write_json
 
 FEATURE_ORDER = ("id", "raw", "visual")
 
@@ -122,6 +122,7 @@ def content_config_for(data: CTRData, **overrides: Any) -> ContentIDConfig:
         if not hasattr(cfg, key):
             raise LeanmlError(f"unknown content-ID option {key!r}")
         setattr(cfg, key, value)
+    cfg.validate()  # the overrides are checked before any fit
     return cfg
 
 
@@ -190,8 +191,16 @@ class CTRConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.model.lower() not in MODELS:
+            raise LeanmlError(f"unknown CTR model {self.model!r}; choose one of {', '.join(sorted(MODELS))}")
+        if self.epochs < 1:
+            raise LeanmlError(f"epochs={self.epochs}: train for at least 1 epoch (--epochs 1 or more)")
+        if self.embed_dim < 1 or self.batch_size < 1:
+            raise LeanmlError(f"embed_dim={self.embed_dim} and batch_size={self.batch_size} must be >= 1")
         if self.lr is None:
             self.lr = DEFAULT_LR.get(self.model.lower(), 5e-3)
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise LeanmlError(f"lr={self.lr}: use a learning rate > 0 (--lr)")
         if self.visual_fields not in VISUAL_FIELDS:
             raise LeanmlError(f"visual_fields {self.visual_fields!r}: use one of {', '.join(VISUAL_FIELDS)}")
         if self.visual_fields == "none" and not self.codeword_vector:
@@ -365,7 +374,8 @@ def train_ctr_model(
     n = len(labels)
     history = []
     steps = (n + config.batch_size - 1) // config.batch_size
-    bar = tqdm(total=config.epochs * steps, desc=f"{config.model} {config.features}", disable=not progress, leave=False)
+    bar = EtaBar(total=config.epochs * steps, desc=f"{config.model} {config.features}", unit="batch",
+                 disable=not progress, leave=False)
     for _ in range(config.epochs):
         perm = torch.randperm(n, generator=gen)
         total = 0.0
@@ -522,10 +532,14 @@ def load_ctr_run(path: str | Path, data: CTRData) -> tuple[CTRModel, FieldBuilde
     if not (path / "report.json").exists() or not (path / "model.safetensors").exists() \
             or not (path / "fields.npz").exists():
         raise LeanmlError(f"{path} is not a CTR run folder; create one with `leanml ctr train --out DIR`")
-    report = json.loads((path / "report.json").read_text())
-    cfg = CTRConfig(**report["config"])
-    npz = np.load(path / "fields.npz")
-    item_sparse = {k[len("sparse__"):]: npz[k] for k in npz.files if k.startswith("sparse__")}
+    report = read_run_report(path)
+    cfg = run_config(report, path)
+    try:
+        npz = np.load(path / "fields.npz")
+        item_sparse = {k[len("sparse__"):]: npz[k] for k in npz.files if k.startswith("sparse__")}
+        npz["user_index"]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
+        raise LeanmlError(f"{path / 'fields.npz'} is damaged ({exc}); train the run again") from None
     if any(len(v) != data.n_items for v in item_sparse.values()) or len(npz["user_index"]) != data.n_users:
         raise LeanmlError(f"run {path} was trained on other items or users than this data; evaluate with the "
                           "dataset and seed it was trained on")
@@ -534,8 +548,36 @@ def load_ctr_run(path: str | Path, data: CTRData) -> tuple[CTRModel, FieldBuilde
     state = {"user_index": npz["user_index"], "item_sparse": item_sparse, "specs": report["fields"]}
     builder = FieldBuilder(None, items, cfg, state=state)
     model = build_ctr_model(cfg, builder)
-    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    try:
+        model.load_state_dict(load_file(str(path / "model.safetensors")))
+    except Exception as exc:  # safetensors' own error types, a truncated file, shapes that do not match
+        raise LeanmlError(f"{path / 'model.safetensors'} cannot be loaded ({str(exc).splitlines()[0]}); "
+                          "train the run again") from None
     return model.eval(), builder, report
+
+
+def read_run_report(path: str | Path) -> dict[str, Any]:
+    """``report.json`` of a run folder, checked: valid JSON with the keys evaluation needs."""
+    path = Path(path)
+    file = path / "report.json"
+    if not file.is_file():
+        raise LeanmlError(f"{path} has no report.json; pass a folder written by `leanml ctr train --out`")
+    try:
+        report = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LeanmlError(f"{file} is not valid JSON ({exc}); the run folder is damaged: train it again") from None
+    if not isinstance(report, dict) or not isinstance(report.get("config"), dict) or "fields" not in report:
+        raise LeanmlError(f"{file} lacks the run's config or fields; the run folder is damaged: train it again")
+    return report
+
+
+def run_config(report: dict[str, Any], path: str | Path) -> CTRConfig:
+    """The :class:`CTRConfig` a run report records (a damaged one is a one-line error)."""
+    try:
+        return CTRConfig(**report["config"])
+    except (TypeError, AttributeError) as exc:
+        raise LeanmlError(f"{Path(path) / 'report.json'} has a config this version cannot read ({exc}); "
+                          "train the run again") from None
 
 
 def evaluate_run(model: CTRModel, builder: FieldBuilder, data: CTRData) -> dict[str, float]:
