@@ -227,8 +227,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
     out = check_output_dir(args.out, args.overwrite)
     quarantine = _quarantine_path(args, out.parent / f"{out.name}.quarantine.jsonl")
-    cfg, _ = _config(args, quarantine)
-    report = extract_to_parquet(cfg, out, overwrite=args.overwrite, progress=True)
+    cfg, rows_estimate = _config(args, quarantine)
+    report = extract_to_parquet(cfg, out, overwrite=args.overwrite, progress=True, total_rows=rows_estimate)
     _print_summary(report["extract"], report["wall_s"], report["rows"])
     print(f"wrote {report['files']} file(s) to {out} (report: {out / 'report.json'})")
     return 0

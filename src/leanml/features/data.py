@@ -22,11 +22,10 @@ from typing import IO
 
 import numpy as np
 import pandas as pd
-from tqdm import tqdm
 
 from leanml.data.offline import widedeep_data_dir
 from leanml.features.readers import Schema
-from leanml.utils import LeanmlError, atomic_dir, atomic_file, cache_dir
+from leanml.utils import EtaBar, LeanmlError, atomic_dir, atomic_file, cache_dir
 
 LOG_SCHEMA = Schema((("ts", "int"), ("user_id", "int"), ("item_id", "int"), ("click", "int"), ("hist", "str")))
 GENRES = ["unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
@@ -175,7 +174,7 @@ def _generate_into(out: Path, rows: int, *, seed: int, n_users: int | None, n_it
     per_file = -(-rows // files)
     ts0 = 1_600_000_000
     written = 0
-    bar = tqdm(total=rows, desc="generate logs", unit="row", disable=not progress)
+    bar = EtaBar(total=rows, desc="generate logs", unit="row", disable=not progress)
     for f in range(files):
         path = out / f"impressions_{f:03d}{suffix}"
         with atomic_file(path) as tmp, _open_text(tmp, gz) as fh:

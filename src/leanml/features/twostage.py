@@ -16,14 +16,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from tqdm import tqdm
 
 from leanml.features.batch import FeatureBatch, _split_ids
 from leanml.features.checks import temp_sibling
 from leanml.features.graph import FeatureGraph
 from leanml.features.model import CTROptimizer, FeatureDNN, model_for_graph
 from leanml.features.pipeline import ExtractConfig, Extractor, no_rows_message, train_on
-from leanml.utils import LeanmlError, atomic_dir, clean_stale, write_json
+from leanml.utils import EtaBar, LeanmlError, atomic_dir, clean_stale, write_json
 
 BATCHES_PER_FILE = 64
 
@@ -62,12 +61,13 @@ def table_to_batch(table: pa.Table, seq_names: list[str], widths: dict[str, int]
 
 
 def extract_to_parquet(cfg: ExtractConfig, out: str | Path, overwrite: bool = False,
-                       progress: bool = False) -> dict[str, Any]:
+                       progress: bool = False, total_rows: int | None = None) -> dict[str, Any]:
     """Stage 1: extract every batch and write ``part-*.parquet`` (+ ``report.json``) into ``out`` atomically.
 
     The quarantine file (``cfg.quarantine``) is written under a temporary name and published with the
     folder (a stale one of an earlier run is removed when this run quarantines nothing). Raises
-    :class:`LeanmlError`, writing nothing, when no row is left to write."""
+    :class:`LeanmlError`, writing nothing, when no row is left to write. ``total_rows`` (log lines, may be
+    an estimate) gives the progress bar its length and an estimated time after the first batch."""
     final_q = Path(cfg.quarantine) if cfg.quarantine else None
     if final_q is not None:
         final_q.parent.mkdir(parents=True, exist_ok=True)
@@ -75,14 +75,14 @@ def extract_to_parquet(cfg: ExtractConfig, out: str | Path, overwrite: bool = Fa
         cfg = replace(cfg, quarantine=str(temp_sibling(final_q)))
         Path(cfg.quarantine).unlink(missing_ok=True)
     try:
-        return _extract(cfg, out, overwrite, progress, final_q)
+        return _extract(cfg, out, overwrite, progress, final_q, total_rows)
     finally:
         if final_q is not None:
             Path(cfg.quarantine).unlink(missing_ok=True)
 
 
 def _extract(cfg: ExtractConfig, out: str | Path, overwrite: bool, progress: bool,
-             final_q: Path | None) -> dict[str, Any]:
+             final_q: Path | None, total_rows: int | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     ex = Extractor(cfg)
     graph = ex.graph
@@ -95,7 +95,7 @@ def _extract(cfg: ExtractConfig, out: str | Path, overwrite: bool, progress: boo
     with atomic_dir(out, overwrite=overwrite) as tmp:
         writer = None
         in_file = 0
-        bar = tqdm(desc="extract", unit="row", disable=not progress, leave=False)
+        bar = EtaBar(total=total_rows, desc="extract", unit="row", disable=not progress, leave=False)
         for batch in ex:
             tw = time.perf_counter()
             table = batch_to_table(batch, seq_names)
