@@ -184,3 +184,42 @@ def test_train_killed_then_clean_rerun_has_no_stale_quarantine(tmp_path) -> None
     records = quarantine.read_text().splitlines()
     assert rep["extract"]["quarantine_file"] == str(quarantine)
     assert sum(rep["extract"]["quarantined"].values()) == len(records) > 0
+
+
+def _mutate(data: bytes, rng) -> tuple[str, bytes]:
+    """One random damage of a log: cut anywhere, random bytes spliced in, a line's tabs lost, or gzip cut."""
+    kind = rng.choice(["cut", "splice", "untab", "gzip_cut"])
+    at = int(rng.integers(1, len(data)))
+    if kind == "cut":
+        return f"{kind}@{at}.tsv", data[:at]
+    if kind == "splice":
+        return f"{kind}@{at}.tsv", data[:at] + rng.integers(0, 256, 40, dtype="uint8").tobytes() + data[at:]
+    if kind == "untab":
+        start = data.rfind(b"\n", 0, at) + 1
+        end = data.find(b"\n", at)
+        return f"{kind}@{at}.tsv", data[:start] + data[start:end].replace(b"\t", b" ") + data[end:]
+    packed = gzip.compress(data)
+    return f"{kind}@{at}.tsv.gz", packed[: int(rng.integers(10, len(packed) - 1))]
+
+
+def test_fuzzed_logs_train_or_fail_in_one_line(tmp_path) -> None:
+    import numpy as np
+
+    logs = tmp_path / "logs"
+    generate_logs(logs, 300, seed=3, progress=False)
+    data = (logs / "impressions_000.tsv").read_bytes()
+    rng = np.random.default_rng(0)
+    for k in range(8):
+        name, damaged = _mutate(data, rng)
+        log = logs / f"{k}-{name}"
+        log.write_bytes(damaged)
+        report = tmp_path / f"r{k}.json"
+        res = run_cli(["features", "train", "--producer", "thread", "--batch-rows", "128", "--dim", "4",
+                       "--hidden", "8", "--log", log, "--report", report], cwd=tmp_path)
+        assert res.code in (0, 2), f"{name}: {res}"
+        assert "Traceback" not in res.stderr, f"{name}: {res}"
+        if res.code == 2:
+            assert len(res.error_lines) == 1 and not report.exists(), f"{name}: {res}"
+            continue
+        ext = json.loads(report.read_text())["extract"]  # every line is a row or a quarantine record
+        assert ext["rows_read"] + sum(ext["quarantined"].values()) == ext["lines_read"], f"{name}: {ext}"
