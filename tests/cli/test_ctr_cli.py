@@ -50,6 +50,9 @@ CASES = [
          ("report.json", "config"), _run_folder('{"metrics": {}}')),
     Case("eval_report_unknown_option", lambda d, s: ["ctr", "eval", "--run", str(d / "run")],
          ("report.json", "config"), _run_folder(json.dumps({"config": {**GOOD_CONFIG, "colour": 1}, "fields": []}))),
+    Case("assign_readonly_out", lambda d, s: ["ctr", "content-ids", "assign", "--model", str(d / "cid"), "--data",
+                                              "fashion", "--out", str(readonly_dir(d / "ro") / "ids.parquet")],
+         ("--out",), lambda d, s: readonly_dir(d / "ro") and None),
     Case("eval_missing_run", lambda d, s: ["ctr", "eval", "--run", str(d / "nope")], ("--run",)),
 ]
 

@@ -271,7 +271,11 @@ def cmd_assign(args: argparse.Namespace) -> int:
     from leanml.ctr.content_ids.schema import SCHEMA_VERSION
     from leanml.ctr.content_ids.trainer import load_content_model
     from leanml.ctr.data import load_ad_folder
+    from leanml.utils import check_writable
 
+    if args.out.is_dir():
+        raise LeanmlError(f"--out {args.out} is a folder; give the Parquet file to write, e.g. ids.parquet")
+    check_writable(args.out.parent, "--out")
     model = load_content_model(args.model)
     skipped: list[dict[str, str]] = []
     if args.data:
