@@ -38,6 +38,13 @@ def _filled_out(d: Path, shared: Path) -> None:
     (d / "gen" / "impressions_000.tsv").write_text((shared / LOG).read_text())
 
 
+def _narrow_parquet(d: Path, shared: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"ts": [1, 2], "user_id": [3, 4], "click": [0, 1]}), d / "narrow.parquet")
+
+
 def _readonly(d: Path, shared: Path) -> None:
     readonly_dir(d / "ro")
 
@@ -75,6 +82,8 @@ CASES = [
          ("none of its first", "bad_int"), _write("m.tsv", "a\tb\tc\td\te\nx\ty\tz\tw\tv\n")),
     Case("jsonl_missing_columns", lambda d, s: [*_train()(d, s), "--log", str(d / "few.jsonl")],
          ("item_id, click, hist",), _write("few.jsonl", '{"ts": 1, "user_id": 2}\n')),
+    Case("parquet_missing_columns", lambda d, s: ["features", "extract", "--log", str(d / "narrow.parquet"),
+                                                  "--out", str(d / "out")], ("item_id, hist",), _narrow_parquet),
     Case("tsv_too_few_fields", lambda d, s: [*_train()(d, s), "--log", str(d / "n.tsv")],
          ("2 tab-separated fields", "needs 5"), _write("n.tsv", "1\t2\n3\t4\n")),
     Case("readonly_extract_out", lambda d, s: ["features", "extract", *_log(d, s), "--out", str(_ro(d) / "out")],
@@ -223,3 +232,23 @@ def test_fuzzed_logs_train_or_fail_in_one_line(tmp_path) -> None:
             continue
         ext = json.loads(report.read_text())["extract"]  # every line is a row or a quarantine record
         assert ext["rows_read"] + sum(ext["quarantined"].values()) == ext["lines_read"], f"{name}: {ext}"
+
+
+def test_gzip_damage_past_the_upfront_check_is_one_line(tmp_path, monkeypatch) -> None:
+    """A .gz log too large to check up front and cut short fails, when the reader reaches the cut, with a
+    LeanmlError naming the file and the last line read (so a worker passes it on as one line)."""
+    from leanml.features import checks
+    from leanml.features.data import LOG_SCHEMA
+    from leanml.features.readers import LogReader
+    from leanml.utils import LeanmlError
+
+    generate_logs(tmp_path / "g", 3000, seed=4, progress=False)
+    packed = gzip.compress((tmp_path / "g" / "impressions_000.tsv").read_bytes())
+    log = tmp_path / "cut.tsv.gz"
+    log.write_bytes(packed[: len(packed) // 2])
+    monkeypatch.setattr(checks, "GZIP_FULL_CHECK_BYTES", 100)
+    info = checks.check_log(log, LOG_SCHEMA)  # only the head is read: the cut is not seen yet
+    assert info.fmt == "tsv" and info.lines_estimate > 0
+    with pytest.raises(LeanmlError, match=r"cut\.tsv\.gz is truncated or corrupt after line \d+"):
+        for _ in LogReader([log], LOG_SCHEMA, chunk_rows=100):
+            pass
