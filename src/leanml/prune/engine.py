@@ -1061,6 +1061,7 @@ def prune_model(
     layer_reports: list[dict[str, Any]] = []
     state_path = ckpt / "state.pt" if ckpt else None
     seconds_before = 0.0  # wall seconds the interrupted runs spent, when resuming
+    prepare_seconds = 0.0  # a method's own pass over the whole model before the walk (FASP's allocation)
     if state_path is not None and state_path.exists():
         state = torch.load(state_path, weights_only=False)
         if state.get("fingerprint") != _fingerprint(meta):
@@ -1080,9 +1081,12 @@ def prune_model(
         from leanml.models.layerwise import outer_on
 
         if layer_store is None and pruner.structured:  # structured methods' allocation pre-pass (dense model)
+            t = time.perf_counter()
             pruner.prepare(  # type: ignore[attr-defined]
                 model, adapter, calib_ids, batch_size=batch_size, device=device, spec=spec,
                            progress=progress)
+            _sync(device)
+            prepare_seconds = time.perf_counter() - t
         t = time.perf_counter()
         if layer_store is not None:
             layer_store.load_outer(model)
@@ -1157,7 +1161,7 @@ def prune_model(
     _sync(device)
     # over every layer, the ones pruned before a resume included
     prune_seconds = seconds_before + time.perf_counter() - t_start
-    solver_seconds = sum(lay.get("solver_seconds", 0.0) for lay in layer_reports)
+    solver_seconds = prepare_seconds + sum(lay.get("solver_seconds", 0.0) for lay in layer_reports)
     return {
         "engine": {
             "sequential": sequential,
@@ -1167,6 +1171,7 @@ def prune_model(
             "resumed_from_layer": start_layer,
             "dense_stream": keep_dense,
             "capture_seconds": capture_seconds,
+            "prepare_seconds": prepare_seconds,
             "stream_device": str(place.home),
             "checkpoint_interval": checkpoint_interval if ckpt is not None else None,
         },
