@@ -235,7 +235,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from leanml.features.checks import check_file_target, staged_files
+    from leanml.features.checks import check_file_target, staged_files, temp_sibling
     from leanml.features.pipeline import ExtractConfig, Extractor, evaluate, no_rows_message, run_pipelined
     from leanml.features.twostage import check_features_dir, train_from_parquet
 
@@ -261,15 +261,16 @@ def cmd_train(args: argparse.Namespace) -> int:
             from leanml.features.graph import load_graph
 
             check_logs(args.test_log, load_graph(args.graph).schema, what="--test-log")
+        cfg = None
+    else:  # quarantine records go to the temporary name staged_files publishes
+        cfg, rows_estimate = _config(args, temp_sibling(quarantine))
     torch.set_num_threads(args.train_threads)
     kw = dict(epochs=args.epochs, lr=args.lr, dim=args.dim, hidden=hidden, progress=True)
-    cfg = None
-    with staged_files(report_path, quarantine) as (tmp_report, tmp_quarantine):
-        if args.features:
+    with staged_files(report_path, quarantine) as (tmp_report, _):
+        if cfg is None:
             model, report = train_from_parquet(args.features, total_rows=rows_estimate, **kw)
             report["mode"] = "two_stage_train"
         else:
-            cfg, rows_estimate = _config(args, tmp_quarantine)
             if args.engine == "ray":
                 from leanml.features.ray_runner import run_ray
 
