@@ -179,6 +179,17 @@ def read_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = None) -
     return state
 
 
+def _no_init() -> Any:
+    """transformers' context that skips weight initialisation (its module moved between versions)."""
+    import contextlib
+    import importlib
+
+    for module in ("transformers.initialization", "transformers.modeling_utils"):
+        with contextlib.suppress(ImportError, AttributeError):
+            return importlib.import_module(module).no_init_weights()
+    return contextlib.nullcontext()
+
+
 def load_compressed(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
     """A model saved by :func:`save_compressed` (or by compressed-tensors <= 0.14 in this format), unpacked."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -187,7 +198,8 @@ def load_compressed(path: str | os.PathLike, dtype: torch.dtype | None = None) -
     for key in ("quantization_config", CONFIG_KEY):
         if hasattr(config, key):
             delattr(config, key)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with _no_init():  # every weight is overwritten below: skip the random initialisation
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = read_state_dict(path, dtype=dtype)
     result = model.load_state_dict(state, strict=False)
     tied = {k for k in result.missing_keys if getattr(config, "tie_word_embeddings", False) and "lm_head" in k}
