@@ -77,6 +77,15 @@ def _model_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
 def _forward_params(model: nn.Module) -> set[str]:
     import inspect
 
@@ -159,8 +168,8 @@ def measure_speeds(
         raise LeanmlError("no models to measure")
     devices = {}
     for name, m in models.items():
-        if device is not None:
-            m.to(device)
+        if device is not None and not _same_device(_model_device(m), torch.device(device)):
+            m.to(device)  # (a model already there is left alone: tensor subclasses may not support .to)
         devices[name] = _model_device(m)
         m.eval()
     vocab = min(int(getattr(m.config, "vocab_size", 32000)) for m in models.values())
