@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from _common import replace_block
 from leanml.cli import main as leanml_main
 from leanml.eval.speed import dir_size_bytes
 from leanml.models import bundled_dir, decoder_linear_names, load_model
@@ -40,6 +41,7 @@ from leanml.models.compressed import decompress_dir
 from leanml.utils import atomic_file, machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "prune.md"
 
 
 def _label(s: str) -> str:
@@ -116,7 +118,8 @@ def run_one(spec: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     return rec
 
 
-def write_outputs(records: list[dict[str, Any]], unpruned: int, args: argparse.Namespace, out: Path) -> None:
+def write_outputs(records: list[dict[str, Any]], unpruned: int, args: argparse.Namespace, out: Path) -> list[str]:
+    """Write ``export.md`` and ``export.json``; returns the Markdown lines."""
     out.mkdir(parents=True, exist_ok=True)
     command = ("python bench/export.py " + " ".join(sys.argv[1:])).strip()
     lines = [
@@ -149,6 +152,7 @@ def write_outputs(records: list[dict[str, Any]], unpruned: int, args: argparse.N
         tmp.write_text("\n".join(lines))
     write_json(out / "export.json", {"machine": machine_info(), "command": command, "unpruned_bytes": unpruned,
                                      "repeats": args.repeats, "records": records})
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             print({k: records[-1][k] for k in ("sparsity", "measured_sparsity", "compressed_bytes", "dense_bytes",
                                                 "ratio", "linears_ratio", "reload_compressed_s", "reload_dense_plain_s",
                                                 "ready_compressed_s", "ready_dense_plain_s")}, flush=True)
-            write_outputs(records, unpruned, args, Path(args.out))
-    print((Path(args.out) / "export.md").read_text())
+            lines = write_outputs(records, unpruned, args, Path(args.out))
+    if Path(args.out).resolve() == RESULTS:  # the docs quote the records' table
+        replace_block(DOCS, "export", "\n" + "\n".join(lines[2:]) + "\n")
+    print("\n".join(lines))
     return 0
 
 
