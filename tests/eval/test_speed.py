@@ -123,3 +123,4 @@ def test_speed_command_writes_a_report(tmp_path, capsys):
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and len(r["decode_runs_s"]) == 2
     assert "prefill tok/s" in capsys.readouterr().out
     assert main(["speed", "--model", str(tmp_path / "a"), "--repeats", "0", "--json", str(out)]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
