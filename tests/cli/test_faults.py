@@ -82,6 +82,10 @@ def test_sigterm_and_ctrl_c_print_the_same_resume_line_and_the_run_resumes(deep_
         assert not out.exists() and not list(tmp_path.glob(".out.*"))
         if sig == signal.SIGINT:
             break
+        # other settings: the message names fixes that the next checks accept (not "run without --resume")
+        result = run_cli([*again, "--seed", "1"], timeout=300)
+        line = assert_user_error(result, "other settings", "--resume", "delete", before_work=False)
+        assert "without --resume" not in line
         result = run_cli(again, timeout=300)
         assert result.code == 0, str(result)
         assert (out / "report.json").is_file() and not (tmp_path / "out.ckpt").exists()
