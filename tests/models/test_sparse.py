@@ -13,6 +13,7 @@ from builders import tiny_family
 from leanml.models import load_model, save_model
 from leanml.models.sparse import (
     check_24,
+    check_sparse_kernels,
     decoder_linears,
     kernel_support,
     min_shape,
@@ -128,3 +129,35 @@ def test_loader_option(tmp_path):
     save_model(tiny_family("llama"), tok, tmp_path / "dense")
     with pytest.raises(LeanmlError, match="not 2:4"):
         load_model(str(tmp_path / "dense"), sparse_kernels=True)
+
+
+def test_backend_probe_takes_the_first_that_computes_the_right_product(monkeypatch):
+    import leanml.models.sparse as sp
+
+    def converter(backend):
+        if backend == "cusparselt":
+            def fail(w):
+                raise RuntimeError("cuSPARSELt not supported\nsecond line")
+            return fail
+        return lambda w: w.to_sparse_csr()
+
+    monkeypatch.setattr(sp, "_converter", converter)
+    monkeypatch.setattr(sp, "backend_name", lambda backend=None: backend or "cusparselt")
+    assert sp.working_backend(torch.device("cpu"), torch.float32) == ("cutlass", ["cusparselt: cuSPARSELt not supported"])
+    assert sp.probe_backend("cutlass", torch.device("cpu"), torch.float32) is None
+    monkeypatch.setattr(sp, "_converter", lambda backend: lambda w: (2 * w).to_sparse_csr())  # a wrong product
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
+    with pytest.raises(LeanmlError, match=r"no semi-structured sparse kernel works on FakeGPU .*product off by"):
+        sp.working_backend(torch.device("cpu"), torch.float32)
+
+
+def test_check_sparse_kernels_compares_with_the_dense_model():
+    model = mask_24(tiny_family("llama"))
+    before = model.model.layers[0].mlp.up_proj.weight.clone()
+    good = check_sparse_kernels(model, device="cpu", dtype=torch.float32, backend="cutlass",
+                                converter=lambda w: w.to_sparse_csr())
+    assert good["ok"] and good["converted"] == 14 and good["max_abs_diff_vs_dense"] < 1e-4
+    bad = check_sparse_kernels(model, device="cpu", dtype=torch.float32, backend="cutlass",
+                               converter=lambda w: (w * 1.01).to_sparse_csr())  # a kernel 1 % off
+    assert not bad["ok"] and bad["max_abs_err_sparse"] > 10 * good["max_abs_err_sparse"]
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, before)  # the model itself is untouched

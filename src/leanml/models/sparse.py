@@ -123,6 +123,39 @@ def _converter(backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return cls.from_dense
 
 
+def probe_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run one small 2:4 matrix product through ``backend`` and compare it with the dense product:
+    ``None`` when it works, else why not (one line)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 128, generator=g)
+    w[:, 0::4] = 0
+    w[:, 1::4] = 0
+    w = w.to(device=device, dtype=dtype)
+    x = torch.randn(16, 128, generator=g).to(device=device, dtype=dtype)
+    try:
+        out = torch.nn.functional.linear(x, _converter(backend)(w))
+        ref = torch.nn.functional.linear(x, w)
+        err = (out.float() - ref.float()).abs().max().item()
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"{backend}: {str(exc).splitlines()[0][:200]}"
+    scale = ref.float().abs().max().item()
+    return None if err <= 0.02 * scale else f"{backend}: product off by {err:.3g} (scale {scale:.3g})"
+
+
+def working_backend(device: torch.device, dtype: torch.dtype, backend: str | None = None) -> tuple[str, list[str]]:
+    """The asked-for backend, or (``None``) the first of cuSPARSELt (when torch has it) and CUTLASS whose
+    probe product works; with the failed probes' messages. One-line :class:`LeanmlError` if none works."""
+    order = [backend_name(backend)] if backend else list(dict.fromkeys([backend_name(), "cutlass"]))
+    failures = []
+    for name in order:
+        why = probe_backend(name, device, dtype)
+        if why is None:
+            return name, failures
+        failures.append(why)
+    raise LeanmlError(f"no semi-structured sparse kernel works on {torch.cuda.get_device_name(device)} with this torch "
+                      f"({torch.__version__}): {'; '.join(failures)}; load without sparse kernels")
+
+
 def to_sparse_kernels(
     model: nn.Module,
     backend: str | None = None,
@@ -132,7 +165,8 @@ def to_sparse_kernels(
     """Put every 2:4 decoder linear of ``model`` on semi-structured sparse kernels, in place.
 
     The model must already be on its device and in float16/bfloat16. ``backend``: ``"cusparselt"`` or
-    ``"cutlass"`` (default: cuSPARSELt when torch has it). ``converter`` replaces torch's conversion
+    ``"cutlass"`` (default: the first of cuSPARSELt, when torch has it, and CUTLASS whose probe product
+    on a small matrix works; ``probe`` in the report lists the failed ones). ``converter`` replaces torch's conversion
     (a weight to the tensor that takes its place) and skips the device and dtype checks; tests use it
     on the CPU. Returns (and stores as ``model.leanml_sparse_kernels``) a report: ``converted`` and
     ``dense`` linear counts, ``dense_linears`` (name: reason), ``backend`` and ``note``.
@@ -141,7 +175,7 @@ def to_sparse_kernels(
     weight = next(iter(linears.values())).weight
     device, dtype = weight.device, weight.dtype
     report: dict[str, Any] = {"backend": None, "converted": 0, "dense": len(linears), "dense_linears": {},
-                              "note": None}
+                              "note": None, "probe": []}
     if converter is None:
         status, reason = kernel_support(device, dtype)
         if status == "fallback":
@@ -151,7 +185,8 @@ def to_sparse_kernels(
             return report
         if status == "error":
             raise LeanmlError(reason)
-        report["backend"] = backend = backend_name(backend)
+        backend, report["probe"] = working_backend(device, dtype, backend)
+        report["backend"] = backend
         converter = _converter(backend)
     else:
         report["backend"] = backend = backend or "custom"
@@ -186,14 +221,16 @@ def check_sparse_kernels(
     backend: str | None = None,
     tolerance: float = 2.0,
     seed: int = 0,
+    converter: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Convert a copy of a 2:4 ``model`` to sparse kernels on ``device`` and compare its logits with the
     masked dense model's on random tokens.
 
     References: the dense model in float32 (``ref32``) and in ``dtype`` (``dense``). ``ok`` when the
-    sparse model's largest deviation from ``ref32`` is at most ``tolerance`` times the dense ``dtype``
-    model's (so the kernels add no more error than ``dtype`` rounding already does) and the argmax
-    tokens agree as often as the dense ``dtype`` model's do. ``model`` itself is left unchanged.
+    sparse model's largest and mean deviations from ``ref32`` are at most ``tolerance`` times the dense
+    ``dtype`` model's (so the kernels add no more error than ``dtype`` rounding already does). The
+    argmax agreement with ``ref32`` is reported beside (on random weights the top logits are close, so
+    it is noisy). ``model`` itself is left unchanged. ``converter``: as in :func:`to_sparse_kernels`.
     """
     device = torch.device(device)
     check_24(model)
@@ -203,11 +240,13 @@ def check_sparse_kernels(
     ref32 = work(input_ids=ids, use_cache=False).logits.float()
     work.to(dtype)
     dense = work(input_ids=ids, use_cache=False).logits.float()
-    report = to_sparse_kernels(work, backend=backend, progress=False)
+    report = to_sparse_kernels(work, backend=backend, converter=converter, progress=False)
     sparse = work(input_ids=ids, use_cache=False).logits.float()
     del work
     dense_err = (dense - ref32).abs().max().item()
     sparse_err = (sparse - ref32).abs().max().item()
+    dense_mean = (dense - ref32).abs().mean().item()
+    sparse_mean = (sparse - ref32).abs().mean().item()
     top32 = ref32.argmax(-1)
     dense_agree = (dense.argmax(-1) == top32).float().mean().item()
     sparse_agree = (sparse.argmax(-1) == top32).float().mean().item()
@@ -216,7 +255,8 @@ def check_sparse_kernels(
         "converted": report["converted"], "dense": report["dense"], "note": report["note"],
         "max_abs_diff_vs_dense": (sparse - dense).abs().max().item(),
         "max_abs_err_sparse": sparse_err, "max_abs_err_dense": dense_err,
-        "argmax_agree_sparse": sparse_agree, "argmax_agree_dense": dense_agree,
+        "mean_abs_err_sparse": sparse_mean, "mean_abs_err_dense": dense_mean,
+        "argmax_agree_sparse": sparse_agree, "argmax_agree_dense": dense_agree, "probe": report.get("probe"),
         "ok": bool(report["converted"] > 0 and sparse_err <= tolerance * dense_err + 1e-6
-                   and sparse_agree >= dense_agree - 0.02),
+                   and sparse_mean <= tolerance * dense_mean + 1e-7),
     }
