@@ -4,7 +4,7 @@ Each subsystem registers its own subcommands through a ``register(subparsers)`` 
 ``cli`` module; this file only wires them together and decides how a command ends:
 
 - a user error (:class:`LeanmlError`, a bad option, an unreadable or unwritable file) prints one line
-  ``leanml: error: ...`` (a bad option adds one line pointing to ``--help``) and exits with code 2;
+  ``leanml: error: ...`` (for a bad option it ends by pointing to ``--help``) and exits with code 2;
 - an unexpected exception (a bug) prints one line naming it and exits with code 1;
 - Ctrl-C and SIGTERM print the same line ("interrupted", and the command that resumes the run when it
   left a checkpoint) and exit with code 130 or 143; temporary folders are removed on the way out.
@@ -47,7 +47,7 @@ EPILOG = """examples:
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (plus one pointing to ``--help``), not the usage text."""
+    """An argument parser whose errors are one line ending with a pointer to ``--help``, not the usage text."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sub = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
@@ -55,8 +55,7 @@ class Parser(argparse.ArgumentParser):
         if m:  # "argument --batch-size: must be at least 1" -> "--batch-size must be at least 1"
             flag, rest = m.group(1).split("/")[0], m.group(2)
             message = f"{flag} {rest}" if rest.startswith(("must ", "is ", "expected ")) else f"{flag}: {rest}"
-        sys.stderr.write(f"leanml: error: {sub}{message}\n")
-        sys.stderr.write(f"leanml: see '{self.prog} --help' for the options\n")
+        sys.stderr.write(f"leanml: error: {sub}{message} (see '{self.prog} --help')\n")
         sys.exit(2)
 
 
@@ -99,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # name the subcommand whose --help lists the options
+            sub = f"leanml {args.command}" if getattr(args, "command", None) else "leanml"
+            parser.exit(2, f"leanml: error: {sub[7:] + ': ' if sub != 'leanml' else ''}unrecognized arguments: "
+                           f"{' '.join(unknown)} (see '{sub} --help')\n")
     except SystemExit as exc:  # --help (0) or a bad option (2, one line already printed)
         return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "func", None):

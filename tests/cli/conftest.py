@@ -1,7 +1,7 @@
 """Helpers for command-line tests: run ``python -m leanml ...`` in a subprocess and check how it fails.
 
 Every bad-input test should assert, through :func:`assert_user_error`, that the command exits with
-code 2, prints exactly one ``leanml: error: ...`` line (plus at most one hint line), never a
+code 2, prints exactly one line, ``leanml: error: ...``, never a
 traceback, and, through :func:`snapshot` / :func:`assert_unchanged`, that it left the output tree as
 it was. The fixtures build tiny random models and text files in temporary folders so each case runs
 in a few seconds and most fail in validation before anything heavy is loaded.
@@ -140,20 +140,16 @@ def assert_no_traceback(result: CliResult) -> None:
 
 def assert_user_error(result: CliResult, *needles: str, code: int = 2, before_work: bool = True) -> str:
     """A clean user error: exit ``code``, one ``leanml: error:`` line, no traceback; each of ``needles``
-    appears in the error line. ``before_work`` (a refusal before anything ran): at most one more stderr
-    line, a hint to ``--help``; else progress bars may come first but the error line is the last.
-    Returns the error line."""
+    appears in the error line. ``before_work`` (a refusal before anything ran): that line is all of
+    stderr; else progress bars may come first but the error line is the last. Returns the error line."""
     assert result.code == code, str(result)
     assert_no_traceback(result)
     assert len(result.error_lines) == 1, str(result)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    if not before_work:
+    if before_work:
+        assert lines == result.error_lines, str(result)
+    else:
         assert lines[-1] == result.error_lines[0], str(result)
-        lines = lines[-1:]
-    assert len(lines) <= 2, str(result)
-    if len(lines) == 2:
-        hint = lines[1] if lines[0].startswith("leanml: error:") else lines[0]
-        assert "--help" in hint, str(result)
     line = result.error_lines[0]
     for needle in needles:
         assert needle in line, f"{needle!r} not in {line!r}\n{result}"

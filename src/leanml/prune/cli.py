@@ -19,6 +19,7 @@ from leanml.utils import (
     atomic_dir,
     check_output_dir,
     check_writable,
+    clean_stale,
     clean_stale_in,
     float_in,
     int_at_least,
@@ -186,6 +187,7 @@ def check_json_out(path: str | None, flag: str = "--json") -> Path | None:
     if out.is_dir():
         raise LeanmlError(f"{flag} {out} is a folder; give a file path, e.g. {flag} {out / 'eval.json'}")
     check_writable(out.parent, flag)
+    clean_stale(out)  # a temporary file a killed run left beside it
     return out
 
 
