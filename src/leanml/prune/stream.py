@@ -147,6 +147,34 @@ class DiskStream:
 # the store
 
 
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
+
+
+def bound_allocator() -> None:
+    """Keep freed layers from piling up in the C heap (glibc): tensors of 1 MiB and more get their own
+    mapping, returned to the system when freed. Without it glibc's adaptive threshold lets each freed
+    layer's memory stay in the heap, and the resident set grew by about one layer per layer (measured:
+    542 -> 738 MB over SmolLM2-135M's 30 layers, flat at about 560 MB with it)."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 2**20)  # M_MMAP_THRESHOLD (fixed: also turns the adaptive threshold off)
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def _prefixes(model: nn.Module, adapter: DecoderAdapter) -> list[str]:
     names = {id(m): n for n, m in model.named_modules()}
     return [names[id(layer)] + "." for layer in adapter.layers()]
@@ -228,6 +256,7 @@ class ShardStore:
         prefix = self.prefixes[idx]
         self.writer.write(f"layer-{idx:05d}", {prefix + k: v for k, v in layer.state_dict().items()})
         to_meta(layer)
+        trim_heap()
         # the checkpoint names the streams of layer idx - 1 or idx now: older spill files are unused
         for old in [i for i in self.spilled if i < idx - 1]:
             for path in self.spilled.pop(old):
@@ -413,6 +442,7 @@ def prune_streamed(
                           "drop --stream or use --sparsity-profile uniform")
     t0 = time.perf_counter()
     io0 = io_bytes()
+    bound_allocator()
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
