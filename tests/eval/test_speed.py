@@ -124,3 +124,30 @@ def test_speed_command_writes_a_report(tmp_path, capsys):
     assert "prefill tok/s" in capsys.readouterr().out
     assert main(["speed", "--model", str(tmp_path / "a"), "--repeats", "0", "--json", str(out)]) == 2
     assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
+def test_speed_command_sparse_kernels_convert_only_the_24_models(tmp_path, capsys):
+    import json
+
+    from leanml.cli import main
+    from leanml.models import save_model
+    from leanml.models.sparse import decoder_linears
+    from recover.helpers import tiny_tokenizer
+
+    tok = tiny_tokenizer(vocab=97)
+    sparse = tiny_llama(seed=1)
+    with torch.no_grad():  # keep the 2 largest of every 4 inputs
+        for lin in decoder_linears(sparse).values():
+            g = lin.weight.view(lin.weight.shape[0], -1, 4)
+            g.scatter_(-1, g.abs().topk(2, dim=-1, largest=False).indices, 0.0)
+    save_model(tiny_llama(), tok, tmp_path / "dense")
+    save_model(sparse, tok, tmp_path / "s24")
+    out = tmp_path / "speed.json"
+    args = ["--device", "cpu", "--prompt-len", "8", "--gen-len", "2", "--repeats", "1", "--json", str(out)]
+    with pytest.warns(UserWarning, match="the 2:4 model runs dense"):  # on the CPU
+        assert main(["speed", "--model", str(tmp_path / "dense"), str(tmp_path / "s24"), "--sparse-kernels", *args]) == 0
+    dense_rec, sparse_rec = json.loads(out.read_text())["models"]
+    assert dense_rec["sparse_kernels"] is None and sparse_rec["sparse_kernels"]["dense"] == 14
+    assert "dense: not 2:4 sparse, runs dense" in capsys.readouterr().out
+    assert main(["speed", "--model", str(tmp_path / "dense"), "--sparse-kernels", *args]) == 2
+    assert "no --model is 2:4 sparse" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from leanml.utils import LeanmlError, add_threads_arg, apply_threads, int_at_lea
 SPEED_EPILOG = """examples:
   leanml speed --model smollm2-135m
   leanml speed --model smollm2-135m out/fasp30 --repeats 5 --threads 1      # interleaved, side by side
-  leanml speed --model out/fista24 --device cuda --dtype bfloat16 --sparse-kernels
+  leanml speed --model dense-dir out/fista24 --device cuda --dtype bfloat16 --sparse-kernels  # dense vs 2:4
   leanml speed --model out/sgpt50 --prompt-len 512 --gen-len 64 --json runs/speed-sgpt50.json
 """
 
@@ -41,9 +41,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed runs per model first")
     add_threads_arg(p)
     p.add_argument("--sparse-kernels", action="store_true",
-                   help="run 2:4-sparse linears with semi-structured sparse kernels (CUDA, fp16/bf16)")
+                   help="run the 2:4-sparse models among --model on semi-structured sparse kernels (CUDA, "
+                        "bfloat16/float16; on the CPU they stay dense with a warning); the others run dense")
     p.add_argument("--json", default=None, help="where to write the JSON report (default runs/speed-*.json)")
     p.set_defaults(func=run_speed)
+
+
+def _sparse_kernels(model: Any, spec: str) -> dict[str, Any] | None:
+    """Put a 2:4 model on sparse kernels (its report), leave any other dense (``None``, with a line)."""
+    from leanml.models.sparse import check_24, to_sparse_kernels
+
+    try:
+        check_24(model)
+    except LeanmlError:
+        print(f"{spec}: not 2:4 sparse, runs dense")
+        return None
+    return to_sparse_kernels(model, progress=False)
 
 
 def run_speed(args: argparse.Namespace) -> int:
@@ -63,13 +76,15 @@ def run_speed(args: argparse.Namespace) -> int:
     models: dict[str, Any] = {}
     info: dict[str, dict[str, Any]] = {}
     for spec in args.model:
-        model, tok = load_model(spec, dtype=dtype, device=device, sparse_kernels=args.sparse_kernels)
+        model, tok = load_model(spec, dtype=dtype, device=device)
         where = bundled_dir(spec) if spec in BUNDLED else Path(spec).expanduser()
         info[spec] = {"params": count_parameters(model),
                       "disk_bytes": dir_size_bytes(where) if where.exists() else None,
-                      "sparse_kernels": getattr(model, "leanml_sparse_kernels", None)}
+                      "sparse_kernels": _sparse_kernels(model, spec) if args.sparse_kernels else None}
         models[spec] = model
         vocab = len(tok)
+    if args.sparse_kernels and all(i["sparse_kernels"] is None for i in info.values()):
+        raise LeanmlError("--sparse-kernels: no --model is 2:4 sparse; prune one with --pattern 2:4 or drop the flag")
     results = measure_speeds(models, device=device, prompt_len=args.prompt_len, gen_len=args.gen_len,
                              repeats=args.repeats, batch_size=args.batch_size, gen_prompt_len=args.gen_prompt_len,
                              warmup=args.warmup, threads=threads, vocab_size=vocab)
