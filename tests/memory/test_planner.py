@@ -130,3 +130,55 @@ def test_time_limit_falls_back_to_greedy(caplog: pytest.LogCaptureFixture) -> No
     assert sol.peak <= full * 0.5
     if sol.status == "greedy":
         assert "greedy" in caplog.text
+
+
+def _greedy_trap() -> Problem:
+    """Two groups whose small-keep options have a large transient: each change alone raises the peak
+    (100 -> 110), both together lower it to 60. A greedy search of single changes stops at 100."""
+    group = [Option("retain", 50.0), Option("x", 0.0, 60.0, 1.0)]
+    return Problem([LayerSpec([list(group), list(group)])])
+
+
+def test_refusal_names_budget_smallest_peak_and_reason() -> None:
+    from leanml.memory.planner import PlanInfeasible
+
+    problem = _greedy_trap()
+    assert min_peak(problem) == pytest.approx(60.0)
+    with pytest.raises(PlanInfeasible) as err:
+        solve_plan(problem, 55.0)
+    msg = str(err.value)
+    assert "no plan fits 55 bytes" in msg and "smallest feasible peak is 60 bytes" in msg
+    assert "5 bytes below the smallest feasible peak" in msg and "\n" not in msg
+    assert (err.value.budget, err.value.floor, err.value.proven) == (55.0, 60.0, True)
+
+
+def test_greedy_that_gets_stuck_says_so() -> None:
+    """Above the smallest peak the greedy search can still fail; its message must not claim the budget is
+    below the smallest peak (the contradiction 'no plan fits 80; the smallest feasible peak is 60')."""
+    from leanml.memory.planner import PlanInfeasible
+
+    with pytest.raises(PlanInfeasible, match=r"greedy search stopped at a peak of 100 bytes") as err:
+        greedy_plan(_greedy_trap(), 80.0)
+    assert err.value.floor == pytest.approx(60.0) and "below" not in err.value.reason
+
+
+@pytest.mark.parametrize("status", [1, 2])  # the MILP out of time without a plan / calling it infeasible
+def test_solver_failure_above_the_floor_uses_the_smallest_plan(monkeypatch: pytest.MonkeyPatch, status: int) -> None:
+    """When the cheapest-plan MILP gives no plan at a budget above the smallest peak (a time limit on a
+    large problem and a stuck greedy fallback, or the solver's numerics), the plan of smallest peak is
+    used instead of a refusal."""
+    import types
+
+    from leanml.memory import planner
+
+    real = planner._solve_milp
+
+    def failing(problem, budget, time_limit, relax=False):  # noqa: ANN001, ANN202
+        b, _ = real(problem, budget, time_limit, relax)
+        return b, types.SimpleNamespace(x=None, status=status, message="stand-in failure", fun=None)
+
+    monkeypatch.setattr(planner, "_solve_milp", failing)
+    sol = solve_plan(_greedy_trap(), 80.0)
+    assert sol.status == "smallest" and sol.peak == pytest.approx(60.0) and sol.choices == [[1, 1]]
+    with pytest.raises(planner.PlanInfeasible, match=r"no plan fits 50 bytes: the budget is 10 bytes below"):
+        solve_plan(_greedy_trap(), 50.0)

@@ -25,7 +25,6 @@ batch shapes together).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,20 +33,46 @@ import torch
 from torch import nn
 
 from leanml.memory.budget import Budget, BudgetLike
-from leanml.memory.compiled import CompiledLoss, compile_loss_function, compiled_option_name
+from leanml.memory.compiled import (
+    CompiledLoss,
+    compile_loss_function,
+    compiled_option_name,
+    supported_budgets,
+)
 from leanml.memory.compressors import FLOAT_COMPRESSORS
 from leanml.memory.meter import ActivationMeter, param_tensors
-from leanml.memory.planner import LayerSpec, Option, Problem, Solution, min_peak, min_peak_plan, solve_plan
+from leanml.memory.planner import (
+    LayerSpec,
+    Option,
+    PlanInfeasible,
+    Problem,
+    Solution,
+    min_peak,
+    min_peak_plan,
+    solve_plan,
+)
 from leanml.memory.policy import DriftMonitor, DriftThresholds
 from leanml.memory.profiler import Profile, pool_timings, profile_step
 from leanml.memory.runtime import BITPACK, RECOMPUTE, RETAIN, SELECTIVE, AppliedPlan, disable_kv_cache
 from leanml.memory.structure import SELF, GroupKey, find_blocks, tensors_in
+from leanml.memory.timing import DeviceTimer
 from leanml.utils import LeanmlError
 
 log = logging.getLogger(__name__)
 
 MIB = 2**20
 DEFAULT_COMPILE_BUDGETS = (1.0, 0.5, 0.0)
+# the device allocator's out-of-memory errors (torch.OutOfMemoryError is newer than torch.cuda's)
+OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
+    {e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+     if isinstance(e, type)})
+
+
+def out_of_memory(what: str, exc: BaseException, fix: str) -> LeanmlError:
+    """One-line error for a device out-of-memory ``exc`` raised while doing ``what``, naming ``fix``."""
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    first = ". ".join(first.split(". ")[:2])[:160]
+    return LeanmlError(f"the device ran out of memory {what} ({first}); {fix}")
 
 
 def _cap(caps: dict[str, float], name: str, default: float) -> float:
@@ -233,6 +258,8 @@ class Adacc:
     rather than each layer's own, noisier, timing. ``compile_loss``: run a Hugging Face model's loss
     function (log-softmax and NLL over the vocabulary) as compiled kernels; default: when
     ``compile_blocks`` is on. Its saved bytes are those of the eager loss; only its time drops.
+    ``timer``: how device work is timed (default: a :class:`~leanml.memory.timing.DeviceTimer` of the
+    model's device, which waits for the device before reading the clock).
     """
 
     def __init__(
@@ -259,10 +286,12 @@ class Adacc:
         profile: Profile | None = None,
         pool_layers: bool = True,
         compile_loss: bool | None = None,
+        timer: DeviceTimer | None = None,
     ) -> None:
         if on_new_shape not in ("replan", "error"):
             raise LeanmlError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
         self.model = model
+        self.timer = timer if timer is not None else DeviceTimer.for_module(model)
         self.budget = Budget.parse(budget)
         self.blocks = blocks if blocks is not None else find_blocks(model)
         if not self.blocks:
@@ -279,7 +308,7 @@ class Adacc:
         self.max_calibrations = max(1, max_calibrations)
         self.compress_layers = compress_layers
         self.pool_layers = pool_layers
-        self.compile_budgets: tuple[float, ...] = (
+        self.compile_budgets: tuple[float, ...] = supported_budgets(
             DEFAULT_COMPILE_BUDGETS if compile_blocks is True else tuple(compile_blocks or ()))
         self.on_new_shape = on_new_shape
         self.measure_steps = measure_steps
@@ -290,7 +319,8 @@ class Adacc:
         self.history: list[dict[str, Any]] = []
         self.step_peaks: list[int] = []
         self.step_budgets: list[float] = []  # the budget in bytes each measured step ran under
-        self.step_cuda_peaks: list[int] = []
+        self.step_cuda_peaks: list[int] = []  # CUDA: max_memory_allocated over each step's forward+backward, above its start
+        self.step_cuda_max_allocated: list[int] = []  # the same, absolute
         self.replan_s = 0.0  # all time spent profiling, solving and calibrating (initial plan included)
         self.last_step_replan_s = 0.0  # of that, what the most recent training step spent
         self._given_profile = profile
@@ -335,7 +365,7 @@ class Adacc:
         self._inputs = (args, kwargs)
         sig = shape_signature(args, kwargs)
         if sig != self._sig:
-            t0 = time.perf_counter()
+            t0 = self.timer.now()
             if sig in self._plans:
                 self._switch(sig)
             elif self.plan is None and not self._plans:
@@ -347,7 +377,7 @@ class Adacc:
                     "with prepare(...), or use on_new_shape='replan'")
             else:
                 self._plan(sig, "new input shape")
-            self.last_step_replan_s += time.perf_counter() - t0
+            self.last_step_replan_s += self.timer.now() - t0
         if self.measure_steps and self._step_meter is None:
             self._step_meter = ActivationMeter(param_tensors(self.model))
             self._step_meter.__enter__()
@@ -406,26 +436,32 @@ class Adacc:
     def prepare(self, *args: Any, **kwargs: Any) -> PlanRecord:
         """Profile one batch (block by block), solve the plan, calibrate it and install it. Plans for
         other shapes stay cached."""
-        t0 = time.perf_counter()
+        t0 = self.timer.now()
         self._inputs = (args, kwargs)
         record = self._plan(shape_signature(args, kwargs), "initial plan")
         self.last_step_replan_s = 0.0
-        log.debug("adacc: prepared in %.1fs", time.perf_counter() - t0)
+        log.debug("adacc: prepared in %.1fs", self.timer.now() - t0)
         return record
 
     def _plan(self, sig: str, reason: str) -> PlanRecord:
         if self._inputs is None:
             raise LeanmlError("Adacc has no inputs to profile; call prepare(...) with a training batch first")
-        t0 = time.perf_counter()
+        t0 = self.timer.now()
         args, kwargs = self._inputs
         self.remove_plan()
         given, self._given_profile = self._given_profile, None
-        if given is not None and given.shape == sig and given.n_layers == len(self.blocks):
-            profile = given
-        else:
-            profile = self._profile(args, kwargs)
-        profile.shape = sig
-        self._plan_from(profile, sig, reason, t0)
+        try:
+            if given is not None and given.shape == sig and given.n_layers == len(self.blocks):
+                profile = given
+            else:
+                profile = self._profile(args, kwargs)
+            profile.shape = sig
+            self._plan_from(profile, sig, reason, t0)
+        except OOM_ERRORS as exc:
+            self.remove_plan()
+            raise out_of_memory(f"while Adacc profiled and planned inputs [{sig}]", exc,
+                                "use a smaller batch (profiling holds about what full checkpointing holds), or "
+                                "a smaller memory budget if the plan's own measurement ran out") from None
         self.history[-1]["profile_reused"] = profile is given
         return self.plan  # type: ignore[return-value]
 
@@ -433,7 +469,7 @@ class Adacc:
         return self._isolated(lambda: profile_step(
             self.model, self.blocks, lambda: self._run(args, kwargs), self.compressors, self.outlier_frac,
             self.compress_layers, measure_outside=self.compress_head, compile_budgets=self.compile_budgets,
-            progress=self.progress))
+            progress=self.progress, timer=self.timer))
 
     def _plan_from(self, profile: Profile, sig: str, reason: str, t0: float) -> None:
         budget = self.budget.to_bytes(profile.peak_bytes)
@@ -452,7 +488,7 @@ class Adacc:
         self._sig = sig
         self.profile, self.plan = profile, entry.record
         self._reset_monitor()
-        seconds = time.perf_counter() - t0
+        seconds = self.timer.now() - t0
         self.replan_s += seconds
         self.history.append({"step": self._steps, "reason": reason, "shape": sig, "plan": entry.record.summary(),
                              "measured_peak": entry.record.measured_peak, "budget_bytes": budget,
@@ -468,8 +504,17 @@ class Adacc:
         for attempt in range(attempts):
             try:
                 sol = solve_plan(entry.problem, model_budget, self.time_limit)
-            except ValueError as exc:
-                raise LeanmlError(f"no plan fits the budget after calibration: {exc}") from exc
+            except PlanInfeasible as exc:
+                self.remove_plan()
+                lowered = "" if record is None else (
+                    f" (the budget lowered by calibration: the previous plan measured "
+                    f"{(record.measured_peak or 0) / MIB:.1f} MiB)")
+                raise LeanmlError(
+                    f"memory budget {budget / MIB:.1f} MiB cannot be planned: the planner's budget "
+                    f"{model_budget / MIB:.1f} MiB{lowered} got no plan because {exc.reason}; the smallest "
+                    f"{'feasible peak is' if exc.proven else 'peak of a plan found is'} {exc.floor / MIB:.1f} MiB; "
+                    f"raise the budget above {max(budget, exc.floor) / MIB:.1f} MiB"
+                    + ("" if exc.proven else f" or give the solver more time (time_limit, now {self.time_limit:g} s)")) from None
             if sol.status == "greedy":
                 log.warning("planner: MILP time limit reached without a solution, using the greedy plan")
             sol = _broadcast(sol)
@@ -580,7 +625,7 @@ class Adacc:
     def step(self) -> list[str]:
         """Call once per training step (after backward). Records the step's measured peak, keeps the
         budget, tracks drift. Returns the reasons if it re-planned."""
-        t_step = time.perf_counter()
+        t_step = self.timer.now()
         if self._last_step_t is not None:
             self.monitor.add_step_time(t_step - self._last_step_t)
         self._steps += 1
@@ -617,8 +662,8 @@ class Adacc:
             self._plan(self._sig, "; ".join(drift))
             self.history[-1]["step"] = self._steps
         reasons += drift
-        self.last_step_replan_s += time.perf_counter() - t_step if reasons else 0.0
-        self._last_step_t = time.perf_counter()
+        self.last_step_replan_s += self.timer.now() - t_step if reasons else 0.0
+        self._last_step_t = self.timer.now()
         return reasons
 
     def take_replan_seconds(self) -> float:
@@ -636,13 +681,14 @@ class Adacc:
         self.step_budgets.append(self.plan.budget_bytes if self.plan is not None else float("inf"))
         if meter.cuda_peak is not None:
             self.step_cuda_peaks.append(meter.cuda_peak)
+            self.step_cuda_max_allocated.append(meter.cuda_max_allocated or 0)
         return meter.peak
 
     def _tighten(self, over: float) -> None:
         """A training step measured over the budget: re-solve with the planner's budget lowered by the
         overshoot (no new profile). Raises when the plan is already the smallest."""
         assert self.plan is not None and self._sig is not None
-        t0 = time.perf_counter()
+        t0 = self.timer.now()
         entry = self._plans[self._sig]
         budget = self.plan.budget_bytes
         if self.plan.model_budget_bytes <= entry.floor * (1 + 1e-9):
@@ -656,7 +702,7 @@ class Adacc:
         self._install(record, entry.profile)
         entry.record = self.plan = record
         self._reset_monitor()
-        seconds = time.perf_counter() - t0
+        seconds = self.timer.now() - t0
         self.replan_s += seconds
         self.history.append({"step": self._steps, "reason": f"step peak {over / MIB:.1f} MiB over budget",
                              "shape": self._sig, "plan": record.summary(), "measured_peak": None,

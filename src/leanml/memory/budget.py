@@ -1,7 +1,10 @@
 """The memory budget: parsed once, turned into bytes against one unoptimized peak.
 
 A budget is either a fraction of the unoptimized activation peak (``0.5``, ``"0.5"``) or an absolute
-size (``3_000_000``, ``"2GB"``, ``"512MiB"``). :meth:`Budget.parse` reads it once, where it enters the
+size (``"2GB"``, ``"512MiB"``, ``"3000000B"``; from Python also a number above 1, ``3_000_000``, read as
+bytes). A string is what a command line passes: a bare number in it above 1 (``"2.0"``, ``"3000000"``) is
+refused, since ``--memory-budget 2.0`` was meant as something else than 2 bytes; give a fraction in
+(0, 1] or a size with a unit. :meth:`Budget.parse` reads it once, where it enters the
 library (``Adacc(budget=...)``, ``TrainConfig``, ``leanml train --memory-budget``); everything downstream
 passes the :class:`Budget` on and converts it with :meth:`Budget.to_bytes` against the one unoptimized
 peak that the block-by-block profile computes for the input shape being planned.
@@ -28,7 +31,8 @@ class Budget:
     @classmethod
     def parse(cls, spec: BudgetLike) -> Budget:
         """Read a budget: a :class:`Budget`, a number (a fraction when <= 1, else bytes) or a string
-        (``"0.5"``, ``"2GB"``, ``"512MiB"``, ``"3000000"``). Raises :class:`LeanmlError` on anything else."""
+        (a fraction ``"0.5"``, or a size with its unit: ``"2GB"``, ``"512MiB"``, ``"3000000B"``). Raises
+        :class:`LeanmlError` on anything else, including a string holding a bare number above 1."""
         if isinstance(spec, Budget):
             return spec
         if isinstance(spec, str):
@@ -37,6 +41,10 @@ class Budget:
                 raise LeanmlError(f"cannot read memory budget {spec!r}; use a fraction like 0.5, bytes, or a size like 2GB")
             value, unit = float(m.group(1)), m.group(2).lower()
             if unit == "":
+                if value > 1:
+                    raise LeanmlError(
+                        f"memory budget {spec!r} has no unit; give a fraction of the unoptimized peak in (0, 1] "
+                        f"(like 0.5) or a size with its unit (like 2GB, 512MiB or {spec.strip()}B for bytes)")
                 return cls.parse(value)
             return cls.parse(value * _UNITS[unit]) if value * _UNITS[unit] > 1 else cls._bad(spec)
         if isinstance(spec, bool) or not isinstance(spec, (int, float)) or not spec > 0 or spec != spec:

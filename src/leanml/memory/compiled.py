@@ -20,24 +20,49 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch._functorch.config as _functorch_config
 from torch import nn
+
+from leanml.utils import LeanmlError
 
 log = logging.getLogger(__name__)
 
 _BACKENDS: dict[float, Callable] = {}
 
 
+def has_memory_budget() -> bool:
+    """Whether this torch's partitioner has the ``activation_memory_budget`` knob (a private config:
+    detected, never assumed). Without it the compiler saves what its fastest backward needs (budget 1)."""
+    return hasattr(_functorch_config, "activation_memory_budget")
+
+
+def supported_budgets(budgets: tuple[float, ...]) -> tuple[float, ...]:
+    """The compile budgets this torch can honour: all of them with the knob, else only 1.0 (logged)."""
+    if has_memory_budget():
+        return tuple(budgets)
+    kept = tuple(b for b in budgets if b == 1.0)
+    if kept != tuple(budgets):
+        log.warning("adacc: this torch's compiler has no activation_memory_budget; compiled blocks only at budget 1")
+    return kept
+
+
 def budget_backend(budget: float) -> Callable:
-    """The inductor backend that compiles with ``activation_memory_budget = budget`` (one per budget)."""
+    """The inductor backend that compiles with ``activation_memory_budget = budget`` (one per budget).
+    Raises :class:`LeanmlError` for a budget below 1 on a torch without that knob."""
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"a compile recomputation budget is in [0, 1], got {budget}")
     budget = float(budget)
+    knob = has_memory_budget()
+    if not knob and budget != 1.0:
+        raise LeanmlError(f"torch {torch.__version__} has no compiler activation_memory_budget, so compile budget "
+                          f"{budget:g} cannot be honoured; use budget 1.0, another memory strategy, or a newer torch")
     if budget not in _BACKENDS:
         def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-            import torch._functorch.config as fcfg
             from torch._inductor.compile_fx import compile_fx
 
-            with fcfg.patch(activation_memory_budget=budget):
+            if not knob:
+                return compile_fx(gm, example_inputs)
+            with _functorch_config.patch(activation_memory_budget=budget):
                 return compile_fx(gm, example_inputs)
 
         backend.__name__ = f"inductor_budget_{budget:g}"

@@ -32,6 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 _ACTIVE: list[ActivationMeter] = []
+# the storage-expiry check in C (private; StorageWeakRef.expired, public, wraps it when it is missing)
+_EXPIRED = getattr(torch.UntypedStorage, "_expired", None)
 
 
 def active_meter() -> ActivationMeter | None:
@@ -55,11 +57,16 @@ class ActivationMeter:
         self.peak = 0
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._cuda_start = 0
+        self._cuda_peak: int | None = None
+        self.cuda_max_allocated: int | None = None  # CUDA: max_memory_allocated over the region, absolute
 
     # ------------------------------------------------------------------ bookkeeping
     def _sweep(self) -> None:
-        expired = torch.UntypedStorage._expired  # the C check, without StorageWeakRef's Python wrapper
-        dead = [k for k, (ref, _) in self._live.items() if expired(ref.cdata)]
+        expired = _EXPIRED
+        if expired is not None:  # the C check, without StorageWeakRef's Python wrapper
+            dead = [k for k, (ref, _) in self._live.items() if expired(ref.cdata)]
+        else:
+            dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
         for k in dead:
             self.current -= self._live.pop(k)[1]
 
@@ -102,18 +109,26 @@ class ActivationMeter:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
             self._cuda_start = torch.cuda.memory_allocated()
+        self._cuda_peak = self.cuda_max_allocated = None
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._hooks is not None
         self._hooks.__exit__(*exc)
         _ACTIVE.remove(self)
+        if torch.cuda.is_available():  # frozen here: what runs after the region (an optimizer step) is not in it
+            self.cuda_max_allocated = torch.cuda.max_memory_allocated()
+            self._cuda_peak = self.cuda_max_allocated - self._cuda_start
 
     @property
     def cuda_peak(self) -> int | None:
-        """Peak CUDA bytes allocated above the start of the step (None on CPU)."""
+        """Peak CUDA bytes allocated above the start of the region (``max_memory_allocated``, read when the
+        region ends or, inside it, now; None on CPU). The allocator's counters are kept on the host at
+        allocation time, so no device synchronization is needed to read them."""
         if not torch.cuda.is_available():
             return None
+        if self._cuda_peak is not None:
+            return self._cuda_peak
         return torch.cuda.max_memory_allocated() - self._cuda_start
 
 

@@ -293,8 +293,20 @@ def _costs(b: _Builder, n: int) -> np.ndarray:
     return c
 
 
-def min_peak(problem: Problem, time_limit: float = 10.0) -> float:
-    """The smallest peak any plan reaches (a MILP minimising the peak)."""
+class PlanInfeasible(ValueError):
+    """No plan was found within ``budget`` bytes. ``floor``: the smallest peak a plan reaches (proven by
+    the solver when ``proven``, else the smallest peak of a plan found, an upper bound); ``reason``: why
+    this budget got no plan. The message names all three."""
+
+    def __init__(self, budget: float, floor: float, reason: str, proven: bool = True) -> None:
+        self.budget, self.floor, self.reason, self.proven = float(budget), float(floor), reason, proven
+        smallest = "the smallest feasible peak is" if proven else "the smallest peak of a plan found is"
+        super().__init__(f"no plan fits {budget:.0f} bytes: {reason}; {smallest} {floor:.0f} bytes")
+
+
+def _min_peak_choice(problem: Problem, time_limit: float) -> tuple[float, list[int], list[list[int]], int, bool]:
+    """The plan of smallest peak as ``(peak, whole, choices, post, proven)``: a MILP minimising the peak;
+    on a time limit its best plan (or the greedy smallest-keep plan), then ``proven`` is False."""
     b = _Builder(problem)
     peak_var = b.n
     n = b.n + 1
@@ -304,9 +316,15 @@ def min_peak(problem: Problem, time_limit: float = 10.0) -> float:
     res = _milp(c, constraints=b.matrix(n), integrality=b.integrality(n), bounds=b.bounds(n),
                options={"time_limit": time_limit})
     if res.x is None:
-        return greedy_min_peak(problem)
+        wh, ch, post = _smallest_keep_choice(problem)
+        return evaluate(problem, wh, ch, post)[0], wh, ch, post, False
     wh, ch, post = b.decode(res.x)
-    return evaluate(problem, wh, ch, post)[0]
+    return evaluate(problem, wh, ch, post)[0], wh, ch, post, res.status == 0
+
+
+def min_peak(problem: Problem, time_limit: float = 10.0) -> float:
+    """The smallest peak any plan reaches (a MILP minimising the peak)."""
+    return _min_peak_choice(problem, time_limit)[0]
 
 
 def min_peak_plan(problem: Problem, time_limit: float = 10.0) -> Solution:
@@ -315,8 +333,20 @@ def min_peak_plan(problem: Problem, time_limit: float = 10.0) -> Solution:
     return solve_plan(problem, floor * (1 + 1e-9) + 1e-6, time_limit, reuse=False)
 
 
-def greedy_min_peak(problem: Problem) -> float:
-    """Peak of the plan that takes the smallest-keep option everywhere (an upper bound on the minimum)."""
+def _floor_plan(problem: Problem, budget: float, time_limit: float, why: str) -> Solution:
+    """When the cheapest-plan search fails (``why``): the smallest-peak plan if it fits ``budget``, else
+    :class:`PlanInfeasible` naming the budget, the smallest peak and why."""
+    peak, wh, ch, post, proven = _min_peak_choice(problem, time_limit)
+    if peak <= budget * (1 + 1e-9):
+        log.warning("planner: %s; using the plan of smallest peak (%.0f bytes) instead of the cheapest", why, peak)
+        return _solution(problem, wh, ch, post, peak, evaluate(problem, wh, ch, post)[1], "smallest")
+    if proven:
+        raise PlanInfeasible(budget, peak, f"the budget is {peak - budget:.0f} bytes below the smallest feasible peak")
+    raise PlanInfeasible(budget, peak, f"{why}, and the smallest peak found ({time_limit:g} s solver limit) is "
+                         f"{peak - budget:.0f} bytes above the budget", proven=False)
+
+
+def _smallest_keep_choice(problem: Problem) -> tuple[list[int], list[list[int]], int]:
     wh, ch = [], []
     for spec in problem.layers:
         per_group = [min(range(len(g)), key=lambda i, g=g: (g[i].keep, g[i].transient)) for g in spec.groups]
@@ -325,7 +355,12 @@ def greedy_min_peak(problem: Problem) -> float:
         wh.append(min(options)[1] if spec.groups else min(options[1:])[1])
         ch.append(per_group)
     post = min(range(len(problem.post)), key=lambda i: problem.post[i].keep) if problem.post else 0
-    return evaluate(problem, wh, ch, post)[0]
+    return wh, ch, post
+
+
+def greedy_min_peak(problem: Problem) -> float:
+    """Peak of the plan that takes the smallest-keep option everywhere (an upper bound on the minimum)."""
+    return evaluate(problem, *_smallest_keep_choice(problem))[0]
 
 
 def _solve_milp(problem: Problem, budget: float, time_limit: float, relax: bool = False):  # noqa: ANN202
@@ -409,8 +444,11 @@ def _solve_pruned(problem: Problem, budget: float, time_limit: float, reuse: boo
 
     When every layer is identical, one layer plan reused across all layers is solved first and kept
     when it is proven optimal (its time equals the LP relaxation bound of the full problem). On a time
-    limit without a feasible solution the greedy plan is returned (logged). Raises ``ValueError`` when
-    no plan fits (the message names the smallest feasible peak).
+    limit without a feasible solution the greedy plan is returned (logged); when the solver reports no
+    plan, or the greedy search finds none, the plan of smallest peak is used if it fits (the solver can
+    call a large problem infeasible, or run out of time, well above that peak). Raises
+    :class:`PlanInfeasible` (a ``ValueError``) when no plan fits, naming the budget, the smallest feasible
+    peak and why.
     """
     t0 = time.perf_counter()
     if reuse and len(problem.layers) > 1 and len({s.signature() for s in problem.layers}) == 1:
@@ -426,10 +464,15 @@ def _solve_pruned(problem: Problem, budget: float, time_limit: float, reuse: boo
         peak, tm = evaluate(problem, wh, ch, post)
         status = "optimal" if res.status == 0 else "time-limit"
         return _solution(problem, wh, ch, post, peak, tm, status, time.perf_counter() - t0)
-    if res.status == 2:  # infeasible
-        raise ValueError(f"no plan fits {budget:.0f} bytes; the smallest feasible peak is {min_peak(problem):.0f}")
-    log.warning("MILP ended without a solution (%s); using the greedy plan", res.message)
-    sol = greedy_plan(problem, budget)
+    if res.status == 2:  # infeasible: true below the smallest peak; above it, the solver's numerics
+        sol = _floor_plan(problem, budget, max(time_limit, 10.0), "the MILP solver reported no feasible plan")
+    else:
+        log.warning("MILP ended without a solution (%s); using the greedy plan", res.message)
+        try:
+            sol = greedy_plan(problem, budget)
+        except PlanInfeasible as exc:
+            sol = _floor_plan(problem, budget, max(time_limit, 10.0),
+                              f"the MILP stopped without a plan ({res.message}) and {exc.reason}")
     sol.solve_s = time.perf_counter() - t0
     return sol
 
@@ -487,7 +530,13 @@ def greedy_plan(problem: Problem, budget: float) -> Solution:
                     if best is None or score > best[0]:
                         best = (score, None, None, None, pi)
         if best is None:
-            raise ValueError(f"no plan fits {budget:.0f} bytes; the smallest feasible peak is {min_peak(problem):.0f}")
+            floor, *_, proven = _min_peak_choice(problem, 10.0)
+            if floor > budget * (1 + 1e-9) and proven:
+                why = f"the budget is {floor - budget:.0f} bytes below the smallest feasible peak"
+            else:
+                why = (f"the greedy search stopped at a peak of {peak:.0f} bytes (no single change lowers it; "
+                       "the MILP finds plans a greedy search cannot)")
+            raise PlanInfeasible(budget, floor, why, proven)
         _, layer, c2, h2, pi = best
         if pi is not None:
             post = pi

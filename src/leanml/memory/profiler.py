@@ -19,7 +19,6 @@ import copy
 import logging
 import math
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -43,6 +42,7 @@ from leanml.memory.compressors import (
 from leanml.memory.meter import ActivationMeter, note, param_tensors
 from leanml.memory.runtime import SAC_SAVE_OPS, dense_order, wrap_checkpoint
 from leanml.memory.structure import SELF, GroupKey, ScopeTracker, kind_of, param_storage_ptrs, tensors_in
+from leanml.memory.timing import CPU_TIMER, DeviceTimer
 from leanml.utils import LeanmlError
 
 log = logging.getLogger(__name__)
@@ -142,12 +142,6 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
-def _time(fn: Callable[[], object]) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
 def _fresh_inputs(captured: tuple[tuple, dict]) -> tuple[tuple, dict]:
     """A block's captured inputs as new autograd leaves (same storages, same ``requires_grad``)."""
     def leaf(t: object) -> object:
@@ -170,9 +164,9 @@ def _forward_backward(fn: Callable, block: nn.Module, args: tuple, kwargs: dict)
     torch.autograd.grad(outs, ins, grad_outputs=[torch.ones_like(o) for o in outs], allow_unused=True)
 
 
-def _timed(fn: Callable[[], object], reps: int) -> float:
-    """Smallest wall time of ``reps`` runs."""
-    return min(_time(fn)[0] for _ in range(reps))
+def _timed(fn: Callable[[], object], reps: int, timer: DeviceTimer) -> float:
+    """Smallest time of ``reps`` runs (device work included)."""
+    return min(timer.time(fn)[0] for _ in range(reps))
 
 
 class _Owners:
@@ -243,6 +237,7 @@ def profile_step(
     compile_budgets: tuple[float, ...] = (),
     progress: bool = False,
     selective: bool = True,
+    timer: DeviceTimer | None = None,
 ) -> Profile:
     """Profile one step block by block, never holding more than full checkpointing does.
 
@@ -257,9 +252,12 @@ def profile_step(
     other layers copy the stats of the nearest measured layer, scaled by bytes. ``measure_outside=False``
     skips the compressors on ``pre``/``post``. ``compile_budgets``: also run each measured layer as a
     compiled block at these recomputation budgets of the compiler (:mod:`leanml.memory.compiled`).
-    ``selective=False`` skips the selective-checkpoint pass.
+    ``selective=False`` skips the selective-checkpoint pass. ``timer``: how device work is timed (default:
+    :class:`~leanml.memory.timing.DeviceTimer` of the model's device, which waits for the device before
+    every clock read, so the planner prices options with compute times, not launch times).
     """
-    t_start = time.perf_counter()
+    timer = timer if timer is not None else DeviceTimer.for_module(model)
+    t_start = timer.now()
     params = param_storage_ptrs(model)
     n_layers = len(blocks)
     groups: dict[GroupKey, GroupStats] = {}
@@ -272,7 +270,7 @@ def profile_step(
         for key in list(outside):
             tensors = outside.pop(key)
             if measure_outside and key in groups:
-                _measure_compression(groups[key], tensors, compressors, outlier_frac)
+                _measure_compression(groups[key], tensors, compressors, outlier_frac, timer)
             del tensors
         layer_input_bytes: list[int] = []
         layer_eager_s: list[float] = [0.0] * n_layers
@@ -284,11 +282,11 @@ def profile_step(
                                   "(blocks=[...]) to Adacc")
             args, kwargs = _fresh_inputs(captured[i])
             layer_input_bytes.append(_layer_input_bytes(args, kwargs, params))
-            _block_pass(block, i, args, kwargs, owners, compressors, outlier_frac, i in measured, selective)
+            _block_pass(block, i, args, kwargs, owners, compressors, outlier_frac, i in measured, selective, timer)
             if compile_budgets and i in measured and compile_error is None:
                 try:
                     layer_eager_s[i], compiled[i] = _compiled_pass(block, i, args, kwargs, owners, compile_budgets,
-                                                                   compressors, outlier_frac)
+                                                                   compressors, outlier_frac, timer)
                 except Exception as exc:  # noqa: BLE001 - a model the compiler cannot take keeps its eager options
                     compile_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                     log.warning("adacc: compiling block %d failed (%s); planning without compiled options", i,
@@ -302,7 +300,7 @@ def profile_step(
     layer_fwd = _split_self_time(groups, n_layers)
     peak = sum(g.bytes for g in groups.values())
     return Profile(groups, n_layers, layer_input_bytes, layer_fwd, peak, tuple(compressors), meter.peak,
-                   time.perf_counter() - t_start, compiled, layer_eager_s, compile_error,
+                   timer.now() - t_start, compiled, layer_eager_s, compile_error,
                    measured_layers=sorted(measured), layer_kinds=[type(b).__qualname__ for b in blocks])
 
 
@@ -357,7 +355,8 @@ def _layer_input_bytes(args: tuple, kwargs: dict, params: set[int]) -> int:
 
 
 def _block_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, owners: _Owners,
-                compressors: tuple[str, ...], outlier_frac: float, measure: bool, selective: bool) -> None:
+                compressors: tuple[str, ...], outlier_frac: float, measure: bool, selective: bool,
+                timer: DeviceTimer = CPU_TIMER) -> None:
     """Run one block with everything retained: bytes, inputs and forward time per group; compression
     stats (when ``measure``); then the selective-checkpoint costs."""
     inputs: dict[GroupKey, list[torch.Tensor]] = {}
@@ -367,10 +366,11 @@ def _block_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, owners:
         owners.group(key)
         if key.child != SELF:
             inputs[key] = [t.detach() for t in tensors_in((a, kw)) if t.untyped_storage().data_ptr() not in owners.params]
-        starts[key] = time.perf_counter()
+        starts[key] = timer.now()
 
     def on_exit(key: GroupKey, mod: nn.Module, output: object) -> None:
-        owners.groups[key].fwd_s += time.perf_counter() - starts.pop(key, time.perf_counter())
+        now = timer.now()
+        owners.groups[key].fwd_s += now - starts.pop(key, now)
 
     tracker = ScopeTracker(None, [block], on_enter, on_exit, layers=[layer])
 
@@ -400,31 +400,31 @@ def _block_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, owners:
     for key in keys:
         tensors = released.pop(key, [])
         if measure:
-            _measure_compression(owners.groups[key], tensors, compressors, outlier_frac)
+            _measure_compression(owners.groups[key], tensors, compressors, outlier_frac, timer)
         del tensors  # each group's tensors die once measured
     if selective:
-        _selective_costs(block, layer, args, kwargs, owners.groups)
+        _selective_costs(block, layer, args, kwargs, owners.groups, timer)
 
 
 def _compiled_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, owners: _Owners,
                    budgets: tuple[float, ...], compressors: tuple[str, ...], outlier_frac: float,
-                   reps: int = 3) -> tuple[float, list[CompiledStat]]:
+                   timer: DeviceTimer = CPU_TIMER, reps: int = 3) -> tuple[float, list[CompiledStat]]:
     """Eager forward+backward time of the block, then per compile budget: what the compiled block saves,
     its forward+backward time, and its compressors."""
-    eager_s = _timed(lambda: _forward_backward(block, block, args, kwargs), reps)
+    eager_s = _timed(lambda: _forward_backward(block, block, args, kwargs), reps, timer)
     stats = []
     for budget in budgets:
         undo = compile_module_forward(block, budget)
         try:
             saved, pack = _save_collector(owners, layer)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                compile_s, _ = _time(lambda: _forward_backward(block, block, args, kwargs))
+                compile_s, _ = timer.time(lambda: _forward_backward(block, block, args, kwargs))
             nbytes = sum(t.untyped_storage().nbytes() for t in saved.values())
             biggest = max((t.untyped_storage().nbytes() for t in saved.values()), default=0)
             stat = CompiledStat(budget, nbytes, biggest, _timed(lambda: _forward_backward(block, block, args, kwargs),
-                                                               reps) - eager_s, compile_s)
+                                                               reps, timer) - eager_s, compile_s)
             g = GroupStats(layer, f"compiled@{budget:g}", "compiled")
-            _measure_compression(g, list(saved.values()), compressors, outlier_frac)
+            _measure_compression(g, list(saved.values()), compressors, outlier_frac, timer)
             stat.compress = {k: v for k, v in g.compress.items() if k != "bitpack"}
             saved.clear()
             stats.append(stat)
@@ -504,18 +504,18 @@ def _copy_unmeasured_compiled(compiled: dict[int, list[CompiledStat]], eager_s: 
 
 
 class _OpTimer(TorchDispatchMode):
-    """Times every op and sizes matmul/attention outputs, per group (for selective recomputation)."""
+    """Times every op (device work included) and sizes matmul/attention outputs, per group (for selective
+    recomputation)."""
 
-    def __init__(self, tracker: ScopeTracker) -> None:
+    def __init__(self, tracker: ScopeTracker, timer: DeviceTimer = CPU_TIMER) -> None:
         super().__init__()
         self.tracker = tracker
+        self.timer = timer
         self.saved: dict[GroupKey, dict[int, int]] = {}
         self.other_s: dict[GroupKey, float] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        t0 = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        dt = time.perf_counter() - t0
+        dt, out = self.timer.time(lambda: func(*args, **(kwargs or {})))
         key = self.tracker.current()
         if func in SAC_SAVE_OPS:
             store = self.saved.setdefault(key, {})
@@ -528,29 +528,29 @@ class _OpTimer(TorchDispatchMode):
 
 
 def _selective_costs(block: nn.Module, layer: int, args: tuple, kwargs: dict,
-                     groups: dict[GroupKey, GroupStats]) -> None:
+                     groups: dict[GroupKey, GroupStats], timer: DeviceTimer = CPU_TIMER) -> None:
     """One extra forward of the block that fills ``sel_saved_bytes`` / ``sel_recompute_s`` of its groups."""
     tracker = ScopeTracker(None, [block], layers=[layer])
-    timer = _OpTimer(tracker)
+    op_timer = _OpTimer(tracker, timer)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         note(t)
         return t.detach()
 
     try:
-        with timer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with op_timer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = block(*args, **kwargs)
         del out
     finally:
         tracker.remove()
     for key, g in groups.items():
         if key.layer == layer:
-            g.sel_saved_bytes = sum(timer.saved.get(key, {}).values())
-            g.sel_recompute_s = timer.other_s.get(key, 0.0)
+            g.sel_saved_bytes = sum(op_timer.saved.get(key, {}).values())
+            g.sel_recompute_s = op_timer.other_s.get(key, 0.0)
 
 
 def _measure_compression(g: GroupStats, tensors: list[torch.Tensor], compressors: tuple[str, ...],
-                         outlier_frac: float) -> None:
+                         outlier_frac: float, timer: DeviceTimer = CPU_TIMER) -> None:
     """Fill ``g.compress`` by compressing every saved tensor of the group once with each compressor."""
     seen: set[int] = set()
     uniq: list[torch.Tensor] = []
@@ -572,16 +572,16 @@ def _measure_compression(g: GroupStats, tensors: list[torch.Tensor], compressors
             nb = t.untyped_storage().nbytes()
             scale = mask_scale(t) if t.dtype != torch.bool else None
             if t.dtype == torch.bool or scale is not None:
-                dt, p = _time(lambda t=t, scale=scale: bitpack(t, scale))
+                dt, p = timer.time(lambda t=t, scale=scale: bitpack(t, scale))
                 payload += p.nbytes
                 pack_s += dt
                 max_out = max(max_out, nb)
             elif comp is not None and comp.applies(t):
                 perm = dense_order(t)  # as the runtime: whole storage in memory order when possible
                 src = t.permute(perm) if perm is not None else t
-                dt, p = _time(lambda src=src, comp=comp: comp.pack(src))
+                dt, p = timer.time(lambda src=src, comp=comp: comp.pack(src))
                 note(p.tensors)
-                du, y = _time(lambda p=p, comp=comp: comp.unpack(p))
+                du, y = timer.time(lambda p=p, comp=comp: comp.unpack(p))
                 note(y)
                 payload += p.nbytes
                 pack_s += dt

@@ -18,6 +18,7 @@ recompute pointwise ops).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from leanml.memory.compiled import compile_module_forward, parse_compiled_option
@@ -38,7 +40,7 @@ from leanml.memory.compressors import (
     outlier_ratio,
     relative_error,
 )
-from leanml.memory.meter import note, track_outputs
+from leanml.memory.meter import active_meter, note, track_outputs
 from leanml.memory.structure import SELF, GroupKey, ScopeTracker, param_storage_ptrs
 
 RETAIN = "retain"
@@ -46,26 +48,62 @@ RECOMPUTE = "recompute"
 SELECTIVE = "selective"  # recompute the group's pointwise ops, keep its matmul and attention outputs
 BITPACK = "bitpack"
 
-aten = torch.ops.aten
-SAC_SAVE_OPS = {
-    aten.mm.default,
-    aten.addmm.default,
-    aten.bmm.default,
-    aten.baddbmm.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-}
+
+
+def _aten_ops(*names: str) -> set:
+    """The default overloads of these aten ops that this torch has (attention kernels come and go)."""
+    ops = set()
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        op = getattr(packet, "default", None) if packet is not None else None
+        if op is not None:
+            ops.add(op)
+    return ops
+
+
+SAC_SAVE_OPS = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+                         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                         "_scaled_dot_product_cudnn_attention")
+
+
+def _sac_context_has_output() -> bool:
+    """Whether torch hands the op's output to selective-checkpoint policies (``ctx.op_output``: newer
+    releases call the policy after the op ran; older ones before, with ``is_recompute`` only)."""
+    cls = getattr(torch.utils.checkpoint, "SelectiveCheckpointContext", None)
+    try:
+        return cls is not None and "op_output" in inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+SAC_CTX_HAS_OUTPUT = _sac_context_has_output()
 
 
 def sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
-    """The standard selective-checkpointing policy: save matmuls and attention, recompute the rest."""
+    """The standard selective-checkpointing policy: save matmuls and attention, recompute the rest.
+
+    Reads only ``ctx.is_recompute`` (every torch has it). Where the context also carries the op's output
+    (``op_output``), the output is reported to the active meter here; elsewhere :func:`_sac_context`
+    stacks :class:`_NoteSaved` to report it."""
     if func in SAC_SAVE_OPS:
-        if not ctx.is_recompute:
-            note(ctx.op_output)
+        if not getattr(ctx, "is_recompute", False):
+            out = getattr(ctx, "op_output", None)
+            if out is not None:
+                note(out)
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _NoteSaved(TorchDispatchMode):
+    """Reports the outputs of the ops :func:`sac_policy` saves to the active meter (for a torch whose
+    selective-checkpoint context has no ``op_output``). Entered above torch's caching mode, it sees each
+    op first and its output as that mode returns it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if func in SAC_SAVE_OPS:
+            note(out)
+        return out
 
 
 def _plain_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -82,6 +120,8 @@ def _stack(*cms: contextlib.AbstractContextManager) -> Iterator[None]:
 
 def _sac_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     fwd, rec = create_selective_checkpoint_contexts(sac_policy)
+    if not SAC_CTX_HAS_OUTPUT and active_meter() is not None:
+        fwd = _stack(fwd, _NoteSaved())
     return fwd, _stack(rec, track_outputs())
 
 

@@ -6,7 +6,9 @@ and ``adacc`` (optionally with compiled blocks among its options: ``compile_bloc
 Measurements (see :mod:`leanml.memory.meter`): the peak saved-activation bytes of EVERY step (the
 meter; on CUDA also ``torch.cuda.max_memory_allocated``), against one unoptimized peak computed block
 by block (:func:`leanml.memory.profiler.unoptimized_peak`, the same number Adacc's profile gives).
-Step times include any re-planning done during the step; ``tokens_s`` also counts it.
+Step times include any re-planning done during the step; ``tokens_s`` also counts it. Every time is read
+with a :class:`~leanml.memory.timing.DeviceTimer` (waits for the device before the clock is read), and
+compilation (``compile_s``) is timed apart from the steps.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanml.memory.api import Adacc
+from leanml.memory.api import OOM_ERRORS, Adacc, out_of_memory
 from leanml.memory.budget import Budget, BudgetLike
 from leanml.memory.compiled import budget_backend
 from leanml.memory.meter import ActivationMeter, AllocatorPeak, param_tensors
 from leanml.memory.profiler import unoptimized_peak
 from leanml.memory.runtime import apply_strategy, disable_kv_cache
 from leanml.memory.structure import find_blocks
+from leanml.memory.timing import DeviceTimer
 from leanml.utils import LeanmlError
 
 log = logging.getLogger(__name__)
@@ -141,12 +144,22 @@ def shared_weights_copy(model: nn.Module) -> nn.Module:
 class StrategyRunner:
     """One model trained under one memory strategy, one step at a time (so several runners can be
     interleaved step by step and share the machine's load fairly). ``optimizer``: share one optimizer
-    between runners whose models share weights (default: a new AdamW)."""
+    between runners whose models share weights (default: a new AdamW). ``timer``: how steps are timed
+    (default: a :class:`~leanml.memory.timing.DeviceTimer` of the model's device).
+
+    On CUDA each step also records ``torch.cuda.max_memory_allocated`` over its forward and backward
+    (``cuda_peaks``: above the step's start; ``cuda_max_allocated``: absolute), and ``result()`` reports
+    ``compile_s`` (compilation, outside the timed steps) beside ``setup_s``."""
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, unoptimized_peak: int | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, profile: Any = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, profile: Any = None,
+                 timer: DeviceTimer | None = None) -> None:
         cfg.check()
         self.model = model
+        self.timer = timer if timer is not None else DeviceTimer.for_module(model)
+        self.cuda_max_allocated: list[int] = []
+        self._last_cuda_max = 0
+        self.compile_s = 0.0
         self.cfg = cfg
         self.budget: Budget = cfg.budget  # type: ignore[assignment]
         self.unoptimized_peak = unoptimized_peak
@@ -172,12 +185,13 @@ class StrategyRunner:
     def setup(self, x: torch.Tensor) -> None:
         """Install the strategy on batch ``x`` (Adacc plans here; compile compiles here)."""
         cfg, model = self.cfg, self.model
-        t_setup = time.perf_counter()
+        t_setup = self.timer.now()
         model.train()
         disable_kv_cache(model)
         if cfg.strategy == "adacc":
             self.adacc = Adacc(model, budget=self.budget, max_error=cfg.max_error, compile_blocks=cfg.compile_blocks,
-                               compress_layers=cfg.compress_layers, profile=self.profile, pool_layers=cfg.pool_layers)
+                               compress_layers=cfg.compress_layers, profile=self.profile, pool_layers=cfg.pool_layers,
+                               timer=self.timer)
             record = self.adacc.prepare(input_ids=x, labels=x)
             assert self.adacc.profile is not None
             if self.unoptimized_peak is not None and self.unoptimized_peak != self.adacc.profile.peak_bytes:
@@ -186,24 +200,33 @@ class StrategyRunner:
             self.unoptimized_peak = self.adacc.profile.peak_bytes
             self.budget_bytes = record.budget_bytes
             self.setup_peak = record.measured_peak
+            # compiling (or loading from the compile cache) each profiled block at each compiler budget
+            self.compile_s = sum(c.compile_s for stats in self.adacc.profile.compiled.values() for c in stats)
         else:
             if self.unoptimized_peak is None:
                 self.unoptimized_peak = lm_unoptimized_peak(model, x)
             if cfg.strategy == "compile":
                 self.budget_bytes = self.budget.to_bytes(self.unoptimized_peak)
                 self.forward = torch.compile(model, backend=budget_backend(self.budget.value))
-                self.setup_peak = measure_peak(model, x, self.forward)  # compiles outside the timed steps
+                # compiles outside the timed steps: the first step's time is (almost all) compilation
+                self.compile_s, self.setup_peak = self.timer.time(lambda: measure_peak(model, x, self.forward))
             else:
                 self.applied = apply_strategy(model, find_blocks(model), cfg.strategy)
         if self.optim is None:
             self.optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        self.setup_s = time.perf_counter() - t_setup
+        self.setup_s = self.timer.now() - t_setup
 
     def step(self, x: torch.Tensor) -> float:
-        """One optimizer step on batch ``x`` with its peak measured; returns the loss."""
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss, peak, cuda_peak, budget = self._train_step(x)
-        self.times.append(time.perf_counter() - t0)
+        """One optimizer step on batch ``x`` with its peak measured; returns the loss. A device
+        out-of-memory error becomes a one-line :class:`LeanmlError` naming a smaller batch or budget."""
+        t0, c0 = self.timer.now(), time.process_time()
+        try:
+            loss, peak, cuda_peak, budget = self._train_step(x)
+        except OOM_ERRORS as exc:
+            self.model.zero_grad(set_to_none=True)
+            raise out_of_memory(f"in a training step of {self.cfg.label} on a batch of shape "
+                                f"{'x'.join(map(str, x.shape))}", exc, self._oom_fix()) from None
+        self.times.append(self.timer.now() - t0)
         self.cpu_times.append(time.process_time() - c0)
         self.replan_times.append(self.adacc.take_replan_seconds() if self.adacc is not None else 0.0)
         self.peaks.append(peak)
@@ -211,8 +234,16 @@ class StrategyRunner:
         self.step_tokens.append(x.numel())
         if cuda_peak is not None:
             self.cuda_peaks.append(cuda_peak)
+            self.cuda_max_allocated.append(self._last_cuda_max)
         self.losses.append(loss)
         return loss
+
+    def _oom_fix(self) -> str:
+        if self.cfg.strategy in ("adacc", "compile"):
+            return (f"use a smaller batch (now {self.cfg.batch_size}) or a smaller memory budget "
+                    f"(now {self.budget.label()})")
+        return (f"use a smaller batch (now {self.cfg.batch_size}), or a memory strategy that holds less "
+                "(--memory adacc with a budget, or checkpoint)")
 
     def allocator_step(self, x: torch.Tensor) -> int:
         """One more optimizer step on ``x``, untimed, under :class:`~leanml.memory.meter.AllocatorPeak`:
@@ -244,13 +275,13 @@ class StrategyRunner:
             self.adacc.step()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         if self.adacc is not None:
+            self._last_cuda_max = self.adacc.step_cuda_max_allocated[-1] if self.adacc.step_cuda_max_allocated else 0
             # the budget in bytes of the plan this step ran (a fraction budget differs per input shape)
             return (loss.item(), self.adacc.step_peaks[-1],
                     self.adacc.step_cuda_peaks[-1] if self.adacc.step_cuda_peaks else None, self.adacc.step_budgets[-1])
         assert meter is not None
+        self._last_cuda_max = meter.cuda_max_allocated or 0
         return loss.item(), meter.peak, meter.cuda_peak, self.budget_bytes
 
     def close(self) -> None:
@@ -271,6 +302,7 @@ class StrategyRunner:
         replan_s = sum(self.replan_times[w:])
         tail = self.losses[-min(10, len(self.losses)) :]
         budgeted = cfg.strategy in ("adacc", "compile")
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         out: dict[str, Any] = {
             "strategy": cfg.strategy,
             "label": cfg.label,
@@ -282,6 +314,14 @@ class StrategyRunner:
             "peak_measured_every_step": len(self.peaks) == len(self.times),
             "step_peaks": self.peaks,
             "cuda_step_peaks": self.cuda_peaks or None,
+            # CUDA, timed steps: max_memory_allocated over forward+backward above the step's start (activations,
+            # gradients and kernels' workspace), absolute, and the steps whose peak less the gradients' bytes
+            # exceeds the (activation) budget
+            "cuda_peak_bytes": max(self.cuda_peaks[w:]) if self.cuda_peaks[w:] else None,
+            "cuda_max_allocated": self.cuda_max_allocated or None,
+            "grad_bytes": grad_bytes,
+            "cuda_steps_over_budget": (sum(p - grad_bytes > b for p, b in zip(self.cuda_peaks[w:], budgets))
+                                       if budgeted and self.cuda_peaks else None),
             "steps_over_budget": sum(p > b for p, b in zip(timed_peaks, budgets)) if budgeted else None,
             "step_budget_bytes": self.step_budgets if budgeted else None,
             "allocator_peak_bytes": self.allocator_peak,
@@ -299,6 +339,7 @@ class StrategyRunner:
             "steps": len(self.losses),
             "warmup": w,
             "setup_s": self.setup_s,
+            "compile_s": self.compile_s,
             "losses": self.losses,
             "step_times": self.times,
         }
