@@ -6,6 +6,8 @@ import argparse
 import importlib
 import time
 
+from leanml.utils import add_threads_arg, apply_threads, cores_available
+
 # Each module provides ``run_demo(fast: bool) -> None`` and prints its own short table.
 DEMO_PARTS = [
     "leanml.prune.demo",
@@ -32,19 +34,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--only", choices=[m.split(".")[-2] for m in DEMO_PARTS], help="run one part only")
+    add_threads_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    cores = cores_available()
+    threads = apply_threads(args.threads)
+    print(f"leanml demo: {threads} torch threads (--threads; this process may use {cores['cores']:g} cores); "
+          "parts with small models use 1")
     took: list[tuple[str, float]] = []
     for name in DEMO_PARTS:
         part = name.split(".")[-2]
         if args.only and part != args.only:
             continue
+        apply_threads(threads)  # a part may have lowered it
         t0 = time.perf_counter()
         importlib.import_module(name).run_demo()
         took.append((part, time.perf_counter() - t0))
         print(f"[{part}] took {took[-1][1]:.0f} s; full benchmark: {FULL_BENCH[part]}")
     print("\ndemo parts: " + ", ".join(f"{p} {s:.0f} s" for p, s in took) +
-          f"; total {sum(s for _, s in took):.0f} s. Docs per system: docs/*.md; benchmarks: bench/*.py.")
+          f"; total {sum(s for _, s in took):.0f} s with {threads} threads. Docs per system: docs/*.md; "
+          "benchmarks: bench/*.py.")
     return 0
