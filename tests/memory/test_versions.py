@@ -139,3 +139,18 @@ def test_import_checks_the_installed_torch(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.undo()
     importlib.reload(leanml)
     assert isinstance(leanml, types.ModuleType) and leanml.TORCH_FLOOR == (2, 6)
+
+
+def test_selective_checkpointing_keeps_saved_outputs_out_of_saved_tensor_hooks() -> None:
+    """Where torch asks (``respect_saved_tensors_hooks``), the runtime answers as older releases behave:
+    what selective checkpointing saves bypasses the surrounding hooks, with no warning about the default."""
+    import warnings
+
+    model = tiny_llama()
+    plan = apply_strategy(model, find_blocks(model), "sac")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        peak_of(model)  # the meter's hooks surround the selective regions
+    plan.remove()
+    has = "respect_saved_tensors_hooks" in __import__("inspect").signature(torch.utils.checkpoint.checkpoint).parameters
+    assert runtime.SAC_HOOKS_KWARGS == ({"respect_saved_tensors_hooks": False} if has else {})

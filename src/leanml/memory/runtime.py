@@ -77,6 +77,11 @@ def _sac_context_has_output() -> bool:
 
 
 SAC_CTX_HAS_OUTPUT = _sac_context_has_output()
+# newer torch asks whether the surrounding saved_tensors_hooks see what selective checkpointing saves (and
+# warns that the default will flip): here they must not (the meter notes those outputs itself, and a
+# selective group's kept outputs are not compressed), as on every torch before the question existed
+SAC_HOOKS_KWARGS = ({"respect_saved_tensors_hooks": False}
+                    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
 
 
 def sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
@@ -121,6 +126,8 @@ def _stack(*cms: contextlib.AbstractContextManager) -> Iterator[None]:
 def _sac_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     fwd, rec = create_selective_checkpoint_contexts(sac_policy)
     if not SAC_CTX_HAS_OUTPUT and active_meter() is not None:
+        if hasattr(fwd, "respect_saved_tensors_hooks"):  # checkpoint sets it only on torch's own mode
+            fwd.respect_saved_tensors_hooks = False
         fwd = _stack(fwd, _NoteSaved())
     return fwd, _stack(rec, track_outputs())
 
@@ -129,6 +136,7 @@ def wrap_checkpoint(module: nn.Module, selective: bool = False) -> Callable[[], 
     """Make ``module`` recompute its forward in backward; returns a function that undoes it."""
     orig = module.forward
     context_fn = _sac_context if selective else _plain_context
+    extra = SAC_HOOKS_KWARGS if selective else {}
 
     def forward(*args, **kwargs):  # noqa: ANN202
         if not torch.is_grad_enabled():
@@ -136,7 +144,7 @@ def wrap_checkpoint(module: nn.Module, selective: bool = False) -> Callable[[], 
         # checkpoint keeps keyword inputs (Hugging Face passes hidden states, masks and position
         # embeddings to attention by keyword) in a closure, not as saved tensors: count them here
         note(kwargs)
-        return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **extra, **kwargs)
 
     module.forward = forward
 
