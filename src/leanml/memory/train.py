@@ -201,7 +201,7 @@ class StrategyRunner:
             self.budget_bytes = record.budget_bytes
             self.setup_peak = record.measured_peak
             # compiling (or loading from the compile cache) each profiled block at each compiler budget
-            self.compile_s = sum(c.compile_s for stats in self.adacc.profile.compiled.values() for c in stats)
+            self.compile_s = float(sum(c.compile_s for stats in self.adacc.profile.compiled.values() for c in stats))
         else:
             if self.unoptimized_peak is None:
                 self.unoptimized_peak = lm_unoptimized_peak(model, x)
