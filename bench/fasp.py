@@ -79,7 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--combine", nargs="+", metavar="JSON",
                     help="only re-render: merge the records of these result files (e.g. runs split over processes)")
+    ap.add_argument("--speed-shapes", metavar="GROUPS:WIDTH", nargs="+",
+                    help="only speed: dense against models cut to these shapes (key/value groups removed per layer: "
+                         "MLP width), e.g. 0:757 1:928; time depends on the shapes alone, so the kept units are the "
+                         "first ones; writes fasp_speed_shapes.{md,json}")
     args = ap.parse_args(argv)
+    if args.speed_shapes:
+        return speed_shapes(args)
     if args.combine:
         return combine(args)
     if args.quick:
@@ -160,6 +166,63 @@ def main(argv: list[str] | None = None) -> int:
             r["speed_repeats"] = sp["repeats"] if sp else None
             r["speed_threads"] = sp["torch_threads"] if sp else None
         write_outputs(sorted_records(records), args, Path(args.out))
+    return 0
+
+
+def cut_to_shape(model: torch.nn.Module, groups_removed: int, width: int) -> torch.nn.Module:
+    """``model`` with its last ``groups_removed`` key/value groups and all MLP units from ``width`` on
+    zeroed in every layer, then shrunk (physically smaller, same shapes as a pruned model)."""
+    from leanml.models import surgery
+    from leanml.models.layout import get_adapter
+
+    adapter = get_adapter(model)
+    with torch.no_grad():
+        for layer in adapter.layers():
+            for g in adapter.pairs(layer):
+                n = g.units.n_units
+                dead = range(n - groups_removed, n) if g.name == "attn_out" else range(width, n)
+                for u in dead:
+                    for name, prod in g.producers.items():
+                        prod.weight[g.units.rows[name][u]] = 0
+                        if prod.bias is not None:
+                            prod.bias[g.units.rows[name][u]] = 0
+                    g.linears[g.leader].weight[:, g.units.columns[u]] = 0
+    surgery.shrink_attention(model, adapter)
+    surgery.shrink_mlp(model, adapter)
+    return model
+
+
+def speed_shapes(args: argparse.Namespace) -> int:
+    """Speed of the dense model against shape-identical cuts (see ``--speed-shapes``)."""
+    import copy
+
+    dense, _ = load_model("smollm2-135m")
+    models: dict[str, torch.nn.Module] = {"dense": dense}
+    for shape in args.speed_shapes:
+        k, _, width = shape.partition(":")
+        models[f"groups-{k} width-{width}"] = cut_to_shape(copy.deepcopy(dense), int(k), int(width))
+    speeds = measure_speeds(models, prompt_len=args.prefill_len, gen_len=args.new_tokens, repeats=args.repeats,
+                            threads=args.speed_threads, progress=False)
+    d = speeds["dense"]
+    lines = ["# SmolLM2-135M: CPU speed of pruned shapes", "", f"Machine: {machine_line()}", "",
+             f"Command: `python bench/fasp.py {' '.join(sys.argv[1:])}`", "",
+             f"`leanml.eval.speed.measure_speeds`: batch 1, prefill {args.prefill_len} tokens, decode {args.new_tokens} "
+             f"tokens, median of {args.repeats} interleaved runs, {args.speed_threads} torch thread(s); the dense "
+             "model cut to each shape (speed depends on shapes only). The machine was shared with other jobs.", "",
+             "| model | params | prefill tok/s | decode tok/s | prefill x | decode x |", "|---|---|---|---|---|---|"]
+    records = []
+    for name, m in models.items():
+        r = speeds[name]
+        records.append({"model": name, "params": count_parameters(m), "prefill_tok_s": r["prefill_tok_s"],
+                        "gen_tok_s": r["decode_tok_s"], "speed_repeats": r["repeats"],
+                        "prefill_runs_s": r["prefill_runs_s"], "decode_runs_s": r["decode_runs_s"]})
+        lines.append(f"| {name} | {count_parameters(m) / 1e6:.2f} M | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
+                     f"{r['prefill_tok_s'] / d['prefill_tok_s']:.2f} | {r['decode_tok_s'] / d['decode_tok_s']:.2f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fasp_speed_shapes.md").write_text("\n".join(lines) + "\n")
+    write_json(out / "fasp_speed_shapes.json", {"machine": machine_info(), "records": records})
+    print("\n".join(lines))
     return 0
 
 
