@@ -115,8 +115,11 @@ def build(name: str) -> Path:
 
 
 def _usage() -> tuple[float, int]:
+    """CPU-seconds and peak RSS so far (``VmHWM``: ``ru_maxrss`` would count the parent's RSS at fork)."""
+    from leanml.models.shards import peak_rss_bytes
+
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime, r.ru_maxrss * 1024
+    return r.ru_utime + r.ru_stime, peak_rss_bytes()
 
 
 def _layer_terms(report: dict[str, Any]) -> dict[str, float]:

@@ -57,7 +57,16 @@ class LayerStore(Protocol):
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (``ru_maxrss``, kilobytes on Linux)."""
+    """This process's peak resident set size so far: ``VmHWM`` of ``/proc/self/status`` where Linux has
+    it (the peak of this program image), else ``ru_maxrss``, which on Linux also counts the parent's
+    resident set at the moment it forked this process (measured: a bench worker started by a parent
+    holding 1.3 GB reported 1.3 GB before doing anything)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
