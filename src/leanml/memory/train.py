@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from leanml.memory.api import OOM_ERRORS, Adacc, out_of_memory
 from leanml.memory.budget import Budget, BudgetLike
@@ -31,7 +30,7 @@ from leanml.memory.profiler import unoptimized_peak
 from leanml.memory.runtime import apply_strategy, disable_kv_cache
 from leanml.memory.structure import find_blocks
 from leanml.memory.timing import DeviceTimer
-from leanml.utils import LeanmlError
+from leanml.utils import EtaBar, LeanmlError
 
 log = logging.getLogger(__name__)
 
@@ -376,9 +375,12 @@ def run_training(model: nn.Module, windows: torch.Tensor, cfg: TrainConfig,
     runner = StrategyRunner(model, cfg, unoptimized_peak)
     try:
         runner.setup(data[0])
-        bar = tqdm(data, desc=f"train[{cfg.label}]", disable=not cfg.progress, leave=False)
-        for x in bar:
+        # a bar updated by hand: it prints the estimated time for the rest after the first step
+        bar = EtaBar(total=len(data), desc=f"train[{cfg.label}]", unit="step", disable=not cfg.progress, leave=False)
+        for x in data:
             bar.set_postfix(loss=f"{runner.step(x):.3f}")
+            bar.update(1)
+        bar.close()
     finally:
         runner.close()
     out = runner.result()

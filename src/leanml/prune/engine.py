@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from leanml.models.layerwise import (
     _Stop,
@@ -62,7 +61,7 @@ from leanml.models.shards import LayerStore
 from leanml.models.surgery import load_layer_state
 from leanml.prune.base import GroupStats, LinearSpecs, Pruner, output_error
 from leanml.prune.masks import MaskSpec, sparsity_of
-from leanml.utils import LeanmlError, atomic_file
+from leanml.utils import EtaBar, LeanmlError, atomic_file
 
 #: out of device memory (``torch.OutOfMemoryError`` where torch has it)
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -1102,9 +1101,10 @@ def prune_model(
     writer = _Checkpointer(ckpt, checkpoint_interval) if ckpt is not None else None
 
     # layers after the last one to prune change nothing: the walk stops there
-    bar = tqdm(range(start_layer, max(todo) + 1), desc=f"prune {pruner.name}", unit="layer", disable=not progress)
+    # updated by hand after each layer: the bar prints the estimated time for the rest after the first one
+    bar = EtaBar(total=max(todo) + 1 - start_layer, desc=f"prune {pruner.name}", unit="layer", disable=not progress)
     try:
-        for idx in bar:
+        for idx in range(start_layer, max(todo) + 1):
             t_layer = time.perf_counter()
             layer = all_layers[idx]
             if layer_store is not None:
@@ -1139,6 +1139,7 @@ def prune_model(
                 }, last=idx == max(todo))
             if layer_store is not None:  # after its checkpoint snapshot: written out, then freed
                 layer_store.release(idx, layer)
+            bar.update(1)
             if report is not None:
                 _sync(device)
                 report["seconds"] = time.perf_counter() - t_layer
