@@ -346,7 +346,9 @@ def part_memory(S: Sizes, device: str, assets: Path | None, emit: Emitter, args:
         runner = None
         try:
             cfg = TrainConfig(strategy=strategy, budget=budget if budget is not None else 0.5, batch_size=S.mem_batch,
-                              steps=S.mem_steps, warmup=2, progress=False, compile_blocks=blocks)
+                              steps=S.mem_steps, warmup=2, progress=False, compile_blocks=blocks,
+                              # Adacc profiles (and compiles) two layers; the others copy the nearest measured
+                              compress_layers=[0, 1] if strategy == "adacc" else None)
             runner = StrategyRunner(model, cfg, unoptimized_peak=unopt)
             reset_peak(device)
             runner.setup(xs[0])

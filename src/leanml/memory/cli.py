@@ -34,7 +34,8 @@ memory strategies:
   adacc       per-group retain / recompute / compress, planned by a MILP to fit --memory-budget
               (--compile-blocks: layers may also run as compiled blocks, chosen by the same MILP)
 
---memory-budget is a fraction of the unoptimized activation peak (0.5), bytes, or a size (2GB, 512MiB).
+--memory-budget is a fraction of the unoptimized activation peak in (0, 1] (0.5) or a size with its unit
+(2GB, 512MiB, 3000000B).
 Every step's peak is measured; the run fails with the smallest feasible budget if the budget cannot hold.
 Writes DIR/report.json (config, machine, plan, per-step loss, time and peak) and DIR/losses.csv.
 """
@@ -61,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "these recomputation budgets of the compiler (comma-separated, default 1,0.5,0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weights and activations dtype")
-    p.add_argument("--memory-budget", default="0.5", help="fraction of the unoptimized peak, bytes, or a size like 2GB")
+    p.add_argument("--memory-budget", default="0.5", help="fraction of the unoptimized peak in (0, 1], or a size with its unit like 2GB or 3000000B")
     p.add_argument("--max-error", type=float_in(0, 1, low_open=True), default=0.05,
                    help="cap on the relative error of lossy compressors")
     p.add_argument("--lr", type=float_in(0, low_open=True), default=1e-4)

@@ -44,7 +44,7 @@ distillation:
   that reuses them reports the seconds the sampling took where it was done.
 
 --memory-budget (--memory adacc only; default 0.5) is a fraction of the unoptimized activation peak of
-one step, bytes, or a size (2GB); a budget below the smallest feasible plan is refused before training.
+one step in (0, 1], or a size with its unit (2GB, 3000000B); a budget below the smallest feasible plan is refused before training.
 
 output: DIR (model + tokenizer, report.json, losses.csv), written atomically. Training keeps float32
 weights and optimizer state; the model is saved in --dtype (default: the input's dtype; a kept weight
@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", choices=["none", "checkpoint", "sac", "adacc"], default="adacc",
                    help="training-memory strategy")
     p.add_argument("--memory-budget", default=None,
-                   help="Adacc budget: fraction of the unoptimized peak, bytes, or a size (default 0.5)")
+                   help="Adacc budget: fraction of the unoptimized peak in (0, 1], or a size with its unit like 2GB (default 0.5)")
     p.add_argument("--max-error", type=float_in(0, 1, low_open=True), default=0.05, help="Adacc: cap on the relative error of lossy compressors")
     p.add_argument("--kd-weight", type=float_in(0, 1), default=0.5, help="weight of the distillation term, in [0, 1]")
     p.add_argument("--kd-temperature", type=float_in(0, low_open=True), default=1.0, help="distillation temperature")
