@@ -56,7 +56,9 @@ def run_demo() -> None:
     names = available()
     run("sparsegpt", MaskSpec(0.5))
     if "fista" in names:
-        run("fista", MaskSpec(0.5))
+        # 10 FISTA and 10 refit iterations instead of the defaults' 20 + 20 keep the tour within 4 minutes
+        # (measured on this calibration: ppl 59.61 in 79 s against 58.98 in 111 s)
+        run("fista", MaskSpec(0.5), iters=10, refine=10)
     # prune, then recover: a short fine-tune of the SparseGPT model that keeps its zeros exactly
     model.load_state_dict(states["sparsegpt"])
     train = token_windows(tok, load_text("shakespeare", "train")[:400_000], RECOVER_SEQLEN)
