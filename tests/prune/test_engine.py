@@ -149,6 +149,25 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path):
                     checkpoint_dir=tmp_path, progress=False)
 
 
+def test_streams_are_snapshotted_at_the_interval_and_a_resume_redoes_the_rest_exactly(tmp_path):
+    ref = tiny_llama(seed=4, layers=3)
+    prune_model(ref, IDS, SparseGPTPruner(), MaskSpec(0.5), progress=False)
+    model = tiny_llama(seed=4, layers=3)
+    with pytest.raises(KeyboardInterrupt):  # dies inside layer 2; with a long interval only layer 0's
+        prune_model(model, IDS, _Crash(10), MaskSpec(0.5), checkpoint_dir=tmp_path, progress=False,  # streams
+                    checkpoint_interval=3600)                                                        # are kept
+    assert (tmp_path / "layer_000.pt").exists() and (tmp_path / "layer_001.pt").exists()
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    assert state["next_layer"] == 1 and state["seconds"] > 0
+    resumed = tiny_llama(seed=4, layers=3)
+    report = prune_model(resumed, IDS, SparseGPTPruner(), MaskSpec(0.5), checkpoint_dir=tmp_path, progress=False,
+                         checkpoint_interval=3600)
+    assert report["engine"]["resumed_from_layer"] == 1
+    assert report["prune_seconds"] > state["seconds"]  # the interrupted run's time counts too
+    for a, b in zip(ref.state_dict().values(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_capture_returns_the_embeddings():
     model = tiny_llama(seed=5)
     inps, kwargs = capture_layer_inputs(model, get_adapter(model), IDS, batch_size=5)
@@ -253,8 +272,8 @@ def test_parts_short_cut_by_their_finishing_linear(monkeypatch, family):
     def run(reuse: bool, break_check: bool = False):
         monkeypatch.setattr(engine, "REUSE_FINISHED_PARTS", reuse)
         if break_check:  # the kept input is off by one ulp: the exact check must refuse the short cut
-            orig = engine._FinishedParts.keep_input
-            monkeypatch.setattr(engine._FinishedParts, "keep_input",
+            orig = engine.FinishedParts.keep_input
+            monkeypatch.setattr(engine.FinishedParts, "keep_input",
                                 lambda self, p, n, b, x: orig(self, p, n, b, torch.nextafter(x, x + 1)))
         model = tiny_family(family, seed=5)
         adapter = get_adapter(model)

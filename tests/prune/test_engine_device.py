@@ -7,9 +7,10 @@ import torch
 
 from builders import tiny_llama
 from leanml.prune import engine
-from leanml.prune.engine import _Place, prune_model, stream_home
+from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods.baselines import SparseGPTPruner, WandaPruner
+from leanml.prune.placement import Place, stream_home
 from leanml.utils import LeanmlError
 
 IDS = torch.randint(0, 256, (12, 32), generator=torch.Generator().manual_seed(0))
@@ -28,7 +29,7 @@ def test_streams_stay_on_a_gpu_while_its_free_memory_holds_them(monkeypatch):
 
 
 def test_feeding_and_collecting_batches_on_one_device_makes_no_copies():
-    place = _Place(torch.device("cpu"), torch.device("cpu"))
+    place = Place(torch.device("cpu"), torch.device("cpu"))
     x = torch.randn(7, 3, 4)
     seen = list(place.feed(x, 3))
     assert [(b, s, e) for b, s, e, _ in seen] == [(0, 0, 3), (1, 3, 6), (2, 6, 7)]
@@ -47,38 +48,6 @@ def test_the_report_splits_wall_time_into_solver_and_engine():
     assert report["solver_seconds"] == pytest.approx(sum(lay["solver_seconds"] for lay in report["layers"]))
     assert report["engine_seconds"] == pytest.approx(report["prune_seconds"] - report["solver_seconds"])
     assert report["engine"]["stream_device"] == "cpu"
-
-
-class _Crash(SparseGPTPruner):
-    def __init__(self, at_layer_call: int) -> None:
-        super().__init__()
-        self.calls = 0
-        self.at = at_layer_call
-
-    def prune_group(self, group, stats, spec):
-        self.calls += 1
-        if self.calls == self.at:
-            raise KeyboardInterrupt
-        return super().prune_group(group, stats, spec)
-
-
-def test_streams_are_snapshotted_at_the_interval_and_a_resume_redoes_the_rest_exactly(tmp_path):
-    ref = tiny_llama(seed=4, layers=3)
-    prune_model(ref, IDS, SparseGPTPruner(), MaskSpec(0.5), progress=False)
-    model = tiny_llama(seed=4, layers=3)
-    with pytest.raises(KeyboardInterrupt):  # dies inside layer 2; with a long interval only layer 0's
-        prune_model(model, IDS, _Crash(10), MaskSpec(0.5), checkpoint_dir=tmp_path, progress=False,  # streams
-                    checkpoint_interval=3600)                                                        # are kept
-    assert (tmp_path / "layer_000.pt").exists() and (tmp_path / "layer_001.pt").exists()
-    state = torch.load(tmp_path / "state.pt", weights_only=False)
-    assert state["next_layer"] == 1 and state["seconds"] > 0
-    resumed = tiny_llama(seed=4, layers=3)
-    report = prune_model(resumed, IDS, SparseGPTPruner(), MaskSpec(0.5), checkpoint_dir=tmp_path, progress=False,
-                         checkpoint_interval=3600)
-    assert report["engine"]["resumed_from_layer"] == 1
-    assert report["prune_seconds"] > state["seconds"]  # the interrupted run's time counts too
-    for a, b in zip(ref.state_dict().values(), resumed.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 class _OutOfMemory(WandaPruner):

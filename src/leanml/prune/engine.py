@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +51,24 @@ from leanml.models.layerwise import (
     first,
     forward_layer,
     layer_on,
-    patched_forward,
     to_device,
 )
 from leanml.models.layout import DecoderAdapter, Group, get_adapter, group_calls, layer_linears
 from leanml.models.shards import LayerStore
 from leanml.models.surgery import load_layer_state
 from leanml.prune.base import GroupStats, LinearSpecs, Pruner, output_error
+from leanml.prune.finished import FinishedParts, nbytes
 from leanml.prune.masks import MaskSpec, sparsity_of
-from leanml.utils import EtaBar, LeanmlError, atomic_file
+from leanml.prune.placement import (
+    Checkpointer,
+    Place,
+    Streams,
+    batch_ranges,
+    settings_fingerprint,
+    stream_home,
+    sync_device,
+)
+from leanml.utils import EtaBar, LeanmlError
 
 #: out of device memory (``torch.OutOfMemoryError`` where torch has it)
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -71,179 +78,6 @@ _CPU = torch.device("cpu")
 REUSE_FINISHED_PARTS = True
 #: bumped when the checkpoint layout changes, so an old checkpoint is refused instead of misread
 CHECKPOINT_VERSION = 2
-
-
-def _fingerprint(meta: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    with atomic_file(path) as tmp:
-        torch.save(obj, tmp)
-
-
-class _Streams:
-    """Pruned and dense activations entering the current layer (one row per window), on the streams'
-    home device (:class:`_Place`)."""
-
-    def __init__(self, pruned: torch.Tensor, dense: torch.Tensor | None) -> None:
-        self.pruned = pruned
-        self.dense = dense  # None: no separate dense stream (dense-input mode, or nothing needs it)
-
-    def dense_or_pruned(self) -> torch.Tensor:
-        return self.pruned if self.dense is None else self.dense
-
-
-# --------------------------------------------------------------------------------------------------
-# where the activation streams live
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for ``device``'s queued work, so a host clock read after it measures that work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Place:
-    """Where layers compute (``device``) and where the activation streams live between layers
-    (``home``): the compute device itself while its free memory allows (no copies at all), otherwise
-    the host, in pinned memory when the device is a GPU, each batch's copy to the device issued one
-    batch ahead on a side stream so it overlaps the current batch's compute, and the outputs copied
-    back without blocking."""
-
-    def __init__(self, device: torch.device, home: torch.device) -> None:
-        self.device = device
-        self.home = home
-        self.pinned = home.type == "cpu" and device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(device) if self.pinned else None
-
-    def adopt(self, x: torch.Tensor | None) -> torch.Tensor | None:
-        """``x`` moved to the streams' home (pinned there when the device is a GPU)."""
-        if x is None:
-            return None
-        if self.pinned:
-            return x if x.is_pinned() else x.cpu().pin_memory()
-        return x.to(self.home)
-
-    def keep(self, x: torch.Tensor) -> torch.Tensor:
-        """A device tensor kept at home until a later pass (a copy when home is elsewhere)."""
-        return x.detach().to(self.home, copy=x.device != self.home)
-
-    def feed(self, x: torch.Tensor, batch_size: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
-        """``(b, start, end, x[start:end] on the device)`` for every batch of ``x``."""
-        batches = _batches(x.shape[0], batch_size)
-        if x.device == self.device or not (self.pinned and x.is_pinned()):
-            for b, s, e in batches:
-                yield b, s, e, x[s:e].to(self.device)
-            return
-        stream = self._copy_stream
-        assert stream is not None
-
-        def start(s: int, e: int) -> tuple[torch.Tensor, torch.cuda.Event]:
-            with torch.cuda.stream(stream):
-                t = x[s:e].to(self.device, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            return t, ev
-
-        nxt = start(*batches[0][1:])
-        for i, (b, s, e) in enumerate(batches):
-            cur, ev = nxt
-            if i + 1 < len(batches):
-                nxt = start(*batches[i + 1][1:])
-            torch.cuda.current_stream(self.device).wait_event(ev)
-            cur.record_stream(torch.cuda.current_stream(self.device))
-            yield b, s, e, cur
-
-    def sink(self, n: int) -> _Sink:
-        return _Sink(n, self)
-
-
-class _Sink:
-    """Collects a pass's per-batch device outputs into one tensor of ``n`` rows at home."""
-
-    def __init__(self, n: int, place: _Place) -> None:
-        self.n = n
-        self.place = place
-        self.buf: torch.Tensor | None = None
-
-    def put(self, s: int, e: int, y: torch.Tensor) -> None:
-        if self.buf is None:
-            self.buf = torch.empty((self.n, *y.shape[1:]), dtype=y.dtype, device=self.place.home,
-                                   pin_memory=self.place.pinned)
-        self.buf[s:e].copy_(y, non_blocking=self.place.pinned)
-
-    def result(self) -> torch.Tensor:
-        assert self.buf is not None
-        if self.place.pinned:  # the copies back were not waited for
-            torch.cuda.current_stream(self.place.device).synchronize()
-        return self.buf
-
-
-def stream_home(device: torch.device, stream_bytes: int, stream_device: str = "auto") -> torch.device:
-    """Where the activation streams live: ``"cpu"`` (host), ``"device"`` (the compute device), or
-    ``"auto"``: the compute device when it is a GPU whose free memory holds the streams twice over
-    (each layer's input and output) with half the free memory to spare, else the host."""
-    if stream_device not in ("auto", "device", "cpu"):
-        raise LeanmlError(f"stream_device must be auto, device or cpu, got {stream_device!r}")
-    if device.type == "cpu" or stream_device == "cpu":
-        return torch.device("cpu")
-    if stream_device == "device":
-        return device
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return device if 2 * stream_bytes <= free // 2 else torch.device("cpu")
-    return torch.device("cpu")
-
-
-class _Checkpointer:
-    """Writes resume checkpoints on a background thread, off the layer walk's critical path.
-
-    Each finished layer's weights are snapshotted to the host at once and written behind the walk; the
-    activation streams (the big part) are snapshotted after the first layer, then every ``interval``
-    seconds (0: after every layer), and always after the last layer. Files are written in order, each atomically, so a kill leaves a
-    consistent checkpoint: ``state.pt`` names the next layer only after the layers before it are on
-    disk. :meth:`close` waits for every pending write and raises the first error one raised."""
-
-    def __init__(self, ckpt: Path, interval: float) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        ckpt.mkdir(parents=True, exist_ok=True)
-        self.ckpt = ckpt
-        self.interval = interval
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leanml-ckpt")
-        self.pending: list[Any] = []
-        self.last_state = float("-inf")  # the first finished layer is always snapshotted
-
-    def layer(self, idx: int, layer: nn.Module) -> None:
-        sd = {k: v.detach().to("cpu", copy=True) for k, v in layer.state_dict().items()}
-        self.pending.append(self.pool.submit(_atomic_save, sd, self.ckpt / f"layer_{idx:03d}.pt"))
-
-    def state(self, make: Any, last: bool) -> None:
-        """Snapshot the state ``make()`` returns when due (``last``: always)."""
-        now = time.perf_counter()
-        if not last and now - self.last_state < self.interval:
-            return
-        self.last_state = now
-        self._wait()  # at most one stream snapshot in flight: bounded memory
-        state = make()
-
-        def write() -> None:
-            _atomic_save({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()},
-                         self.ckpt / "state.pt")
-
-        self.pending.append(self.pool.submit(write))
-
-    def _wait(self) -> None:
-        done, self.pending = self.pending, []
-        for f in done:
-            f.result()
-
-    def close(self) -> None:
-        try:
-            self._wait()
-        finally:
-            self.pool.shutdown(wait=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -393,18 +227,14 @@ class _Capture:
                 h.remove()
 
 
-def _batches(n: int, batch_size: int) -> list[tuple[int, int, int]]:
-    return [(b, s, min(s + batch_size, n)) for b, s in enumerate(range(0, n, batch_size))]
-
-
 def _one_pass(
     layer: nn.Module,
     groups: list[Group] | None,
-    streams: _Streams,
+    streams: Streams,
     kw: list[dict[str, Any]],
     needs_dense: bool,
     batch_size: int,
-    place: _Place,
+    place: Place,
     model_type: str,
 ) -> tuple[list[Group], dict[str, GroupStats], torch.Tensor, torch.Tensor | None]:
     """Statistics of every group from passes of the still dense layer, all groups at once.
@@ -444,7 +274,7 @@ def _one_pass(
 
 def _dense_pass(
     layer: nn.Module, groups: list[Group], src: torch.Tensor, kw: list[dict[str, Any]], batch_size: int,
-    place: _Place, by_output: set[str] = frozenset(),
+    place: Place, by_output: set[str] = frozenset(),
 ) -> tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]], torch.Tensor]:
     """One pass of the still dense ``layer`` over ``src`` that keeps, per batch and at home, every
     group's input (for the groups named in ``by_output``: the outputs of its linears, bias excluded,
@@ -488,203 +318,17 @@ def _dense_cache_bytes(groups: list[Group], src: torch.Tensor, by_output: set[st
     return tokens * width * 4
 
 
-def _clone(obj: Any, device: torch.device | None = None) -> Any:
-    """A copy of ``obj`` with every tensor inside cloned (and moved to ``device`` when given)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to(device, copy=True) if device is not None else obj.detach().clone()
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_clone(o, device) for o in obj)
-    return obj
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(_nbytes(o) for o in obj)
-    return 0
-
-
-class _FinishedParts:
-    """Outputs of a layer's finished parts, reused by the later intra-layer passes of that layer.
-
-    A *part* is a direct child of the decoder layer that holds linears (LLaMA: ``self_attn``, ``mlp``;
-    OPT: ``self_attn``, ``fc1``, ``fc2``). With intra-layer correction the layer runs from its input
-    once per group. Once no linear of a part is still to be pruned, its output no longer changes (the
-    groups are pruned in forward order, so everything that runs before it is final too): the first pass
-    that runs it completely records its output per batch (on the CPU), and the later passes and the
-    final forward return a copy instead of computing it. The results are identical to recomputing
-    (tested). A part called more than once per forward is never reused; recording stops at
-    ``budget`` bytes.
-
-    A part finished by a one-linear group (LLaMA: ``o_proj`` finishes ``self_attn``, ``down_proj``
-    finishes ``mlp``) may also be *short-cut*: that group's statistics pass already produced the
-    linear's input for every batch (:meth:`keep_input`), so once the part is final its output is the
-    linear applied to that input, without recomputing what feeds it. The first batch that runs the
-    part checks this exactly (the part's real output must equal the linear on the kept input, the rest
-    of a tuple output being ``None``); a part that fails the check, or is called more than once per
-    forward, is computed in full."""
-
-    def __init__(self, layer: nn.Module, pending: set[str], budget: int,
-                 home: torch.device = _CPU) -> None:
-        self.home = home  # where recorded outputs and kept inputs live
-        self.parts = {name: {f"{name}.{n}" if n else name for n, m in child.named_modules() if isinstance(m, nn.Linear)}
-                      for name, child in layer.named_children()}
-        self.parts = {k: v for k, v in self.parts.items() if v}
-        self.modules = dict(layer.named_children())
-        self.pending = set(pending)
-        self.budget = budget
-        self.outputs: dict[str, list[Any]] = {}
-        self._recording: dict[str, list[Any]] = {}
-        self._refused: set[str] = set()
-        #: part -> (its finishing linear, that linear's input per batch at home)
-        self._inputs: dict[str, tuple[nn.Module, list[torch.Tensor]]] = {}
-        #: parts whose short cut passed the check, with the structure of their output (0: a tensor;
-        #: k > 0: a tuple of k, the tensor first and ``None`` after it)
-        self._cut: dict[str, int] = {}
-        self._cut_refused: set[str] = set()
-
-    def pruned(self, names: Sequence[str]) -> None:
-        """``names`` are final from now on."""
-        self.pending -= set(names)
-
-    def finishes(self, group: Group) -> str | None:
-        """The part that ``group`` finishes, when its input can short-cut that part: a group of one
-        linear, no producers, the last pending linear of its part."""
-        if len(group.linears) != 1 or group.producers:
-            return None
-        name = next(iter(group.linears))
-        for part, lins in self.parts.items():
-            if name in lins and name != part and lins & self.pending == {name} and part not in self._cut_refused:
-                return part
-        return None
-
-    def keep_input(self, part: str, linear: str, b: int, x: torch.Tensor) -> bool:
-        """Keep batch ``b``'s input of ``part``'s finishing ``linear`` (within the budget); ``False``
-        once the budget refuses it (nothing is kept for the part then)."""
-        size = _nbytes(x)
-        if part in self._cut_refused or size > self.budget:
-            self._drop_inputs(part)
-            return False
-        module = self.modules[part].get_submodule(linear[len(part) + 1:])
-        self._inputs.setdefault(part, (module, []))[1].append(x.detach().to(self.home, copy=x.device != self.home))
-        self.budget -= size
-        return True
-
-    def _drop_inputs(self, part: str, refuse: bool = True) -> None:
-        if refuse:
-            self._cut_refused.add(part)
-        self._cut.pop(part, None)
-        _, xs = self._inputs.pop(part, (None, []))
-        self.budget += sum(_nbytes(x) for x in xs)
-
-    def _linear_on_kept(self, part: str, b: int, device: torch.device) -> torch.Tensor:
-        linear, xs = self._inputs[part]
-        return linear(xs[b].to(device))
-
-    def _cut_output(self, part: str, b: int, device: torch.device) -> Any:
-        """The short-cut output of ``part`` for batch ``b``, in the structure the check saw."""
-        y = self._linear_on_kept(part, b, device)
-        size = self._cut[part]
-        return y if size == 0 else (y, *([None] * (size - 1)))
-
-    def _check_cut(self, part: str, b: int, device: torch.device, out: Any, check: dict[str, Any]) -> None:
-        """Compare ``part``'s real output on batch ``b`` with its linear on the kept input (first call
-        only); ``check`` collects the number of calls and the verdict (the output's structure, or None)."""
-        check["calls"] += 1
-        if check["calls"] > 1:
-            return
-        if isinstance(out, torch.Tensor):
-            size, real = 0, out
-        elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and all(o is None for o in out[1:]):
-            size, real = len(out), out[0]
-        else:  # any other structure: never short-cut
-            return
-        with torch.no_grad():
-            if torch.equal(self._linear_on_kept(part, b, device), real):
-                check["size"] = size
-
-    def _end_check(self, part: str, check: dict[str, Any]) -> None:
-        if check["calls"] == 0:  # not run by this pass (stopped before it): check on a later one
-            return
-        if check["calls"] == 1 and check["size"] is not None:
-            self._cut[part] = check["size"]
-        else:
-            self._drop_inputs(part)
-
-    @property
-    def active(self) -> bool:
-        """Whether any part is reused or may be short-cut."""
-        return bool(self.outputs or self._inputs)
-
-    def _final(self) -> list[str]:
-        return [p for p, lins in self.parts.items() if not lins & self.pending and p not in self.outputs
-                and p not in self._refused]
-
-    @contextlib.contextmanager
-    def batch(self, b: int, device: torch.device, record: bool = True) -> Iterator[None]:
-        """During one batch's forward: reuse the recorded parts and (``record``) record the newly
-        finished ones."""
-        handles = []
-        with contextlib.ExitStack() as stack:
-            for name, outs in self.outputs.items():
-                stack.enter_context(patched_forward(self.modules[name],
-                                                    lambda *a, _o=outs[b], **k: _clone(_o, device)))
-            for name in self._cut:  # (a part whose outputs were recorded left _cut then)
-                stack.enter_context(patched_forward(
-                    self.modules[name], lambda *a, _p=name, **k: self._cut_output(_p, b, device)))
-            finals = self._final()
-            for name in finals:
-                if name in self._inputs and name not in self._cut:
-                    check: dict[str, Any] = {"calls": 0, "size": None}
-                    handles.append(self.modules[name].register_forward_hook(
-                        lambda mod, args, out, _p=name, _c=check: self._check_cut(_p, b, device, out, _c)))
-                    stack.callback(self._end_check, name, check)
-            for name in finals if record else []:
-                rec = self._recording.setdefault(name, [])
-                calls = [0]
-
-                def hook(module: nn.Module, args: Any, out: Any, rec: list[Any] = rec, calls: list[int] = calls) -> None:
-                    calls[0] += 1
-                    if calls[0] == 1:
-                        rec.append(_clone(out, self.home))
-
-                handles.append(self.modules[name].register_forward_hook(hook))
-                stack.callback(self._check_calls, name, calls, b)
-            try:
-                yield
-            finally:
-                for h in handles:
-                    h.remove()
-
-    def _check_calls(self, name: str, calls: list[int], b: int) -> None:
-        if calls[0] > 1:
-            self._refused.add(name)
-        if calls[0] != 1 or len(self._recording.get(name, ())) != b + 1:
-            self._recording.pop(name, None)
-
-    def end_pass(self, n_batches: int) -> None:
-        """After a pass over all batches: keep the parts recorded for every batch (within the budget)."""
-        for name, outs in list(self._recording.items()):
-            size = sum(_nbytes(o) for o in outs)
-            if len(outs) == n_batches and size <= self.budget:
-                self.outputs[name] = outs
-                self.budget -= size
-                self._drop_inputs(name, refuse=False)  # the recorded outputs replace any short cut
-        self._recording.clear()
-
-
 def _group_stats_intra(
     layer: nn.Module,
     dense_layer: nn.Module | None,
     group: Group,
-    streams: _Streams,
+    streams: Streams,
     kw: list[dict[str, Any]],
     needs_dense: bool,
     batch_size: int,
-    place: _Place,
+    place: Place,
     dense_cache: tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None,
-    finished: _FinishedParts | None = None,
+    finished: FinishedParts | None = None,
 ) -> GroupStats:
     """One group's statistics from the partially pruned ``layer`` (stopped at the group's first linear),
     paired with the dense layer's input on the dense stream when ``needs_dense`` (from ``dense_cache``
@@ -693,7 +337,7 @@ def _group_stats_intra(
     m: _Moments | None = None
     device = place.device
     dense_in = streams.dense_or_pruned()
-    batches = _batches(streams.pruned.shape[0], batch_size)
+    batches = batch_ranges(streams.pruned.shape[0], batch_size)
     part = finished.finishes(group) if finished is not None else None
     dense_feed = place.feed(dense_in, batch_size) if needs_dense and dense_cache is None else None
     for b, _s, _e, xb in place.feed(streams.pruned, batch_size):
@@ -728,8 +372,8 @@ def _group_stats_intra(
     return m.stats()
 
 
-def _run_layer(layer: nn.Module, x: torch.Tensor, kw: list[dict[str, Any]], batch_size: int, place: _Place,
-               finished: _FinishedParts | None = None) -> torch.Tensor:
+def _run_layer(layer: nn.Module, x: torch.Tensor, kw: list[dict[str, Any]], batch_size: int, place: Place,
+               finished: FinishedParts | None = None) -> torch.Tensor:
     """``layer`` on every batch of ``x`` (what the next layer reads), the output at home; ``finished``
     reuses the outputs of a pruned layer's finished parts."""
     outs = place.sink(x.shape[0])
@@ -741,7 +385,7 @@ def _run_layer(layer: nn.Module, x: torch.Tensor, kw: list[dict[str, Any]], batc
 
 
 def _discover(
-    layer: nn.Module, streams: _Streams, kw: list[dict[str, Any]], batch_size: int, device: torch.device,
+    layer: nn.Module, streams: Streams, kw: list[dict[str, Any]], batch_size: int, device: torch.device,
     model_type: str,
 ) -> list[Group]:
     """The layer's groups, from a pass over its first batch."""
@@ -772,13 +416,13 @@ def _linear_report(group: Group, name: str, W: torch.Tensor, W_new: torch.Tensor
 def _prune_layer(
     layer: nn.Module,
     adapter: DecoderAdapter,
-    streams: _Streams,
+    streams: Streams,
     kw: list[dict[str, Any]],
     pruner: Pruner,
     spec: LinearSpecs,
     intra_layer: bool,
     batch_size: int,
-    place: _Place,
+    place: Place,
     dense_cache_bytes: int = 2**31,
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Prune one decoder layer; return its report, the pruned layer's output on the pruned stream,
@@ -790,7 +434,7 @@ def _prune_layer(
     device = place.device
 
     def clock() -> float:
-        _sync(device)
+        sync_device(device)
         return time.perf_counter()
 
     t0 = clock()
@@ -802,7 +446,7 @@ def _prune_layer(
     dense_next: torch.Tensor | None = None
     t_prune = t_report = 0.0
     linear_reports: dict[str, dict[str, Any]] = {}
-    finished: _FinishedParts | None = None
+    finished: FinishedParts | None = None
 
     def report_group(group: Group, dense_w: dict[str, torch.Tensor], st: GroupStats | None, extra: dict) -> None:
         nonlocal t_report
@@ -860,7 +504,7 @@ def _prune_layer(
             dense_layer = copy.deepcopy(layer)
         used = _dense_cache_bytes(touched, src, by_output) if cache is not None else 0
         if REUSE_FINISHED_PARTS:
-            finished = _FinishedParts(layer, {n for g in touched for n in [*g.linears, *g.producers]},
+            finished = FinishedParts(layer, {n for g in touched for n in [*g.linears, *g.producers]},
                                       dense_cache_bytes - used, place.home)
         t_stats = clock() - t0
         for g in touched:
@@ -984,7 +628,7 @@ def prune_model(
     ``"auto"`` keeps them on a GPU while its free memory allows, else in pinned host memory.
     ``checkpoint_interval``: with ``checkpoint_dir``, every finished layer is written at once and the
     activation streams at most every this many seconds (0: after every layer); all writes run on a
-    background thread (:class:`_Checkpointer`).
+    background thread (:class:`Checkpointer`).
     ``layer_store``: streamed runs (:mod:`leanml.prune.stream`): the model is a meta-device skeleton and
     the store materializes the outer modules around the input capture and each layer for its turn, then
     writes and frees it; ``None``: the weights are in ``model``.
@@ -1051,7 +695,7 @@ def prune_model(
         "sequential": sequential,
         "intra_layer": intra_layer,
         "layers": sorted(todo),
-        "calib": _fingerprint({"ids": calib_ids[:, :8].tolist(), "shape": list(calib_ids.shape)}),
+        "calib": settings_fingerprint({"ids": calib_ids[:, :8].tolist(), "shape": list(calib_ids.shape)}),
         **(fingerprint or {}),
     }
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -1063,14 +707,14 @@ def prune_model(
     prepare_seconds = 0.0  # a method's own pass over the whole model before the walk (FASP's allocation)
     if state_path is not None and state_path.exists():
         state = torch.load(state_path, weights_only=False)
-        if state.get("fingerprint") != _fingerprint(meta):
+        if state.get("fingerprint") != settings_fingerprint(meta):
             raise LeanmlError(
                 f"checkpoint in {ckpt} was made with different settings; delete it or run without --resume"
             )
         start_layer = state["next_layer"]
         layer_reports = state["reports"]
         seconds_before = float(state.get("seconds", 0.0))
-        streams = _Streams(state["pruned"], state["dense"])
+        streams = Streams(state["pruned"], state["dense"])
         kwargs = state["kwargs"]
         for i in range(start_layer if layer_store is None else 0):  # streamed: already in the output
             load_layer_state(all_layers[i], torch.load(ckpt / f"layer_{i:03d}.pt", weights_only=True))
@@ -1084,7 +728,7 @@ def prune_model(
             pruner.prepare(  # type: ignore[attr-defined]
                 model, adapter, calib_ids, batch_size=batch_size, device=device, spec=spec,
                            progress=progress)
-            _sync(device)
+            sync_device(device)
             prepare_seconds = time.perf_counter() - t
         t = time.perf_counter()
         if layer_store is not None:
@@ -1094,11 +738,11 @@ def prune_model(
         if layer_store is not None:
             layer_store.release_outer(model)
         capture_seconds = time.perf_counter() - t
-        streams = _Streams(inps, inps.clone() if keep_dense else None)
-    stream_bytes = sum(_nbytes(x) for x in (streams.pruned, streams.dense) if x is not None)
-    place = _Place(device, stream_home(device, stream_bytes, stream_device))
-    streams = _Streams(place.adopt(streams.pruned), place.adopt(streams.dense))
-    writer = _Checkpointer(ckpt, checkpoint_interval) if ckpt is not None else None
+        streams = Streams(inps, inps.clone() if keep_dense else None)
+    stream_bytes = sum(nbytes(x) for x in (streams.pruned, streams.dense) if x is not None)
+    place = Place(device, stream_home(device, stream_bytes, stream_device))
+    streams = Streams(place.adopt(streams.pruned), place.adopt(streams.dense))
+    writer = Checkpointer(ckpt, checkpoint_interval) if ckpt is not None else None
 
     # layers after the last one to prune change nothing: the walk stops there
     # updated by hand after each layer: the bar prints the estimated time for the rest after the first one
@@ -1127,13 +771,13 @@ def prune_model(
                                   if streams.dense is not None else None)
             # dense-input mode: every layer sees the dense model's activations (here the pruned stream
             # holds them, so the dense layer's output on it is the next input)
-            streams = _Streams(pruned_next, dense_next) if sequential else _Streams(dense_out, None)
+            streams = Streams(pruned_next, dense_next) if sequential else Streams(dense_out, None)
             if layer_store is not None:
-                streams = _Streams(*layer_store.spill(idx, streams.pruned, streams.dense))
+                streams = Streams(*layer_store.spill(idx, streams.pruned, streams.dense))
             if writer is not None:
                 writer.layer(idx, layer)
                 writer.state(lambda idx=idx, streams=streams: {
-                    "fingerprint": _fingerprint(meta), "next_layer": idx + 1, "reports": list(layer_reports),
+                    "fingerprint": settings_fingerprint(meta), "next_layer": idx + 1, "reports": list(layer_reports),
                     "pruned": streams.pruned, "dense": streams.dense, "kwargs": kwargs,
                     "pruner": pruner.state_dict(), "seconds": seconds_before + time.perf_counter() - t_start,
                 }, last=idx == max(todo))
@@ -1141,7 +785,7 @@ def prune_model(
                 layer_store.release(idx, layer)
             bar.update(1)
             if report is not None:
-                _sync(device)
+                sync_device(device)
                 report["seconds"] = time.perf_counter() - t_layer
                 report["solver_seconds"] = report["stats_seconds"] + report["prune_seconds"] + report["forward_seconds"]
                 report["engine_seconds"] = report["seconds"] - report["solver_seconds"]
@@ -1159,7 +803,7 @@ def prune_model(
                 with contextlib.suppress(Exception):
                     writer.close()
     final_info = pruner.finalize(model, adapter) if finalize else {}
-    _sync(device)
+    sync_device(device)
     # over every layer, the ones pruned before a resume included
     prune_seconds = seconds_before + time.perf_counter() - t_start
     solver_seconds = prepare_seconds + sum(lay.get("solver_seconds", 0.0) for lay in layer_reports)
