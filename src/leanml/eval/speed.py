@@ -20,7 +20,6 @@ directory's weight files (safetensors, bin, pt, gguf), dense or compressed.
 from __future__ import annotations
 
 import os
-import resource
 import statistics
 import time
 from collections.abc import Iterable
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from leanml.models.shards import peak_rss_bytes
 from leanml.utils import LeanmlError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -60,16 +60,6 @@ def _rss_peak_reset() -> bool:
         return True
     except OSError:
         return False
-
-
-def _rss_peak_bytes() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -206,7 +196,7 @@ def measure_speeds(
                 prefill[name].append(_prefill_seconds(m, prompt.to(d), d))
                 if gen_len:
                     decode[name].append(greedy_decode(m, gen_prompt.to(d), gen_len)[0])
-                peak = torch.cuda.max_memory_allocated(d) if d.type == "cuda" else _rss_peak_bytes()
+                peak = torch.cuda.max_memory_allocated(d) if d.type == "cuda" else peak_rss_bytes()
                 peaks[name] = max(peaks.get(name, 0), int(peak))
     finally:
         torch.set_num_threads(old_threads)
