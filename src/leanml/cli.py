@@ -23,6 +23,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from leanml.config import ConfigError, cli_message
 from leanml.utils import LeanmlError, SigtermInterrupt, interrupt_on_sigterm
 
 # Modules that provide ``register(subparsers)``; order is the order shown in --help.
@@ -114,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     except LeanmlError as exc:
         if debug():
             traceback.print_exc()
-        print(f"leanml: error: {exc}", file=sys.stderr)
+        message = str(exc)
+        if isinstance(exc, ConfigError):  # the library names fields; the user typed flags
+            message = cli_message(exc, getattr(args, "_leanml_flags", []))
+        print(f"leanml: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         if debug():

@@ -1,0 +1,273 @@
+"""Options declared once: dataclass fields that are also the command line.
+
+A job's options live in one dataclass. Each field is declared with :func:`option` (default, help text,
+and optionally the flag and a parser); the class checks itself once, in ``__post_init__``, and raises
+:class:`ConfigError` naming the *fields* it refuses. The command line is generated from the fields by
+:func:`add_options` and read back by :func:`from_args`, so a flag and its field cannot drift; when the
+library refuses a value, :func:`cli_message` rewrites the field names in the message into the flags the
+user typed.
+
+Example::
+
+    @dataclass(frozen=True)
+    class Options:
+        iters: int = option(20, "FISTA iterations per round")
+        ridge: float = option(0.1, "ridge of the refit", flag="--fista-ridge")
+
+        def __post_init__(self) -> None:
+            require(self, self.iters >= 1, "iters", f"must be >= 1, got {self.iters}")
+
+    add_options(parser, Options, prefix="fista-")   # --fista-iters, --fista-ridge
+    opts = from_args(Options, args, prefix="fista-")
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+from leanml.utils import LeanmlError
+
+MISSING = dataclasses.MISSING
+_META = "leanml"  # key of the field metadata this module reads
+
+
+class ConfigError(LeanmlError):
+    """A refused option value. ``fields`` are the field names the message mentions (as whole words);
+    on the command line they are shown as the flags that set them."""
+
+    def __init__(self, message: str, owner: type | None = None, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.owner = owner
+        self.fields = tuple(fields)
+
+
+def require(obj: Any, ok: bool, fields: str | tuple[str, ...], message: str) -> None:
+    """Raise :class:`ConfigError` unless ``ok``.
+
+    ``fields`` is the field (or fields) of ``obj`` that the message is about; a one-field message that
+    does not name its field starts with it: ``require(self, n >= 1, "iters", "must be >= 1")`` reads
+    "iters must be >= 1" in Python and "--fista-iters must be >= 1" on the command line.
+    """
+    if ok:
+        return
+    names = (fields,) if isinstance(fields, str) else tuple(fields)
+    if len(names) == 1 and not re.search(rf"(?<![\w-]){re.escape(names[0])}(?![\w-])", message):
+        message = f"{names[0]} {message}"
+    raise ConfigError(message, type(obj), names)
+
+
+def option(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    flag: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    choices: tuple[Any, ...] | None = None,
+    metavar: str | None = None,
+    default_factory: Callable[[], Any] | None = None,
+    cli: bool = True,
+    prefix: str | None = None,
+    show_default: bool = True,
+    nargs: str | None = None,
+) -> Any:
+    """A dataclass field that is also a command-line option.
+
+    ``flag`` overrides the generated ``--<prefix><name-with-dashes>``; ``parse`` turns the command-line
+    string into the field's value (default: the annotated type); ``choices`` limits the values (a
+    ``Literal`` annotation gives them too); ``cli=False`` keeps the field off the command line (a value
+    only Python callers give). A field whose type is itself an options dataclass is expanded in place,
+    its flags prefixed by ``prefix``.
+    """
+    meta = {_META: dict(help=help, flag=flag, parse=parse, choices=choices, metavar=metavar, cli=cli,
+                        prefix=prefix, show_default=show_default, nargs=nargs)}
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _meta(f: dataclasses.Field) -> dict[str, Any]:
+    return f.metadata.get(_META) or dict(help="", flag=None, parse=None, choices=None, metavar=None, cli=True,
+                                         prefix=None, show_default=True, nargs=None)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One generated option: the flag, the dataclass and field it sets, and the argparse dest."""
+
+    flag: str
+    owner: type
+    field: str
+    dest: str
+
+
+def flag_name(f: dataclasses.Field, prefix: str = "") -> str:
+    m = _meta(f)
+    return m["flag"] or f"--{prefix}{f.name.replace('_', '-')}"
+
+
+def iter_flags(cls: type, prefix: str = "") -> Iterator[tuple[dataclasses.Field, str, type, str]]:
+    """(field, flag, owner, nested prefix) of every command-line field of ``cls``, nested ones expanded."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        m = _meta(f)
+        if not m["cli"]:
+            continue
+        tp, _ = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            yield from iter_flags(tp, m["prefix"] if m["prefix"] is not None else prefix)
+            continue
+        yield f, flag_name(f, prefix), cls, prefix
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return MISSING
+
+
+def add_options(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    prefix: str = "",
+    *,
+    skip: tuple[str, ...] = (),
+    defaults: dict[str, Any] | None = None,
+    required: tuple[str, ...] = (),
+) -> list[Flag]:
+    """Add one option per field of ``cls`` (nested options dataclasses expanded) and return them.
+
+    ``skip`` leaves fields out (the caller sets them another way); ``defaults`` overrides the defaults
+    shown and used by this command (for a subcommand whose sensible default differs); ``required`` makes
+    fields mandatory on this command. The generated flags are recorded on the parser (see
+    :func:`parser_flags`).
+    """
+    hints_cache: dict[type, dict[str, Any]] = {}
+    made: list[Flag] = []
+    for f, flag, owner, _ in iter_flags(cls, prefix):
+        if f.name in skip:
+            continue
+        m = _meta(f)
+        hints = hints_cache.setdefault(owner, _hints(owner))
+        tp, optional = _unwrap_optional(hints[f.name])
+        default = _default_of(f)
+        if defaults and f.name in defaults:
+            default = defaults[f.name]
+        kwargs: dict[str, Any] = {"dest": _dest(flag)}
+        choices = m["choices"]
+        if typing.get_origin(tp) is Literal:
+            choices = choices or typing.get_args(tp)
+            tp = type(typing.get_args(tp)[0])
+        if tp is bool and m["parse"] is None:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = m["parse"] or (tp if tp in (int, float, str) else str)
+            if choices is not None:
+                kwargs["choices"] = choices
+            if m["metavar"]:
+                kwargs["metavar"] = m["metavar"]
+            if m["nargs"]:
+                kwargs["nargs"] = m["nargs"]
+        text = m["help"]
+        if m["show_default"] and default is not MISSING and f.name not in required:
+            shown = default if not isinstance(default, (list, tuple)) else ",".join(map(str, default))
+            text = f"{text} (default {shown})".strip() if default is not None or not optional else text
+        kwargs["help"] = text.replace("%", "%%")
+        if f.name in required or default is MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = default
+        parser.add_argument(flag, **kwargs)
+        made.append(Flag(flag, owner, f.name, kwargs["dest"]))
+    # argument groups share their parser's defaults: the record travels into the parsed namespace, where
+    # the command line's error handler finds it (see cli_message)
+    parser._defaults.setdefault("_leanml_flags", []).extend(made)  # type: ignore[union-attr]
+    return made
+
+
+def parser_flags(parser: argparse.ArgumentParser) -> list[Flag]:
+    """The options :func:`add_options` generated on ``parser`` (and its argument groups)."""
+    return list(parser._defaults.get("_leanml_flags", []))
+
+
+def _values(cls: type, args: argparse.Namespace, prefix: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    hints = _hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        m = _meta(f)
+        if f.name in overrides:
+            values[f.name] = overrides[f.name]
+            continue
+        if not m["cli"]:
+            continue
+        tp, _ = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            values[f.name] = _build(tp, args, m["prefix"] if m["prefix"] is not None else prefix, {})
+            continue
+        dest = _dest(flag_name(f, prefix))
+        if hasattr(args, dest):
+            values[f.name] = getattr(args, dest)
+    return values
+
+
+def _build(cls: type, args: argparse.Namespace, prefix: str, overrides: dict[str, Any]) -> Any:
+    return cls(**_values(cls, args, prefix, overrides))
+
+
+def from_args(cls: type, args: argparse.Namespace, prefix: str = "", **overrides: Any) -> Any:
+    """Build ``cls`` from the options :func:`add_options` generated (fields skipped there keep their
+    defaults unless given in ``overrides``)."""
+    return _build(cls, args, prefix, overrides)
+
+
+def flags_of(cls: type, prefix: str = "") -> dict[tuple[type, str], str]:
+    """``{(owner class, field name): flag}`` for every command-line field of ``cls``."""
+    return {(owner, f.name): flag for f, flag, owner, _ in iter_flags(cls, prefix)}
+
+
+def cli_message(exc: ConfigError, flags: list[Flag] | dict[tuple[type, str], str]) -> str:
+    """The message of ``exc`` with the fields it names written as the flags that set them."""
+    table = flags if isinstance(flags, dict) else {(fl.owner, fl.field): fl.flag for fl in flags}
+    text = str(exc)
+    for name in exc.fields:
+        flag = table.get((exc.owner, name)) if exc.owner is not None else None
+        if flag is None:  # the field's class is a parent or child of the one the parser knows
+            flag = next((v for (o, n), v in table.items() if n == name and exc.owner is not None
+                         and (issubclass(exc.owner, o) or issubclass(o, exc.owner))), None)
+        if flag:
+            text = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", flag, text)
+    return text
+
+
+def replace(obj: Any, **changes: Any) -> Any:
+    """``dataclasses.replace``: a copy with some fields changed, checked again."""
+    return dataclasses.replace(obj, **changes)
+
+
+def as_dict(obj: Any) -> dict[str, Any]:
+    """The fields as a plain dict (nested options included), for reports and fingerprints."""
+    return dataclasses.asdict(obj)
