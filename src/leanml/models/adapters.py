@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from leanml.models.layout import DecoderAdapter, get_adapter, register, structured_model_types
 
-__all__ = ["get_adapter", "supported_model_types", "structured_model_types"]
+__all__ = ["get_adapter", "structured_model_types"]
 
 _LLAMA_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 _LLAMA_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -131,8 +131,3 @@ class GPTNeoXAdapter(DecoderAdapter):
     def group_rows(self, g: int) -> dict[str, list[int]]:
         assert self.v_proj is not None
         return {self.v_proj: list(range(g * 3 * self.head_dim, (g + 1) * 3 * self.head_dim))}
-
-
-def supported_model_types() -> list[str]:
-    """Families with a declared structured layout (every decoder-only model prunes unstructured)."""
-    return structured_model_types()

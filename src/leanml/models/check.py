@@ -41,10 +41,11 @@ def read_json(path: Path, what: str = "") -> Any:
                           f"is cut or damaged: restore it{what}") from exc
 
 
-def check_safetensors(path: Path) -> None:
-    """Raise :class:`LeanmlError` when a safetensors file is unreadable, has a broken header, or is shorter
-    (or longer) than its header says."""
-    fix = "; the copy is incomplete or damaged: copy or save the model again"
+def safetensors_header(path: str | os.PathLike, fix: str = "copy or save the model again") -> tuple[int, dict[str, Any]]:
+    """The header length and JSON header of a safetensors file (``__metadata__`` included); raises
+    :class:`LeanmlError` when the file is unreadable, cut inside its header, or its header is damaged."""
+    path = Path(path)
+    fix = f"; the copy is incomplete or damaged: {fix}"
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -62,6 +63,15 @@ def check_safetensors(path: Path) -> None:
         raise LeanmlError(f"{path} has a damaged header{fix}") from exc
     if not isinstance(header, dict):
         raise LeanmlError(f"{path} has a damaged header{fix}")
+    return n, header
+
+
+def check_safetensors(path: Path) -> None:
+    """Raise :class:`LeanmlError` when a safetensors file is unreadable, has a broken header, or is shorter
+    than its header says."""
+    fix = "; the copy is incomplete or damaged: copy or save the model again"
+    n, header = safetensors_header(path)
+    size = Path(path).stat().st_size
     end = 0
     for name, entry in header.items():
         if name == "__metadata__":

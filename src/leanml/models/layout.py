@@ -277,11 +277,6 @@ class DecoderAdapter:
     def head_dim(self) -> int:
         return int(getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_heads)
 
-    @property
-    def max_positions(self) -> int | None:
-        value = getattr(self.config, "max_position_embeddings", None)
-        return int(value) if value is not None else None
-
     # ---- declared per family: structured pairs ---------------------------------------------------
     @property
     def has_pairs(self) -> bool:

@@ -21,7 +21,6 @@ import json
 import os
 import resource
 import shutil
-import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from leanml.models.check import safetensors_header
 from leanml.utils import LeanmlError, atomic_file, write_json
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -88,15 +88,7 @@ def read_header(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     raises :class:`LeanmlError` naming the first tensor whose bytes the file does not hold."""
     path = Path(path)
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise LeanmlError(f"{path} is truncated (no safetensors header); copy the shard again")
-        (n,) = struct.unpack("<Q", head)
-        raw = f.read(n)
-    if len(raw) < n:
-        raise LeanmlError(f"{path} is truncated inside its header; copy the shard again")
-    header = json.loads(raw)
+    n, header = safetensors_header(path, fix="copy the shard again")
     header.pop("__metadata__", None)
     for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         if 8 + n + entry["data_offsets"][1] > size:
