@@ -210,9 +210,11 @@ def _operator_stats(
 
 def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any]]:
     """Operator-level ablations: held-out relative output error of layer ``--operator-layer``'s q/k/v."""
-    from leanml.prune.fista import fista_prune
+    from leanml.prune.cores.fista import fista_prune
+    from leanml.prune.cores.magnitude import magnitude_prune
+    from leanml.prune.cores.sparsegpt import sparsegpt_prune
+    from leanml.prune.cores.wanda import wanda_prune
     from leanml.prune.masks import MaskSpec
-    from leanml.prune.methods.baselines import magnitude_prune, sparsegpt_prune, wanda_prune
 
     base = {"iters": 20, "rounds": 3, "xi": 0.3, "lam": 1e-3, "precondition": True, "refine_iters": 0,
             "lambda_scope": "row", "damp": 0.0}  # fmt: skip
@@ -278,9 +280,9 @@ def calib_size_study(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any]
     threshold per matrix; SparseGPT: one threshold per matrix), on layer ``--operator-layer``'s q/k/v
     and down projection.
     """
-    from leanml.prune.fista import fista_prune
+    from leanml.prune.cores.fista import fista_prune
+    from leanml.prune.cores.sparsegpt import sparsegpt_prune
     from leanml.prune.masks import MaskSpec
-    from leanml.prune.methods.baselines import sparsegpt_prune
     from leanml.prune.methods.fista import FistaPruner
 
     d = FistaPruner()

@@ -229,7 +229,7 @@ def solver_study(args: argparse.Namespace, model, tok) -> list[dict[str, Any]]:
     from torch import nn
 
     from leanml.prune.base import Group, GroupStats
-    from leanml.prune.fista import row_output_errors
+    from leanml.prune.cores.refine import row_output_errors
     from leanml.prune.masks import MaskSpec
     from leanml.prune.methods import pruner_class
 

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from builders import tiny_llama_untied, tiny_opt_biased
 from leanml.models.layout import get_adapter
 from leanml.models.surgery import count_parameters, live_units
-from leanml.prune import fasp as core
 from leanml.prune.base import GroupStats
+from leanml.prune.cores import fasp as core
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods.fasp import (
     FaspPruner,

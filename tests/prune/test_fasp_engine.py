@@ -14,7 +14,7 @@ from builders import tiny_opt_biased as tiny_opt
 from leanml.models import surgery
 from leanml.models.layout import get_adapter
 from leanml.models.surgery import count_parameters, live_units
-from leanml.prune import fasp as core
+from leanml.prune.cores import fasp as core
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods.fasp import (

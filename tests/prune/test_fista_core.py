@@ -9,18 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.linear_model import Lasso
 
-from leanml.prune.fista import (
+from leanml.prune.cores.fista import (
     fista_prune,
     fista_solve,
     hard_threshold,
     lasso_objective,
     power_iteration,
-    refine_cg_on_mask,
-    refine_on_mask,
-    row_output_errors,
     soft_threshold,
     tune_lambda,
 )
+from leanml.prune.cores.refine import refine_apg, refine_cg, row_output_errors
 from leanml.prune.masks import MaskSpec, satisfies_nm, sparsity_of
 
 
@@ -127,11 +125,11 @@ def test_row_output_errors_match_direct_computation():
     assert torch.allclose(row_output_errors(Wn, Hp, W @ G, ((W @ Hd) * W).sum(1)), direct, rtol=1e-9)
 
 
-def test_refine_on_mask_matches_least_squares_on_support():
+def test_refine_apg_matches_least_squares_on_support():
     X, W, H, C = _problem(n=16)
     mask = hard_threshold(W, MaskSpec(0.5)) != 0
     L = power_iteration(H) * 1.001
-    R = refine_on_mask(W, mask, H, C, L, iters=3000)
+    R = refine_apg(W, mask, H, C, L, iters=3000)[0]
     for i in range(W.shape[0]):
         idx = mask[i].nonzero().squeeze(1)
         ref = torch.linalg.lstsq(X[:, idx], X @ W[i]).solution
@@ -197,11 +195,11 @@ def test_fista_prune_beats_magnitude_and_is_exact(pattern, scope):
     assert sparsity_of(lam_layer.W) == pytest.approx(0.5)
 
 
-def test_refine_cg_on_mask_matches_least_squares_on_support():
+def test_refine_cg_matches_least_squares_on_support():
     """Conjugate gradients reach the least-squares refit on the support in at most |support| steps."""
     X, W, H, C = _problem(n=16)
     mask = hard_threshold(W, MaskSpec(0.5)) != 0
-    R = refine_cg_on_mask(W, mask, H, C, iters=8)  # 8 kept weights per row
+    R = refine_cg(W, mask, H, C, iters=8)[0]  # 8 kept weights per row
     for i in range(W.shape[0]):
         idx = mask[i].nonzero().squeeze(1)
         ref = torch.linalg.lstsq(X[:, idx], X @ W[i]).solution
@@ -209,7 +207,7 @@ def test_refine_cg_on_mask_matches_least_squares_on_support():
         assert (R[i, ~mask[i]] == 0).all()
     # fewer steps: never worse than the start on the support
     start = W * mask
-    few = refine_cg_on_mask(W, mask, H, C, iters=2)
+    few = refine_cg(W, mask, H, C, iters=2)[0]
     assert (lasso_objective(few, H, C, 0.0) <= lasso_objective(start, H, C, 0.0) + 1e-12).all()
 
 

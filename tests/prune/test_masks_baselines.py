@@ -7,14 +7,10 @@ import itertools
 import pytest
 import torch
 
+from leanml.prune.cores.magnitude import magnitude_prune
+from leanml.prune.cores.sparsegpt import hinv_upper, sparsegpt_prune, sparsegpt_prune_many
+from leanml.prune.cores.wanda import wanda_prune
 from leanml.prune.masks import MaskSpec, keep_mask, parse_pattern, satisfies_nm, sparsity_of
-from leanml.prune.methods.baselines import (
-    hinv_upper,
-    magnitude_prune,
-    sparsegpt_prune,
-    sparsegpt_prune_many,
-    wanda_prune,
-)
 from leanml.utils import LeanmlError
 
 

@@ -10,11 +10,11 @@ How many units each layer loses (``alloc``):
 - ``"score"`` (default): ``sparsity`` is the fraction of *all* the model's parameters to remove
   (embeddings and head count in the total but are never cut). A dense pre-pass (:meth:`prepare`) scores
   every attention group and MLP unit of every layer with the method's own unit score, normalizes each
-  layer's scores to sum 1, and :func:`leanml.prune.fasp.allocate` picks the number of groups and of MLP
+  layer's scores to sum 1, and :func:`leanml.prune.cores.fasp.allocate` picks the number of groups and of MLP
   units per layer -- the same in every layer, as stock configs require -- that meets the budget with the
   least score lost.
 - ``"uniform"``: every layer keeps the same fraction of units of each pair (rounding rule in
-  :func:`leanml.prune.fasp.num_kept`; attention units are whole groups).
+  :func:`leanml.prune.cores.fasp.num_kept`; attention units are whole groups).
 
 ========================  ========================================  ==============================
 method                    unit score                                consumer update
@@ -40,8 +40,8 @@ from torch import nn
 
 from leanml.models import surgery
 from leanml.models.layout import DecoderAdapter
-from leanml.prune import fasp as core
 from leanml.prune.base import Group, GroupStats, Pruner
+from leanml.prune.cores import fasp as core
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
 
@@ -203,7 +203,7 @@ class StructuredPairPruner(Pruner):
         """The score allocation's dense pre-pass (``alloc="score"``; nothing otherwise): walk the dense
         model layer by layer on the first ``plan_samples`` calibration windows, score every attention group and MLP unit with
         :meth:`unit_scores` on the dense inputs, and choose the units removed per layer
-        (:func:`leanml.prune.fasp.allocate`). An infeasible budget fails before the pass."""
+        (:func:`leanml.prune.cores.fasp.allocate`). An infeasible budget fails before the pass."""
         if self.alloc != "score" or spec is None:
             return {}
         layers = adapter.layers()

@@ -1,9 +1,9 @@
 """FISTAPruner behind the layer-wise engine: l1-regularised layer-wise reconstruction solved by FISTA.
 
 Per linear of a group, with the engine's statistics ``H`` (pruned-path input), ``G`` (dense x pruned)
-and ``Hd`` (dense input), :func:`leanml.prune.fista.fista_prune` minimises
+and ``Hd`` (dense input), :func:`leanml.prune.cores.fista.fista_prune` minimises
 ``1/2 ||W* X* - W X||^2 + lambda ||W*||_1`` (all rows at once), tunes lambda over T rounds and
-hard-thresholds to the exact target. The numeric work lives in :mod:`leanml.prune.fista`.
+hard-thresholds to the exact target. The numeric work lives in :mod:`leanml.prune.cores.fista`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import torch
 
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
-from leanml.prune.fista import REFINE_METHODS, fista_prune, power_iteration, shift_diagonal
+from leanml.prune.cores.fista import fista_prune, power_iteration, shift_diagonal
+from leanml.prune.cores.refine import REFINE_METHODS
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
 
@@ -25,7 +26,9 @@ WARM_STARTS = ("dense", "magnitude", "wanda", "sparsegpt")
 
 def warm_start_weights(name: str, W: torch.Tensor, stats: GroupStats, spec: MaskSpec, shared: Any = None):
     """The start point of FISTA: the dense weights or a baseline's pruned weights."""
-    from leanml.prune.methods.baselines import magnitude_prune, sparsegpt_prune, wanda_prune
+    from leanml.prune.cores.magnitude import magnitude_prune
+    from leanml.prune.cores.sparsegpt import sparsegpt_prune
+    from leanml.prune.cores.wanda import wanda_prune
 
     if name == "dense":
         return W
@@ -211,7 +214,7 @@ class FistaPruner(Pruner):
         L = power_iteration(Hs) * 1.001
         shared = None
         if self.warm_start == "sparsegpt":
-            from leanml.prune.methods.baselines import hinv_upper
+            from leanml.prune.cores.sparsegpt import hinv_upper
 
             shared = hinv_upper(stats.H, 0.01)[0]
         out: dict[str, dict[str, Any]] = {}

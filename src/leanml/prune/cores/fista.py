@@ -14,12 +14,12 @@ Everything in this module is a pure function of tensors (no model objects, no I/
 
 - :func:`power_iteration` -- the Lipschitz constant ``L = lambda_max(H)``,
 - :func:`soft_threshold`, :func:`hard_threshold` (exact unstructured per row / per layer or N:M),
-- :func:`lasso_objective`, :func:`row_output_errors`,
+- :func:`lasso_objective`,
 - :func:`fista_solve` -- FISTA with a per-row function-value restart, so the objective never rises,
-- :func:`refine_on_mask` -- optional least-squares refit of the kept weights (accelerated projected
-  gradient on a fixed support),
 - :func:`tune_lambda` -- the T-round lambda search by bisection on ``E_round / E_total`` against ``xi``,
 - :func:`fista_prune` -- the whole per-operator procedure.
+
+The output errors and the optional refit of the kept weights live in :mod:`leanml.prune.cores.refine`.
 """
 
 from __future__ import annotations
@@ -30,10 +30,17 @@ from typing import Any
 
 import torch
 
+from leanml.prune.cores.refine import (
+    REFINE_METHODS,
+    fill_kept_zeros,
+    keep_rows,
+    momentum,
+    refine_apg,
+    refine_cg,
+    row_dot,
+    row_output_errors,
+)
 from leanml.prune.masks import MaskSpec, keep_mask
-
-#: ways to refit the kept weights after a hard threshold: accelerated projected gradient, conjugate gradients
-REFINE_METHODS = ("apg", "cg")
 
 
 def power_iteration(H: torch.Tensor, iters: int = 100, tol: float = 1e-6, seed: int = 0) -> float:
@@ -97,24 +104,6 @@ def prune_scores(W: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Ten
     return torch.where(W != 0, W.abs(), -1.0 / (1.0 + grad.abs()))
 
 
-def fill_kept_zeros(
-    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, dense_const: torch.Tensor
-) -> torch.Tensor:
-    """Give kept-but-zero weights their coordinate-wise optimal value (one Jacobi step).
-
-    Rows whose output error would rise keep their old values, so the error never increases.
-    """
-    Z = mask & (W == 0)
-    if not bool(Z.any()):
-        return W
-    WH = W @ H
-    diag = torch.diagonal(H).clamp_min(1e-30)
-    W_new = torch.where(Z, (C - WH) / diag, W)
-    old = row_output_errors(W, H, C, dense_const, WH)
-    new = row_output_errors(W_new, H, C, dense_const)
-    return torch.where((new < old).unsqueeze(1), W_new, W)
-
-
 def _as_row_lambda(lam: torch.Tensor | float, m: int, like: torch.Tensor) -> torch.Tensor:
     lam_t = torch.as_tensor(lam, dtype=like.dtype, device=like.device)
     if lam_t.dim() == 0:
@@ -125,11 +114,6 @@ def _as_row_lambda(lam: torch.Tensor | float, m: int, like: torch.Tensor) -> tor
     if bool((lam_t < 0).any()):
         raise ValueError("lambda must be non-negative")
     return lam_t.reshape(m, 1)
-
-
-def _vdot(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """Per-row dot products ``(A * B).sum(1)`` without the temporary."""
-    return torch.linalg.vecdot(A, B, dim=1)
 
 
 def _l1(W: torch.Tensor, col_weights: torch.Tensor | None) -> torch.Tensor:
@@ -154,20 +138,7 @@ def lasso_objective(
     if WH is None:
         WH = W @ H
     lam_r = _as_row_lambda(lam, W.shape[0], W).reshape(-1)
-    return 0.5 * _vdot(WH, W) - _vdot(C, W) + lam_r * _l1(W, col_weights)
-
-
-def row_output_errors(
-    W_new: torch.Tensor, H: torch.Tensor, C: torch.Tensor, dense_const: torch.Tensor, WH: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Per-row mean squared output error ``||w* X* - w X||^2 / N`` (shape (m,), clamped at 0).
-
-    ``dense_const`` is the per-row ``w Hd w^T`` (the dense output energy), ``C = W G``; ``WH`` may pass
-    a precomputed ``W_new @ H``.
-    """
-    if WH is None:
-        WH = W_new @ H
-    return (_vdot(WH, W_new) - 2.0 * _vdot(C, W_new) + dense_const).clamp_min(0.0)
+    return 0.5 * row_dot(WH, W) - row_dot(C, W) + lam_r * _l1(W, col_weights)
 
 
 @dataclass
@@ -181,25 +152,6 @@ class FistaResult:
     row_objective: torch.Tensor | None = None
     #: ``W @ H`` of the returned iterate (saves the caller a product)
     WH: torch.Tensor | None = None
-
-
-def _momentum(t: torch.Tensor, bad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """FISTA's ``t_{k+1}`` and ``beta = (t_k - 1) / t_{k+1}`` per row; restarted rows get ``t = 1``,
-    ``beta = 0``."""
-    t_next = (1.0 + torch.sqrt(1.0 + 4.0 * t * t)) / 2.0
-    beta = (t - 1.0) / t_next
-    if bad is not None:
-        badc = bad.unsqueeze(1)
-        beta = beta.masked_fill(badc, 0.0)
-        t_next = t_next.masked_fill(badc, 1.0)
-    return t_next, beta
-
-
-def _keep_rows(bad: torch.Tensor, new: list[torch.Tensor], old: list[torch.Tensor]) -> None:
-    """Rows flagged ``bad`` of each tensor in ``new`` take their values from ``old`` (in place)."""
-    idx = bad.nonzero().squeeze(1)
-    for a, b in zip(new, old):
-        a.index_copy_(0, idx, b.index_select(0, idx))
 
 
 def fista_solve(
@@ -241,7 +193,7 @@ def fista_solve(
     WH_prev = W_prev @ H if W0H is None else W0H.to(C.dtype)
     u = None if col_weights is None else col_weights.to(C.dtype).reshape(-1)
     lam_v = lam_r.reshape(-1)
-    F_prev = 0.5 * _vdot(WH_prev, W_prev) - _vdot(C, W_prev) + lam_v * _l1(W_prev, u)
+    F_prev = 0.5 * row_dot(WH_prev, W_prev) - row_dot(C, W_prev) + lam_v * _l1(W_prev, u)
     history = [float(F_prev.sum())] if track else []
     Y, YH = W_prev, WH_prev
     t = torch.ones(m, 1, dtype=C.dtype, device=C.device)
@@ -253,7 +205,7 @@ def fista_solve(
         Z = soft_threshold(V, tau)
         del V
         ZH = Z @ H
-        F = 0.5 * _vdot(ZH, Z) - _vdot(C, Z) + lam_v * _l1(Z, u)
+        F = 0.5 * row_dot(ZH, Z) - row_dot(C, Z) + lam_v * _l1(Z, u)
         bad = None
         if restart:
             up = F > F_prev
@@ -261,9 +213,9 @@ def fista_solve(
             if nbad:
                 restarts += nbad
                 bad = up
-                _keep_rows(bad, [Z, ZH], [W_prev, WH_prev])
+                keep_rows(bad, [Z, ZH], [W_prev, WH_prev])
                 F = torch.where(bad, F_prev, F)
-        t_next, beta = _momentum(t, bad)
+        t_next, beta = momentum(t, bad)
         change = float((Z - W_prev).norm()) / max(float(W_prev.norm()), 1e-30) if tol > 0.0 else 1.0
         Y = torch.lerp(Z, W_prev, -beta)  # Z + beta (Z - W_prev)
         YH = torch.lerp(ZH, WH_prev, -beta)
@@ -274,95 +226,6 @@ def fista_solve(
         if tol > 0.0 and change < tol:
             break
     return FistaResult(W=W_prev, objective=history, iters=done, restarts=restarts, row_objective=F_prev, WH=WH_prev)
-
-
-def refine_on_mask(
-    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, L: float, iters: int
-) -> torch.Tensor:
-    """Refit the kept weights: minimise ``1/2 tr(W H W^T) - tr(C W^T)`` over ``W`` supported on ``mask``.
-
-    Accelerated projected gradient (the projection zeroes the pruned weights) with a per-row
-    function-value restart, so the output error of every row never rises; starts at ``W``.
-    """
-    return _refine(W, mask, H, C, L, iters)[0]
-
-
-def _refine(
-    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, L: float, iters: int,
-    WH: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`refine_on_mask` that also returns ``W @ H`` of the result; ``WH`` may pass the product of
-    the start (``W``, already zero off ``mask``)."""
-    keep = mask.to(W.dtype)
-    if WH is None:
-        W = W * keep
-        WH = W @ H
-    if iters <= 0 or L <= 0.0:
-        return W, WH
-    res_W = W
-    F_prev = 0.5 * _vdot(WH, W) - _vdot(C, W)
-    Y, YH = W, WH
-    t = torch.ones(W.shape[0], 1, dtype=W.dtype, device=W.device)
-    for _ in range(iters):
-        Z = torch.add(Y, YH - C, alpha=-1.0 / L).mul_(keep)
-        ZH = Z @ H
-        F = 0.5 * _vdot(ZH, Z) - _vdot(C, Z)
-        up = F > F_prev
-        bad = None
-        if bool(up.any()):
-            bad = up
-            _keep_rows(bad, [Z, ZH], [res_W, WH])
-            F = torch.where(bad, F_prev, F)
-        t_next, beta = _momentum(t, bad)
-        Y = torch.lerp(Z, res_W, -beta)
-        YH = torch.lerp(ZH, WH, -beta)
-        res_W, WH, F_prev, t = Z, ZH, F, t_next
-    return res_W, WH
-
-
-def refine_cg_on_mask(W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, iters: int) -> torch.Tensor:
-    """:func:`refine_on_mask` by conjugate gradients: the same least-squares refit of the kept weights.
-
-    Every row runs its own conjugate-gradient recursion on its support (all rows at once, one
-    ``n x n`` product per iteration). In exact arithmetic the objective of every row falls at each
-    step and reaches the minimum on the support after at most ``|support|`` steps; a row whose
-    objective ends above its start (rounding) keeps its start."""
-    return _refine_cg(W, mask, H, C, iters)[0]
-
-
-def _refine_cg(
-    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, iters: int,
-    WH: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`refine_cg_on_mask` that also returns ``W @ H`` of the result; ``WH`` may pass the product
-    of the start (``W``, already zero off ``mask``)."""
-    keep = mask.to(W.dtype)
-    if WH is None:
-        W = W * keep
-        WH = W @ H
-    if iters <= 0:
-        return W, WH
-    F0 = 0.5 * _vdot(WH, W) - _vdot(C, W)
-    X, XH = W.clone(), WH.clone()
-    R = (C - WH).mul_(keep)  # minus the gradient, on the support
-    P = R.clone()
-    rr = _vdot(R, R)
-    for _ in range(iters):
-        Q = P @ H
-        pq = _vdot(P, Q)
-        alpha = torch.where(pq > 0, rr / pq.clamp_min(1e-30), torch.zeros_like(pq)).unsqueeze(1)
-        X.add_(alpha * P)
-        XH.add_(alpha * Q)
-        R.sub_(Q.mul_(keep).mul_(alpha))
-        rr_new = _vdot(R, R)
-        beta = torch.where(rr > 0, rr_new / rr.clamp_min(1e-30), torch.zeros_like(rr)).unsqueeze(1)
-        P = torch.addcmul(R, beta, P)
-        rr = rr_new
-    F = 0.5 * _vdot(XH, X) - _vdot(C, X)
-    worse = F > F0
-    if bool(worse.any()):
-        _keep_rows(worse, [X, XH], [W, WH])
-    return X, XH
 
 
 @dataclass
@@ -441,12 +304,12 @@ def tune_lambda(
     def _refit(Wr: torch.Tensor, mask: torch.Tensor, WrH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if refine_method == "cg":
             if d is None:
-                return _refine_cg(Wr, mask, Hs, C, refine_iters, WrH)
-            V, VH = _refine_cg(Wr * d, mask, Hp, Cp, refine_iters, WrH / d)
+                return refine_cg(Wr, mask, Hs, C, refine_iters, WrH)
+            V, VH = refine_cg(Wr * d, mask, Hp, Cp, refine_iters, WrH / d)
         else:
             if d is None:
-                return _refine(Wr, mask, Hs, C, L, refine_iters, WrH)
-            V, VH = _refine(Wr * d, mask, Hp, Cp, Lp, refine_iters, WrH / d)
+                return refine_apg(Wr, mask, Hs, C, L, refine_iters, WrH)
+            V, VH = refine_apg(Wr * d, mask, Hp, Cp, Lp, refine_iters, WrH / d)
         return V / d, VH * d
 
     def _errors(Wx: torch.Tensor, WxH: torch.Tensor) -> torch.Tensor:
@@ -485,7 +348,7 @@ def tune_lambda(
         D = Wr - Wf
         # rounding error ||(W_round - W_fista) X*||, from the two products at hand
         DH = (WrH - WfH) if shared else D @ H
-        e_round = _vdot(DH, D).clamp_min(0.0).sqrt()
+        e_round = row_dot(DH, D).clamp_min(0.0).sqrt()
         del DH, D
         if refine_iters > 0:
             Wr, WrH = _refit(Wr, mask, WrH)

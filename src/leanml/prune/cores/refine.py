@@ -1,0 +1,150 @@
+"""Least-squares refit of kept weights on a fixed support, and the per-row helpers FISTA shares.
+
+Notation as in :mod:`leanml.prune.cores.fista`: ``H`` (n x n) the pruned-path input moment, ``C = W G``
+(m x n), ``dense_const`` the per-row dense output energy ``w Hd w^T``. Every function works on all rows
+at once; each row is its own problem.
+
+- :func:`row_output_errors` -- per-row output error ``||w* X* - w X||^2 / N``,
+- :func:`fill_kept_zeros` -- one Jacobi step for kept-but-zero weights,
+- :func:`refine_apg` -- accelerated projected gradient on the support,
+- :func:`refine_cg` -- conjugate gradients on the support.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: ways to refit the kept weights after a hard threshold: accelerated projected gradient, conjugate gradients
+REFINE_METHODS = ("apg", "cg")
+
+
+def row_dot(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Per-row dot products ``(A * B).sum(1)`` without the temporary."""
+    return torch.linalg.vecdot(A, B, dim=1)
+
+
+def momentum(t: torch.Tensor, bad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FISTA's ``t_{k+1}`` and ``beta = (t_k - 1) / t_{k+1}`` per row; restarted rows get ``t = 1``,
+    ``beta = 0``."""
+    t_next = (1.0 + torch.sqrt(1.0 + 4.0 * t * t)) / 2.0
+    beta = (t - 1.0) / t_next
+    if bad is not None:
+        badc = bad.unsqueeze(1)
+        beta = beta.masked_fill(badc, 0.0)
+        t_next = t_next.masked_fill(badc, 1.0)
+    return t_next, beta
+
+
+def keep_rows(bad: torch.Tensor, new: list[torch.Tensor], old: list[torch.Tensor]) -> None:
+    """Rows flagged ``bad`` of each tensor in ``new`` take their values from ``old`` (in place)."""
+    idx = bad.nonzero().squeeze(1)
+    for a, b in zip(new, old):
+        a.index_copy_(0, idx, b.index_select(0, idx))
+
+
+def row_output_errors(
+    W_new: torch.Tensor, H: torch.Tensor, C: torch.Tensor, dense_const: torch.Tensor, WH: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row mean squared output error ``||w* X* - w X||^2 / N`` (shape (m,), clamped at 0).
+
+    ``dense_const`` is the per-row ``w Hd w^T`` (the dense output energy), ``C = W G``; ``WH`` may pass
+    a precomputed ``W_new @ H``.
+    """
+    if WH is None:
+        WH = W_new @ H
+    return (row_dot(WH, W_new) - 2.0 * row_dot(C, W_new) + dense_const).clamp_min(0.0)
+
+
+def fill_kept_zeros(
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, dense_const: torch.Tensor
+) -> torch.Tensor:
+    """Give kept-but-zero weights their coordinate-wise optimal value (one Jacobi step).
+
+    Rows whose output error would rise keep their old values, so the error never increases.
+    """
+    Z = mask & (W == 0)
+    if not bool(Z.any()):
+        return W
+    WH = W @ H
+    diag = torch.diagonal(H).clamp_min(1e-30)
+    W_new = torch.where(Z, (C - WH) / diag, W)
+    old = row_output_errors(W, H, C, dense_const, WH)
+    new = row_output_errors(W_new, H, C, dense_const)
+    return torch.where((new < old).unsqueeze(1), W_new, W)
+
+
+def refine_apg(
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, L: float, iters: int,
+    WH: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refit the kept weights: minimise ``1/2 tr(W H W^T) - tr(C W^T)`` over ``W`` supported on ``mask``.
+
+    Accelerated projected gradient (the projection zeroes the pruned weights, step ``1/L``) with a
+    per-row function-value restart, so the output error of every row never rises; starts at ``W``.
+    Returns the refit weights and their product ``W @ H``; ``WH`` may pass the product of the start
+    (``W``, then already zero off ``mask``)."""
+    keep = mask.to(W.dtype)
+    if WH is None:
+        W = W * keep
+        WH = W @ H
+    if iters <= 0 or L <= 0.0:
+        return W, WH
+    res_W = W
+    F_prev = 0.5 * row_dot(WH, W) - row_dot(C, W)
+    Y, YH = W, WH
+    t = torch.ones(W.shape[0], 1, dtype=W.dtype, device=W.device)
+    for _ in range(iters):
+        Z = torch.add(Y, YH - C, alpha=-1.0 / L).mul_(keep)
+        ZH = Z @ H
+        F = 0.5 * row_dot(ZH, Z) - row_dot(C, Z)
+        up = F > F_prev
+        bad = None
+        if bool(up.any()):
+            bad = up
+            keep_rows(bad, [Z, ZH], [res_W, WH])
+            F = torch.where(bad, F_prev, F)
+        t_next, beta = momentum(t, bad)
+        Y = torch.lerp(Z, res_W, -beta)
+        YH = torch.lerp(ZH, WH, -beta)
+        res_W, WH, F_prev, t = Z, ZH, F, t_next
+    return res_W, WH
+
+
+def refine_cg(
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, iters: int,
+    WH: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`refine_apg` by conjugate gradients: the same least-squares refit of the kept weights.
+
+    Every row runs its own conjugate-gradient recursion on its support (all rows at once, one
+    ``n x n`` product per iteration). In exact arithmetic the objective of every row falls at each
+    step and reaches the minimum on the support after at most ``|support|`` steps; a row whose
+    objective ends above its start (rounding) keeps its start. Returns the weights and ``W @ H``;
+    ``WH`` may pass the product of the start (``W``, then already zero off ``mask``)."""
+    keep = mask.to(W.dtype)
+    if WH is None:
+        W = W * keep
+        WH = W @ H
+    if iters <= 0:
+        return W, WH
+    F0 = 0.5 * row_dot(WH, W) - row_dot(C, W)
+    X, XH = W.clone(), WH.clone()
+    R = (C - WH).mul_(keep)  # minus the gradient, on the support
+    P = R.clone()
+    rr = row_dot(R, R)
+    for _ in range(iters):
+        Q = P @ H
+        pq = row_dot(P, Q)
+        alpha = torch.where(pq > 0, rr / pq.clamp_min(1e-30), torch.zeros_like(pq)).unsqueeze(1)
+        X.add_(alpha * P)
+        XH.add_(alpha * Q)
+        R.sub_(Q.mul_(keep).mul_(alpha))
+        rr_new = row_dot(R, R)
+        beta = torch.where(rr > 0, rr_new / rr.clamp_min(1e-30), torch.zeros_like(rr)).unsqueeze(1)
+        P = torch.addcmul(R, beta, P)
+        rr = rr_new
+    F = 0.5 * row_dot(XH, X) - row_dot(C, X)
+    worse = F > F0
+    if bool(worse.any()):
+        keep_rows(worse, [X, XH], [W, WH])
+    return X, XH
