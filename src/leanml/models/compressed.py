@@ -47,7 +47,7 @@ WEIGHTS_NAME = "sparse-bitmask.safetensors"
 PARTS = ("compressed", "bitmask", "row_offsets", "shape")
 
 
-def _require() -> None:
+def require_compressed() -> None:
     """Kept for callers that check the format can be written before a long run: the format needs only
     ``safetensors`` and ``numpy`` (dependencies of leanml), so this raises only if those are broken."""
     try:

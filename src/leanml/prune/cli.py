@@ -328,9 +328,9 @@ def run_prune(args: argparse.Namespace) -> int:
     device = _device(args.device)
     check_dtype(dtype, device)
     if args.save_format == "compressed":
-        from leanml.models.compressed import _require
+        from leanml.models.compressed import require_compressed
 
-        _require()
+        require_compressed()
     check_model_input(args.model, args.seqlen)
     _check_model_type(args.model, cls.structured)
     from leanml.data.text import check_corpus

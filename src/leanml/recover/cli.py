@@ -148,9 +148,9 @@ def _input_dtype(spec: str) -> str:
 
 def _check_save_format(fmt: str) -> None:
     if fmt == "compressed":
-        from leanml.models.compressed import _require
+        from leanml.models.compressed import require_compressed
 
-        _require()
+        require_compressed()
 
 
 def run(args: argparse.Namespace) -> int:
