@@ -235,12 +235,12 @@ def test_reusing_finished_parts_changes_nothing(monkeypatch, family, method):
     projection is pruned): weights, reports and the next layer's inputs equal full recomputation, and
     the reuse really happens (fewer attention computations)."""
     from builders import tiny_family
-    from leanml.prune import engine
+    from leanml.prune.engine import layer
 
     calls = {}
 
     def run(reuse: bool):
-        monkeypatch.setattr(engine, "REUSE_FINISHED_PARTS", reuse)
+        monkeypatch.setattr(layer, "REUSE_FINISHED_PARTS", reuse)
         model = tiny_family(family, seed=3)
         first_linear = next(iter(get_adapter(model).linears(get_adapter(model).layers()[0]).values()))
         count = [0]  # the attention's input projection runs only when the attention is computed
@@ -267,13 +267,14 @@ def test_parts_short_cut_by_their_finishing_linear(monkeypatch, family):
     result is bit-identical to full recomputation. A part whose output is not that linear's alone (a
     broken check) is computed in full, with identical results too."""
     from builders import tiny_family
-    from leanml.prune import engine
+    from leanml.prune.engine import layer
+    from leanml.prune.engine.finished import FinishedParts
 
     def run(reuse: bool, break_check: bool = False):
-        monkeypatch.setattr(engine, "REUSE_FINISHED_PARTS", reuse)
+        monkeypatch.setattr(layer, "REUSE_FINISHED_PARTS", reuse)
         if break_check:  # the kept input is off by one ulp: the exact check must refuse the short cut
-            orig = engine.FinishedParts.keep_input
-            monkeypatch.setattr(engine.FinishedParts, "keep_input",
+            orig = FinishedParts.keep_input
+            monkeypatch.setattr(FinishedParts, "keep_input",
                                 lambda self, p, n, b, x: orig(self, p, n, b, torch.nextafter(x, x + 1)))
         model = tiny_family(family, seed=5)
         adapter = get_adapter(model)

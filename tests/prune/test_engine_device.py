@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from builders import tiny_llama
-from leanml.prune import engine
 from leanml.prune.engine import prune_model
+from leanml.prune.engine.placement import Place, stream_home
+from leanml.prune.engine.walk import OOM
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods.baselines import SparseGPTPruner, WandaPruner
-from leanml.prune.placement import Place, stream_home
 from leanml.utils import LeanmlError
 
 IDS = torch.randint(0, 256, (12, 32), generator=torch.Generator().manual_seed(0))
@@ -52,7 +52,7 @@ def test_the_report_splits_wall_time_into_solver_and_engine():
 
 class _OutOfMemory(WandaPruner):
     def prune_group(self, group, stats, spec):
-        raise engine._OOM("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise OOM("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
 def test_running_out_of_device_memory_names_a_smaller_batch_or_host_streams():

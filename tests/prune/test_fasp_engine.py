@@ -90,14 +90,14 @@ def test_engine_rejects_patterns_for_structured_methods():
 
 
 def test_sparsity_leaving_no_unit_fails_before_any_calibration_pass(monkeypatch):
-    import leanml.prune.engine as engine
+    import leanml.prune.engine.walk as walk
 
     def no_capture(*args, **kwargs):
         raise AssertionError("calibration inputs were captured before the settings were checked")
 
     import leanml.models.layerwise as layerwise
 
-    monkeypatch.setattr(engine, "capture_layer_inputs", no_capture)
+    monkeypatch.setattr(walk, "capture_layer_inputs", no_capture)
     monkeypatch.setattr(layerwise, "capture_layer_inputs", no_capture)  # the allocation's pre-pass
     with pytest.raises(LeanmlError, match="remove all"):
         prune_model(tiny_llama(), _ids(2, 16, 0), WandaStructuredPruner(alloc="uniform"), MaskSpec(sparsity=0.999),
@@ -157,16 +157,16 @@ def test_flap_resume_restores_added_biases_and_equals_an_uninterrupted_run(tmp_p
 
 
 def test_groups_a_structured_method_leaves_alone_cost_no_statistics(monkeypatch):
-    import leanml.prune.engine as engine
+    import leanml.prune.engine.layer as layer_mod
 
     seen = []
-    real = engine._group_stats_intra
+    real = layer_mod.group_stats_intra
 
     def counting(layer, dense_layer, group, *args, **kwargs):
         seen.append(group.name)
         return real(layer, dense_layer, group, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "_group_stats_intra", counting)
+    monkeypatch.setattr(layer_mod, "group_stats_intra", counting)
     model = tiny_llama()
     report = prune_model(model, _ids(2, 16, 0), FaspPruner(pairs="mlp", alloc="uniform"), MaskSpec(sparsity=0.5),
                          progress=False)

@@ -9,9 +9,9 @@ import torch
 from builders import tiny_family
 from leanml.models.layout import get_adapter
 from leanml.prune.engine import linear_specs, prune_model
+from leanml.prune.engine.allocation import outlier_ratio, owl_allocation, owl_layer_sparsities
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods import pruner_class
-from leanml.prune.owl import outlier_ratio, owl_allocation, owl_layer_sparsities
 from leanml.utils import LeanmlError
 
 CALIB = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0))
@@ -50,7 +50,7 @@ def test_pre_pass_ratios_equal_direct_hooks_on_the_dense_model():
         scores = [lin.weight.abs() * sq[f"model.layers.{i}.{n}"].sqrt() for n, lin in layer.named_modules()
                   if isinstance(lin, torch.nn.Linear)]
         expect.append(outlier_ratio(scores, 2.0))
-    sparsities, info = owl_layer_sparsities(model, CALIB, 0.6, batch_size=2, progress=False, m=2.0)
+    sparsities, info = owl_layer_sparsities(model, CALIB, 0.6, adapter=get_adapter(model), batch_size=2, progress=False, m=2.0)
     assert info["outlier_ratios"] == pytest.approx(expect, rel=1e-5)
     assert sparsities == pytest.approx(owl_allocation(expect, 0.6, 0.08))
 

@@ -14,10 +14,11 @@ from builders import FAMILIES, tiny_family
 from leanml.models.layout import get_adapter
 from leanml.models.shards import INDEX_NAME, ShardIndex, ShardWriter, build_skeleton, read_header
 from leanml.prune.engine import prune_model
+from leanml.prune.engine.shard_store import DiskStream
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods import pruner_class
 from leanml.prune.methods.fista import FistaPruner
-from leanml.prune.stream import DiskStream, parse_memory, prune_streamed
+from leanml.prune.stream import parse_memory, prune_streamed
 from leanml.utils import LeanmlError
 
 CALIB = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -134,7 +135,7 @@ def test_spilled_streams_give_the_same_result(tmp_path, one_thread):
     src = _save(tiny_family("llama", layers=3), tmp_path / "src")
     model, _ = _in_memory(src, "sparsegpt", MaskSpec(0.5))
     index = ShardIndex(src)
-    from leanml.prune.stream import memory_floor
+    from leanml.prune.engine.shard_store import memory_floor
 
     skel = build_skeleton(src, torch.float32)
     floor = memory_floor(index, skel, get_adapter(skel), torch.float32)["floor_bytes"]
@@ -153,16 +154,16 @@ class _Kill(Exception):
 def test_resume_after_a_kill_gives_the_same_result(method, spec, tmp_path, monkeypatch, one_thread):
     src = _save(tiny_family("llama", layers=3), tmp_path / "src")
     model, _ = _in_memory(src, method, spec)
-    import leanml.prune.stream as stream
+    import leanml.prune.engine.shard_store as shard_store
 
-    real = stream.ShardStore.load
+    real = shard_store.ShardStore.load
 
     def dying(self, idx, layer):
         if idx == 2 and self.writer.has("layer-00001"):  # the walk (not a pre-pass) reaches layer 2
             raise _Kill
         return real(self, idx, layer)
 
-    monkeypatch.setattr(stream.ShardStore, "load", dying)
+    monkeypatch.setattr(shard_store.ShardStore, "load", dying)
     ckpt = tmp_path / "ckpt"
     out = tmp_path / "out"
     with pytest.raises(_Kill):
@@ -170,7 +171,7 @@ def test_resume_after_a_kill_gives_the_same_result(method, spec, tmp_path, monke
                        fingerprint={"m": 1}, sequential=True)
     assert sorted(p.name for p in (ckpt / "shards").glob("*.safetensors")) == ["layer-00000.safetensors",
                                                                                "layer-00001.safetensors"]
-    monkeypatch.setattr(stream.ShardStore, "load", real)
+    monkeypatch.setattr(shard_store.ShardStore, "load", real)
     report = prune_streamed(src, out, CALIB, _pruner(method), spec, progress=False, batch_size=2,
                             checkpoint_dir=ckpt, fingerprint={"m": 1}, sequential=True)
     assert report["engine"]["resumed_from_layer"] == 2
@@ -180,22 +181,22 @@ def test_resume_after_a_kill_gives_the_same_result(method, spec, tmp_path, monke
 def test_layer_checkpointed_but_not_written_is_recovered_on_resume(tmp_path, monkeypatch, one_thread):
     src = _save(tiny_family("llama", layers=2), tmp_path / "src")
     model, _ = _in_memory(src, "wanda", MaskSpec(0.5))
-    import leanml.prune.stream as stream
+    import leanml.prune.engine.shard_store as shard_store
 
-    real = stream.ShardStore.release
+    real = shard_store.ShardStore.release
 
     def dying(self, idx, layer):
         if idx == 1:
             raise _Kill  # killed after layer 1's checkpoint, before its shard
         return real(self, idx, layer)
 
-    monkeypatch.setattr(stream.ShardStore, "release", dying)
+    monkeypatch.setattr(shard_store.ShardStore, "release", dying)
     ckpt = tmp_path / "ckpt"
     with pytest.raises(_Kill):
         prune_streamed(src, tmp_path / "out", CALIB, _pruner("wanda"), MaskSpec(0.5), progress=False, batch_size=2,
                        checkpoint_dir=ckpt)
     assert not (ckpt / "shards" / "layer-00001.safetensors").exists()
-    monkeypatch.setattr(stream.ShardStore, "release", real)
+    monkeypatch.setattr(shard_store.ShardStore, "release", real)
     report = prune_streamed(src, tmp_path / "out", CALIB, _pruner("wanda"), MaskSpec(0.5), progress=False,
                             batch_size=2, checkpoint_dir=ckpt)
     assert report["engine"]["resumed_from_layer"] == 2
@@ -259,10 +260,10 @@ def test_pickle_only_directory_is_refused(tmp_path):
 def test_disk_full_while_spilling_is_one_line_and_keeps_written_layers(tmp_path, monkeypatch, one_thread):
     src = _save(tiny_family("llama", layers=3), tmp_path / "src")
     ckpt = tmp_path / "ckpt"
-    import leanml.prune.stream as stream
+    import leanml.prune.engine.shard_store as shard_store
 
     skel = build_skeleton(src, torch.float32)
-    floor = stream.memory_floor(ShardIndex(src), skel, get_adapter(skel), torch.float32)["floor_bytes"]
+    floor = shard_store.memory_floor(ShardIndex(src), skel, get_adapter(skel), torch.float32)["floor_bytes"]
     orig_open = open
 
     def no_space_open(file, mode="r", *a, **k):

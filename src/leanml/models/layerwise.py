@@ -27,7 +27,7 @@ from leanml.models.layout import DecoderAdapter
 _CACHE_KEYS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-class _Stop(Exception):
+class StopForward(Exception):
     """Raised by a recorder to skip the rest of a forward pass."""
 
 
@@ -124,7 +124,7 @@ def capture_layer_inputs(
             if i == 0:
                 inputs.append(hidden_states.detach().cpu())
             if i == n - 1:
-                raise _Stop
+                raise StopForward
             return hidden_states
 
         return forward
@@ -135,7 +135,7 @@ def capture_layer_inputs(
         for start in range(0, ids.shape[0], batch_size):
             try:
                 model(input_ids=ids[start : start + batch_size].to(device), use_cache=False)
-            except _Stop:
+            except StopForward:
                 pass
     return torch.cat(inputs), per_layer
 

@@ -1,37 +1,21 @@
-"""Where the engine's activation streams live between layers, and its resume checkpoints.
+"""Where the engine's activation streams live between layers.
 
 :class:`Place` decides and moves: the streams stay on the compute device while its free memory allows
 (:func:`stream_home`), else in (pinned) host memory with each batch's copy issued one batch ahead.
-:class:`Checkpointer` writes finished layers and stream snapshots on a background thread.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import torch
-from torch import nn
 
-from leanml.utils import LeanmlError, atomic_file
+from leanml.utils import LeanmlError
 
 
 def batch_ranges(n: int, batch_size: int) -> list[tuple[int, int, int]]:
+    """``(b, start, end)`` of every batch of ``n`` rows."""
     return [(b, s, min(s + batch_size, n)) for b, s in enumerate(range(0, n, batch_size))]
-
-
-
-def settings_fingerprint(meta: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    with atomic_file(path) as tmp:
-        torch.save(obj, tmp)
 
 
 class Streams:
@@ -44,10 +28,6 @@ class Streams:
 
     def dense_or_pruned(self) -> torch.Tensor:
         return self.pruned if self.dense is None else self.dense
-
-
-# --------------------------------------------------------------------------------------------------
-# where the activation streams live
 
 
 def sync_device(device: torch.device) -> None:
@@ -146,53 +126,3 @@ def stream_home(device: torch.device, stream_bytes: int, stream_device: str = "a
         free, _ = torch.cuda.mem_get_info(device)
         return device if 2 * stream_bytes <= free // 2 else torch.device("cpu")
     return torch.device("cpu")
-
-
-class Checkpointer:
-    """Writes resume checkpoints on a background thread, off the layer walk's critical path.
-
-    Each finished layer's weights are snapshotted to the host at once and written behind the walk; the
-    activation streams (the big part) are snapshotted after the first layer, then every ``interval``
-    seconds (0: after every layer), and always after the last layer. Files are written in order, each atomically, so a kill leaves a
-    consistent checkpoint: ``state.pt`` names the next layer only after the layers before it are on
-    disk. :meth:`close` waits for every pending write and raises the first error one raised."""
-
-    def __init__(self, ckpt: Path, interval: float) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        ckpt.mkdir(parents=True, exist_ok=True)
-        self.ckpt = ckpt
-        self.interval = interval
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leanml-ckpt")
-        self.pending: list[Any] = []
-        self.last_state = float("-inf")  # the first finished layer is always snapshotted
-
-    def layer(self, idx: int, layer: nn.Module) -> None:
-        sd = {k: v.detach().to("cpu", copy=True) for k, v in layer.state_dict().items()}
-        self.pending.append(self.pool.submit(atomic_save, sd, self.ckpt / f"layer_{idx:03d}.pt"))
-
-    def state(self, make: Any, last: bool) -> None:
-        """Snapshot the state ``make()`` returns when due (``last``: always)."""
-        now = time.perf_counter()
-        if not last and now - self.last_state < self.interval:
-            return
-        self.last_state = now
-        self._wait()  # at most one stream snapshot in flight: bounded memory
-        state = make()
-
-        def write() -> None:
-            atomic_save({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()},
-                         self.ckpt / "state.pt")
-
-        self.pending.append(self.pool.submit(write))
-
-    def _wait(self) -> None:
-        done, self.pending = self.pending, []
-        for f in done:
-            f.result()
-
-    def close(self) -> None:
-        try:
-            self._wait()
-        finally:
-            self.pool.shutdown(wait=True)
