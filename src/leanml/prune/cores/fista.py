@@ -476,24 +476,8 @@ def fista_prune(
     lam0 = lam * lam_max
     if lambda_scope == "layer":
         lam0 = torch.full_like(lam0, float(lam0.mean()))
-    res = tune_lambda(
-        Wc,
-        Hc,
-        C,
-        dense_const,
-        spec,
-        lam0,
-        W_start=None if W_start is None else W_start.to(dtype),
-        rounds=rounds,
-        iters=iters,
-        xi=xi,
-        lambda_scope=lambda_scope,
-        L=L,
-        H_solve=Hs,
-        refine_iters=refine_iters,
-        tol=tol,
-        precondition=precondition,
-        refine_method=refine_method,
-    )
+    res = tune_lambda(Wc, Hc, C, dense_const, spec, lam0, W_start=None if W_start is None else W_start.to(dtype),
+                      rounds=rounds, iters=iters, xi=xi, lambda_scope=lambda_scope, L=L, H_solve=Hs,
+                      refine_iters=refine_iters, tol=tol, precondition=precondition, refine_method=refine_method)
     res.W = res.W.to(W.dtype)
     return res

@@ -183,9 +183,6 @@ class ShardStore:
                 owner, leaf = model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]
                 owner._parameters[leaf] = meta  # noqa: SLF001
 
-    def layer_keys(self, idx: int) -> list[str]:
-        return list(self.adapter.layers()[idx].state_dict())
-
     def load(self, idx: int, layer: nn.Module) -> None:
         t = time.perf_counter()
         prefix = self.prefixes[idx]
