@@ -262,10 +262,6 @@ def prune_streamed(
     return report
 
 
-# --------------------------------------------------------------------------------------------------
-# the command line (``leanml prune --stream`` / ``--max-memory``)
-
-
 def stream_source(spec: str, progress: bool = True) -> Path:
     """The safetensors directory a streamed run reads: a model directory as it is, the bundled model's
     cached copy, or a ``.gguf`` file converted once, tensor by tensor, into the cache."""
@@ -286,47 +282,3 @@ def stream_source(spec: str, progress: bool = True) -> Path:
     if not path.is_dir():
         raise LeanmlError(f"--stream reads a local model directory, a .gguf file or smollm2-135m, not {spec!r}")
     return path
-
-
-def run_streamed(args: Any, pruner: Pruner, spec: MaskSpec, dtype: torch.dtype, device: torch.device, out: Path,
-                 ckpt: Path) -> int:
-    """``leanml prune --stream``: calibration from the tokenizer alone, the streamed prune into ``out``
-    (atomically; the checkpoint ``ckpt`` keeps finished layers for ``--resume``), ``report.json``."""
-    from transformers import AutoTokenizer
-
-    from leanml.data.text import calibration_windows
-    from leanml.utils import atomic_dir, machine_info, write_json
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise LeanmlError("--stream runs in one process; drop torchrun or --stream")
-    if args.calib_samples:
-        raise LeanmlError("--calib-samples samples from the whole model, which --stream never holds; drop one of them")
-    if args.save_format != "safetensors":
-        raise LeanmlError("--stream writes safetensors shards; drop --save-format compressed")
-    max_memory = parse_memory(args.max_memory)
-    t0 = time.perf_counter()
-    src = stream_source(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(src)
-    calib = calibration_windows(tokenizer, args.calib, args.nsamples, args.seqlen, args.seed)
-    if not args.no_eval:
-        print("--stream does not evaluate (the model is never whole in memory): run leanml eval on the output")
-    with atomic_dir(out, overwrite=args.overwrite) as tmp:
-        report = prune_streamed(
-            src, tmp, calib, pruner, spec, dtype=dtype, max_memory=max_memory, device=device, checkpoint_dir=ckpt,
-            sequential=args.mode == "sequential", intra_layer=args.intra_layer, batch_size=args.batch_size,
-            sparsity_profile=args.sparsity_profile,
-            fingerprint={"model": args.model, "calib": args.calib, "seed": args.seed, "seqlen": args.seqlen,
-                         "dtype": args.dtype, "stream": True},
-        )
-        tokenizer.save_pretrained(tmp)
-        report.update({"config": {k: v for k, v in vars(args).items() if k != "func"},
-                       "calibration": {"corpus": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen,
-                                       "seed": args.seed},
-                       "timings": {"total_seconds": time.perf_counter() - t0}, "machine": machine_info()})
-        write_json(tmp / "report.json", report)
-    shutil.rmtree(ckpt, ignore_errors=True)
-    st = report["stream"]
-    cap = f" (cap {_mb(max_memory)})" if max_memory else ""
-    print(f"{args.method} streamed: peak RSS {_mb(st['peak_rss_bytes'])}{cap} for {_mb(st['weights_bytes'])} of "
-          f"weights, {st['seconds']:.1f} s -> {out}")
-    return 0
