@@ -55,9 +55,11 @@ from _common import replace_block
 from leanml.features.arena import Arena, NoArena
 from leanml.features.batch import FeatureBatch
 from leanml.features.data import generate_logs
+from leanml.features.extract import ExtractConfig, Extractor
 from leanml.features.graph import load_graph
 from leanml.features.model import CTROptimizer, model_for_graph
-from leanml.features.pipeline import ExtractConfig, Extractor, evaluate, run_pipelined, train_on
+from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
+from leanml.features.pipeline import evaluate, run_pipelined, train_on
 from leanml.features.scheduler import clear_caches
 from leanml.features.twostage import run_two_stage
 from leanml.utils import cache_dir, cores_available, machine_info, machine_line, write_json
@@ -160,7 +162,8 @@ def run_mode(mode: str, producer: str | None, cfg: ExtractConfig, args: argparse
         kept.clear()
     elif mode == "two_stage":
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp, Meter() as m:
-            _, two = run_two_stage(cfg, Path(tmp) / "features", lr=LR, seed=SEED, device="cpu", progress=True)
+            _, two = run_two_stage(cfg, Path(tmp) / "features", TrainOptions(lr=LR, seed=SEED), device="cpu",
+                                   progress=True)
             size = sum(p.stat().st_size for p in (Path(tmp) / "features").glob("*.parquet"))
         rec.update(rows=two["rows"], extract_s=round(two["extract_s"], 3), train_s=round(two["train_s"], 3),
                    extract_cpu_s=round(two["extract_cpu_s"], 3), train_cpu_s=round(two["train_cpu_s"], 3),
@@ -168,8 +171,9 @@ def run_mode(mode: str, producer: str | None, cfg: ExtractConfig, args: argparse
                    parquet_mb=round(size / 2**20, 1), loss=round(two["loss"], 5), **m.fields())
     else:
         with Meter() as m:
-            _, pipe = run_pipelined(cfg, prefetch=args.prefetch, producer=producer, workers=args.workers,
-                                    lr=LR, seed=SEED, device="cpu", progress=True)
+            _, pipe = run_pipelined(cfg, TrainOptions(lr=LR, seed=SEED),
+                                    ProducerOptions(producer=producer, workers=args.workers, prefetch=args.prefetch),
+                                    device="cpu", progress=True)
         rec.update(rows=pipe["rows"], workers=pipe["workers"], prefetch=args.prefetch,
                    extract_s=round(pipe["extract_s"], 3), train_s=round(pipe["train_s"], 3),
                    extract_cpu_s=round(pipe["extract_cpu_s"], 3), warm_cpu_s=round(pipe["warm_cpu_s"], 3),
@@ -274,7 +278,7 @@ def run_setup(data: Path, args: argparse.Namespace) -> dict[str, Any]:
         before = json.loads(res.stdout.strip().splitlines()[-1])
         before_tensors = torch.load(f"{tmp}/t.pt")
     before.update(code=f"before ({args.before_ref})", batch_rows=4096)
-    cfg = ExtractConfig.build("movielens", [head], batch_rows=args.batch_rows)
+    cfg = ExtractConfig.build("movielens", [head], PipelineOptions(batch_rows=args.batch_rows))
     clear_caches()
     c = time.process_time()
     ex = Extractor(cfg)
@@ -297,8 +301,8 @@ def run_setup(data: Path, args: argparse.Namespace) -> dict[str, Any]:
     # 2. identical features: fast path vs the pure-Python reference path (python reader, every op per row)
     #    and vs the code before (same batch size as it used)
     fast = FeatureBatch.concat(batches)
-    ref = FeatureBatch.concat(list(Extractor(replace(cfg, engine="python", entity=False))))
-    fast4096 = FeatureBatch.concat(list(Extractor(replace(cfg, batch_rows=4096))))
+    ref = FeatureBatch.concat(list(Extractor(replace(cfg, options=replace(cfg.options, reader="python", entity=False)))))
+    fast4096 = FeatureBatch.concat(list(Extractor(replace(cfg, options=replace(cfg.options, batch_rows=4096)))))
     same_before = len(before_tensors) == len(fast4096.tensors()) and all(
         torch.equal(a, b) for a, b in zip(before_tensors, fast4096.tensors()))
     out["identity"] = {"rows": len(fast), "fast_equals_reference": fast.equal(ref),
@@ -307,9 +311,9 @@ def run_setup(data: Path, args: argparse.Namespace) -> dict[str, Any]:
     del batches, ref, fast4096, before_tensors
     # 3. training batch size: rows per CPU second, loss, held-out AUC (same rows, same seed)
     sweep = []
-    test = list(Extractor(ExtractConfig.build("movielens", [hold], batch_rows=16384)))
+    test = list(Extractor(ExtractConfig.build("movielens", [hold], PipelineOptions(batch_rows=16384))))
     for bs in args.sweep:
-        bl = list(Extractor(replace(cfg, batch_rows=bs)))
+        bl = list(Extractor(replace(cfg, options=replace(cfg.options, batch_rows=bs))))
         torch.manual_seed(SEED)
         model = model_for_graph(graph)
         opt = CTROptimizer(model, lr=LR)
@@ -664,7 +668,8 @@ def main() -> int:
         res["machine"], res["cores"] = machine_info(), cores_available()
         print(machine_line(), res["cores"], os.getloadavg(), flush=True)
         data = bench_data(args.rows)
-        cfg = ExtractConfig.build("movielens", [data / "impressions_000.tsv"], batch_rows=args.batch_rows)
+        cfg = ExtractConfig.build("movielens", [data / "impressions_000.tsv"],
+                                  PipelineOptions(batch_rows=args.batch_rows))
         CTROptimizer(model_for_graph(load_graph("movielens")))  # one-time torch.optim import, kept out of timings
         for part in [p.strip() for p in args.only.split(",") if p.strip()]:
             if part == "setup":

@@ -454,7 +454,9 @@ def part_ctr(S: Sizes, device: str, assets: Path | None, emit: Emitter, args: ar
 
 def part_features(S: Sizes, device: str, assets: Path | None, emit: Emitter, args: argparse.Namespace) -> None:
     from leanml.features.data import generate_logs
-    from leanml.features.pipeline import ExtractConfig, run_pipelined
+    from leanml.features.extract import ExtractConfig
+    from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
+    from leanml.features.pipeline import run_pipelined
 
     with tempfile.TemporaryDirectory() as tmp:
         generate_logs(tmp, S.feature_rows, seed=0)
@@ -462,9 +464,9 @@ def part_features(S: Sizes, device: str, assets: Path | None, emit: Emitter, arg
         for producer in ("thread", "process"):
             what = {"method": f"pipelined ({producer} producer)", "rows": S.feature_rows}
             try:
-                cfg = ExtractConfig.build("movielens", logs, batch_rows=8192)
+                cfg = ExtractConfig.build("movielens", logs, PipelineOptions(batch_rows=8192))
                 reset_peak(device)
-                _, rep = run_pipelined(cfg, producer=producer, device=device, epochs=1)
+                _, rep = run_pipelined(cfg, TrainOptions(lr=1e-3), ProducerOptions(producer=producer), device=device)
                 emit({**what, "seconds": rep["wall_s"], "rows_s": rep["samples_s"], "peak_bytes": peak(device),
                       "train_wait_s": rep.get("train_wait_s"), "final_loss": rep.get("final_loss")})
             except Exception as exc:  # noqa: BLE001

@@ -81,3 +81,73 @@ def test_the_cli_prints_flags_for_a_refused_option(capsys: pytest.CaptureFixture
 
     assert main(["prune", "--model", "x", "--method", "fista", "--fista-iters", "0", "--out", "/tmp/never"]) == 2
     assert "--fista-iters" in capsys.readouterr().err
+
+
+def test_a_nested_field_named_by_its_parent_gets_its_unique_flag() -> None:
+    p = _parser()
+    err = ConfigError("iters 0 needs mode b", Outer, ("iters", "mode"))
+    assert cli_message(err, parser_flags(p)) == "--fista-iters 0 needs --mode b"
+
+
+def test_a_bool_option_may_name_its_negative_flag() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Opts:
+        precondition: bool = option(True, "rescale", negative="--fista-no-precondition")
+
+    p = argparse.ArgumentParser()
+    add_options(p, Opts, prefix="fista-")
+    assert from_args(Opts, p.parse_args([]), prefix="fista-") == Opts()
+    assert from_args(Opts, p.parse_args(["--fista-no-precondition"]), prefix="fista-") == Opts(precondition=False)
+    assert from_args(Opts, p.parse_args(["--fista-precondition"]), prefix="fista-") == Opts(precondition=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+    source: str = option("a", "positional source", flag="source")
+    log: tuple[str, ...] = option((), "repeatable log", repeat=True, show_default=False)
+
+
+def test_repeated_flags_make_a_tuple_and_a_positional_is_a_field() -> None:
+    p = argparse.ArgumentParser()
+    flags = add_options(p, Paths)
+    assert [f.flag for f in flags] == ["source", "--log"]
+    assert from_args(Paths, p.parse_args([])) == Paths()
+    assert from_args(Paths, p.parse_args(["b", "--log", "x", "--log", "y"])) == Paths(source="b", log=("x", "y"))
+    # a second parse starts from the default again (the appended list is not shared)
+    assert from_args(Paths, p.parse_args(["--log", "z"])) == Paths(log=("z",))
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A value read from one string (a dataclass, but not options to expand)."""
+
+    n: int
+
+    @classmethod
+    def parse(cls, text: str) -> Size:
+        if not text.isdigit():
+            from leanml.utils import LeanmlError
+
+            raise LeanmlError(f"cannot read size {text!r}; give a whole number")
+        return cls(int(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    size: Size | None = option(None, "a size", parse=Size.parse)
+    levels: tuple[float, ...] = option((), "levels", parse=lambda t: tuple(map(float, t.split(","))), nargs="?",
+                                       const="1,0")
+    outer: Outer = option(default_factory=lambda: Outer(sparsity=0.3, inner=Inner(iters=7)), prefix="")
+
+
+def test_parsed_values_bare_flags_and_nested_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    p = argparse.ArgumentParser()
+    add_options(p, Job)
+    assert from_args(Job, p.parse_args([])) == Job() and Job().outer.inner.iters == 7
+    assert "(default 0.3)" in p.format_help()
+    got = from_args(Job, p.parse_args(["--size", "5", "--levels", "--fista-iters", "3"]))
+    assert got == Job(size=Size(5), levels=(1.0, 0.0), outer=Outer(sparsity=0.3, inner=Inner(iters=3)))
+    assert from_args(Job, p.parse_args(["--levels", "0.5"])).levels == (0.5,)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--size", "x"])
+    assert "cannot read size 'x'" in capsys.readouterr().err

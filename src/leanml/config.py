@@ -75,17 +75,26 @@ def option(
     prefix: str | None = None,
     show_default: bool = True,
     nargs: str | None = None,
+    repeat: bool = False,
+    negative: str | None = None,
+    const: Any = None,
 ) -> Any:
     """A dataclass field that is also a command-line option.
 
     ``flag`` overrides the generated ``--<prefix><name-with-dashes>``; ``parse`` turns the command-line
     string into the field's value (default: the annotated type); ``choices`` limits the values (a
-    ``Literal`` annotation gives them too); ``cli=False`` keeps the field off the command line (a value
+    ``Literal`` annotation gives them too); a ``bool`` field gets ``--x``/``--no-x`` unless ``negative``
+    names its negative flag; ``cli=False`` keeps the field off the command line (a value
     only Python callers give). A field whose type is itself an options dataclass is expanded in place,
-    its flags prefixed by ``prefix``.
+    its flags prefixed by ``prefix``. ``repeat``: the flag may be given several times and the field
+    (a tuple) holds every value in order. A ``flag`` without leading dashes is a positional argument.
+    A nested options dataclass takes its defaults from its ``default_factory``'s instance; with ``parse``
+    it is one option instead, whose value ``parse`` builds. ``nargs="?"`` with ``const``: the value of
+    the bare flag. A :class:`LeanmlError` raised by ``parse`` is a bad option.
     """
     meta = {_META: dict(help=help, flag=flag, parse=parse, choices=choices, metavar=metavar, cli=cli,
-                        prefix=prefix, show_default=show_default, nargs=nargs)}
+                        prefix=prefix, show_default=show_default, nargs=nargs, repeat=repeat, negative=negative,
+                        const=const)}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -93,7 +102,7 @@ def option(
 
 def _meta(f: dataclasses.Field) -> dict[str, Any]:
     return f.metadata.get(_META) or dict(help="", flag=None, parse=None, choices=None, metavar=None, cli=True,
-                                         prefix=None, show_default=True, nargs=None)
+                                         prefix=None, show_default=True, nargs=None, repeat=False, negative=None, const=None)
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -124,18 +133,32 @@ def flag_name(f: dataclasses.Field, prefix: str = "") -> str:
     return m["flag"] or f"--{prefix}{f.name.replace('_', '-')}"
 
 
-def iter_flags(cls: type, prefix: str = "") -> Iterator[tuple[dataclasses.Field, str, type, str]]:
-    """(field, flag, owner, nested prefix) of every command-line field of ``cls``, nested ones expanded."""
+def _nested(tp: Any, m: dict[str, Any]) -> bool:
+    """Whether a field of type ``tp`` is an options dataclass expanded in place (not one parsed option)."""
+    return dataclasses.is_dataclass(tp) and m["parse"] is None
+
+
+def _walk(cls: type, prefix: str, base: Any) -> Iterator[tuple[dataclasses.Field, str, type, str, Any]]:
+    """(field, flag, owner, nested prefix, default) of every command-line field; defaults are read from
+    ``base`` (an instance of ``cls``) when given, a nested one's from its parent field's default."""
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         m = _meta(f)
         if not m["cli"]:
             continue
         tp, _ = _unwrap_optional(hints[f.name])
-        if dataclasses.is_dataclass(tp):
-            yield from iter_flags(tp, m["prefix"] if m["prefix"] is not None else prefix)
+        default = getattr(base, f.name) if base is not None else _default_of(f)
+        if _nested(tp, m):
+            inner = default if dataclasses.is_dataclass(default) else None
+            yield from _walk(tp, m["prefix"] if m["prefix"] is not None else prefix, inner)
             continue
-        yield f, flag_name(f, prefix), cls, prefix
+        yield f, flag_name(f, prefix), cls, prefix, default
+
+
+def iter_flags(cls: type, prefix: str = "") -> Iterator[tuple[dataclasses.Field, str, type, str]]:
+    """(field, flag, owner, nested prefix) of every command-line field of ``cls``, nested ones expanded."""
+    for f, flag, owner, nested_prefix, _ in _walk(cls, prefix, None):
+        yield f, flag, owner, nested_prefix
 
 
 def _dest(flag: str) -> str:
@@ -168,13 +191,12 @@ def add_options(
     """
     hints_cache: dict[type, dict[str, Any]] = {}
     made: list[Flag] = []
-    for f, flag, owner, _ in iter_flags(cls, prefix):
+    for f, flag, owner, _, default in _walk(cls, prefix, None):
         if f.name in skip:
             continue
         m = _meta(f)
         hints = hints_cache.setdefault(owner, _hints(owner))
         tp, optional = _unwrap_optional(hints[f.name])
-        default = _default_of(f)
         if defaults and f.name in defaults:
             default = defaults[f.name]
         kwargs: dict[str, Any] = {"dest": _dest(flag)}
@@ -182,31 +204,69 @@ def add_options(
         if typing.get_origin(tp) is Literal:
             choices = choices or typing.get_args(tp)
             tp = type(typing.get_args(tp)[0])
-        if tp is bool and m["parse"] is None:
+        if tp is bool and m["parse"] is None and m["negative"]:
+            kwargs.update(action=_Negatable, negative=m["negative"])
+        elif tp is bool and m["parse"] is None:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = m["parse"] or (tp if tp in (int, float, str) else str)
+            kwargs["type"] = _option_type(m["parse"]) if m["parse"] else (tp if tp in (int, float, str) else str)
             if choices is not None:
                 kwargs["choices"] = choices
             if m["metavar"]:
                 kwargs["metavar"] = m["metavar"]
             if m["nargs"]:
                 kwargs["nargs"] = m["nargs"]
+            if m.get("const") is not None:
+                kwargs["const"] = m["const"]
+            if m.get("repeat"):
+                kwargs["action"] = "append"
         text = m["help"]
         if m["show_default"] and default is not MISSING and f.name not in required:
             shown = default if not isinstance(default, (list, tuple)) else ",".join(map(str, default))
             text = f"{text} (default {shown})".strip() if default is not None or not optional else text
         kwargs["help"] = text.replace("%", "%%")
-        if f.name in required or default is MISSING:
+        if not flag.startswith("-"):  # positional: argparse takes its dest from the name, no "required"
+            del kwargs["dest"]
+            if default is not MISSING:
+                kwargs.update(nargs="?", default=default)
+        elif f.name in required or default is MISSING:
             kwargs["required"] = True
         else:
-            kwargs["default"] = default
+            kwargs["default"] = None if m.get("repeat") else default  # appended values start a fresh list
         parser.add_argument(flag, **kwargs)
-        made.append(Flag(flag, owner, f.name, kwargs["dest"]))
+        made.append(Flag(flag, owner, f.name, _dest(flag)))
     # argument groups share their parser's defaults: the record travels into the parsed namespace, where
     # the command line's error handler finds it (see cli_message)
     parser._defaults.setdefault("_leanml_flags", []).extend(made)  # type: ignore[union-attr]
     return made
+
+
+class _Negatable(argparse.Action):
+    """A bool option with an explicitly named negative flag (``--fista-no-precondition``) instead of
+    argparse's ``--no-<flag>``."""
+
+    def __init__(self, option_strings: list[str], dest: str, negative: str, **kwargs: Any) -> None:
+        super().__init__([*option_strings, negative], dest, nargs=0, **kwargs)
+        self.negative = negative
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, option_string != self.negative)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+def _option_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse ``type``: its :class:`LeanmlError` is a bad option (one line)."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except LeanmlError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
 
 
 def parser_flags(parser: argparse.ArgumentParser) -> list[Flag]:
@@ -225,17 +285,25 @@ def _values(cls: type, args: argparse.Namespace, prefix: str, overrides: dict[st
         if not m["cli"]:
             continue
         tp, _ = _unwrap_optional(hints[f.name])
-        if dataclasses.is_dataclass(tp):
-            values[f.name] = _build(tp, args, m["prefix"] if m["prefix"] is not None else prefix, {})
+        if _nested(tp, m):
+            base = _default_of(f)
+            values[f.name] = _build(tp, args, m["prefix"] if m["prefix"] is not None else prefix, {},
+                                    base if dataclasses.is_dataclass(base) else None)
             continue
         dest = _dest(flag_name(f, prefix))
         if hasattr(args, dest):
-            values[f.name] = getattr(args, dest)
+            value = getattr(args, dest)
+            if m.get("repeat"):
+                if value is None:  # not given: the field's default
+                    continue
+                value = tuple(value)
+            values[f.name] = value
     return values
 
 
-def _build(cls: type, args: argparse.Namespace, prefix: str, overrides: dict[str, Any]) -> Any:
-    return cls(**_values(cls, args, prefix, overrides))
+def _build(cls: type, args: argparse.Namespace, prefix: str, overrides: dict[str, Any], base: Any = None) -> Any:
+    values = _values(cls, args, prefix, overrides)
+    return dataclasses.replace(base, **values) if base is not None else cls(**values)
 
 
 def from_args(cls: type, args: argparse.Namespace, prefix: str = "", **overrides: Any) -> Any:
@@ -258,6 +326,9 @@ def cli_message(exc: ConfigError, flags: list[Flag] | dict[tuple[type, str], str
         if flag is None:  # the field's class is a parent or child of the one the parser knows
             flag = next((v for (o, n), v in table.items() if n == name and exc.owner is not None
                          and (issubclass(exc.owner, o) or issubclass(o, exc.owner))), None)
+        if flag is None:  # a field of a nested options object: the one flag of that name, if unique
+            named = {v for (_, n), v in table.items() if n == name}
+            flag = named.pop() if len(named) == 1 else None
         if flag:
             text = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", flag, text)
     return text

@@ -200,14 +200,15 @@ def test_per_entity_execution_matches_per_row(tmp_path):
     """Entity mode (arrow reader, ops once per user/item, gathered) == every op per row (Python reader)."""
     from leanml.features.batch import FeatureBatch
     from leanml.features.data import generate_logs
-    from leanml.features.pipeline import ExtractConfig, Extractor
+    from leanml.features.extract import ExtractConfig, Extractor
+    from leanml.features.options import PipelineOptions
 
     generate_logs(tmp_path, 3000, seed=2, malformed_rate=0.01, unknown_item_rate=0.05, progress=False)
     (tmp_path / "users.jsonl").write_text("\n".join((tmp_path / "users.jsonl").read_text().splitlines()[::2]) + "\n")
-    cfg = ExtractConfig.build("movielens", [tmp_path / "impressions_000.tsv"], batch_rows=500)
+    cfg = ExtractConfig.build("movielens", [tmp_path / "impressions_000.tsv"], PipelineOptions(batch_rows=500))
     fast = Extractor(cfg)
-    ref = Extractor(ExtractConfig.build("movielens", [tmp_path / "impressions_000.tsv"], batch_rows=500,
-                                        engine="python", entity=False))
+    ref = Extractor(ExtractConfig.build("movielens", [tmp_path / "impressions_000.tsv"],
+                                        PipelineOptions(batch_rows=500, reader="python", entity=False)))
     a, b = list(fast), list(ref)
     assert len(a) == len(b) and all(x.equal(y) for x, y in zip(a, b))
     assert 2000 < len(FeatureBatch.concat(a)) < 3000  # unknown items filtered, malformed lines quarantined

@@ -11,8 +11,11 @@ import torch
 from leanml.cli import main as cli_main
 from leanml.features.batch import FeatureBatch
 from leanml.features.data import movielens_logs
+from leanml.features.extract import ExtractConfig, Extractor
 from leanml.features.graph import FeatureGraph
-from leanml.features.pipeline import ExtractConfig, Extractor, Prefetcher, run_pipelined
+from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
+from leanml.features.pipeline import run_pipelined
+from leanml.features.producers import Prefetcher
 from leanml.features.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
 from leanml.utils import LeanmlError
 
@@ -34,10 +37,10 @@ def logs(tmp_path_factory) -> Path:
 
 
 def test_pipelined_and_two_stage_produce_identical_tensors(logs, tmp_path):
-    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=512)
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=512))
     before = sorted(p.name for p in logs.iterdir())
-    thread = list(Prefetcher(cfg, depth=2, mode="thread"))
-    process = list(Prefetcher(cfg, depth=3, mode="process"))
+    thread = list(Prefetcher(cfg, ProducerOptions(prefetch=2, producer="thread")))
+    process = list(Prefetcher(cfg, ProducerOptions(prefetch=3, producer="process")))
     assert sorted(p.name for p in logs.iterdir()) == before  # pipelined: no intermediate files
     extract_to_parquet(cfg, tmp_path / "feats")
     staged = list(read_parquet_batches(tmp_path / "feats"))
@@ -53,10 +56,10 @@ def test_pipelined_and_two_stage_produce_identical_tensors(logs, tmp_path):
 
 def test_pipelined_training_matches_two_stage(logs, tmp_path):
     torch.set_num_threads(1)
-    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=512)
-    kw = dict(lr=3e-3, seed=1, dim=4, hidden=(16,), device="cpu")
-    m1, r1 = run_pipelined(cfg, prefetch=2, **kw)
-    m2, r2 = run_two_stage(cfg, tmp_path / "f", **kw)
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=512))
+    train = TrainOptions(lr=3e-3, seed=1, dim=4, hidden=(16,))
+    m1, r1 = run_pipelined(cfg, train, ProducerOptions(prefetch=2), device="cpu")
+    m2, r2 = run_two_stage(cfg, tmp_path / "f", train, device="cpu")
     assert r1["rows"] == r2["rows"] == ROWS
     assert r1["train"][0]["losses"] == r2["train"][0]["losses"]
     for p, q in zip(m1.parameters(), m2.parameters()):
@@ -93,12 +96,12 @@ def test_cli_extract_and_train_reports(logs, tmp_path):
 
 
 def test_errors_reach_the_consumer(logs):
-    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=512, tables={"users": "nope.jsonl"})
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=512), tables={"users": "nope.jsonl"})
     with pytest.raises(LeanmlError, match="table 'users' not found"):
         list(Prefetcher(cfg))
-    with pytest.raises(LeanmlError, match="prefetch depth"):
-        Prefetcher(cfg, depth=0)
-    assert len(list(Extractor(ExtractConfig.build("movielens", [logs / "test.tsv"], batch_rows=300)))) == 4
+    with pytest.raises(LeanmlError, match="prefetch 0: use a number >= 1"):
+        Prefetcher(cfg, ProducerOptions(prefetch=0))
+    assert len(list(Extractor(ExtractConfig.build("movielens", [logs / "test.tsv"], PipelineOptions(batch_rows=300))))) == 4
 
 
 def test_visual_graph_with_content_id_table(logs, tmp_path):
@@ -115,7 +118,7 @@ def test_visual_graph_with_content_id_table(logs, tmp_path):
     items = np.arange(1, 1683, 2, dtype=np.int64)  # odd items only: even ones are "new ads" without IDs
     codes = rng.integers(0, 256, (len(items), 4))
     write_content_id_table(d / "visual_ids.parquet", items, codes, k=256)
-    cfg = ExtractConfig.build("movielens_visual", [d / "test.tsv"], batch_rows=400)
+    cfg = ExtractConfig.build("movielens_visual", [d / "test.tsv"], PipelineOptions(batch_rows=400))
     batch = FeatureBatch.concat(list(Extractor(cfg)))
     vis = batch.seqs[3]
     item_ids = [int(x.split("\t")[2]) for x in (d / "test.tsv").read_text().splitlines()]
@@ -145,7 +148,7 @@ def test_prefetcher_overlaps_extraction_with_training(logs):
     cfg = ExtractConfig.build("movielens", [logs / "test.tsv"])
     t0 = time.perf_counter()
     seen = []
-    for b in Prefetcher(cfg, depth=2, source=_SlowSource):
+    for b in Prefetcher(cfg, ProducerOptions(prefetch=2), source=_SlowSource):
         time.sleep(0.08)  # "training" on batch i while batch i+1 is being produced
         seen.append(int(b.label[0]))
     wall = time.perf_counter() - t0
@@ -155,9 +158,9 @@ def test_prefetcher_overlaps_extraction_with_training(logs):
 
 def test_worker_processes_keep_chunk_order_and_merge_quarantine(logs, tmp_path):
     q = tmp_path / "q.jsonl"
-    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=256, quarantine=str(q))
-    ref = list(Extractor(ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=256)))
-    pf = Prefetcher(cfg, depth=2, mode="process", workers=3)
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=256), quarantine=str(q))
+    ref = list(Extractor(ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=256))))
+    pf = Prefetcher(cfg, ProducerOptions(prefetch=2, producer="process", workers=3))
     got = list(pf)
     assert len(got) == len(ref) and all(a.equal(b) for a, b in zip(got, ref))  # same batches, same order
     assert pf.report.rows_read == ROWS and pf.report.quarantined == {"field_count": 1, "bad_int:user_id": 1}
@@ -192,11 +195,11 @@ class _Fails:
 def test_a_dying_or_failing_worker_raises_in_the_trainer(logs):
     cfg = ExtractConfig.build("movielens", [logs / "test.tsv"])
     with pytest.raises(RuntimeError, match="exited unexpectedly"):
-        list(Prefetcher(cfg, mode="process", source=_Dies))
+        list(Prefetcher(cfg, ProducerOptions(producer="process"), source=_Dies))
     with pytest.raises(ValueError, match="column 'x' broke in the producer"):
-        list(Prefetcher(cfg, mode="process", source=_Fails))
+        list(Prefetcher(cfg, ProducerOptions(producer="process"), source=_Fails))
     with pytest.raises(RuntimeError, match="column 'x' broke in the producer"):
-        list(Prefetcher(cfg, mode="thread", source=_Fails))
+        list(Prefetcher(cfg, ProducerOptions(producer="thread"), source=_Fails))
 
 
 def _one_at_a_time(batches, ref: list[FeatureBatch]) -> int:
@@ -211,26 +214,26 @@ def _one_at_a_time(batches, ref: list[FeatureBatch]) -> int:
 
 @pytest.mark.slow  # worker processes
 def test_worker_batches_come_through_the_shared_memory_ring(logs):
-    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=256)
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=256))
     ref = list(Extractor(cfg))
     # taken one at a time (as training does): every batch through the ring, none overwritten before use
-    pf = Prefetcher(cfg, depth=2, mode="process")
+    pf = Prefetcher(cfg, ProducerOptions(prefetch=2, producer="process"))
     assert _one_at_a_time(pf, ref) == len(ref) and pf.handoff == {"ring": len(ref)}
     # all kept: once the depth + 3 slots are held the worker falls back to ordinary sharing, and the
     # batches kept from the ring are not overwritten by later ones
-    pf = Prefetcher(cfg, depth=2, mode="process")
+    pf = Prefetcher(cfg, ProducerOptions(prefetch=2, producer="process"))
     got = list(pf)
     assert len(got) == len(ref) and all(a.equal(r) for a, r in zip(got, ref))
     assert pf.handoff == {"ring": 5, "copied": len(ref) - 5}
-    off = Prefetcher(cfg, depth=2, mode="process", ring=False)
+    off = Prefetcher(cfg, ProducerOptions(prefetch=2, producer="process"), ring=False)
     assert all(a.equal(r) for a, r in zip(off, ref)) and off.handoff == {"copied": len(ref)}
 
 
 @pytest.mark.slow  # worker processes
 def test_epochs_left_early_do_not_leak_ring_slots(logs):
-    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=256)
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=256))
     ref = list(Extractor(cfg))
-    pf = Prefetcher(cfg, depth=2, mode="process", persistent=True)
+    pf = Prefetcher(cfg, ProducerOptions(prefetch=2, producer="process"), persistent=True)
     try:
         for _ in range(4):  # each abandoned epoch leaves the prefetched batches' slots sent but never used
             for b in pf:
@@ -249,12 +252,12 @@ def test_producers_build_the_lookup_plans_for_the_model(logs):
     from leanml.features.lookup import build_plan
     from leanml.features.model import model_for_graph
 
-    base = ExtractConfig.build("movielens", [logs / "log.tsv"], batch_rows=256)
+    base = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=256))
     sizes = model_for_graph(FeatureGraph.from_dict(base.graph)).emb.sizes
     cfg = replace(base, lookup_sizes=sizes)
     ref = list(Extractor(base))
     for mode in ("process", "thread"):
-        pf = Prefetcher(cfg, depth=2, mode=mode)
+        pf = Prefetcher(cfg, ProducerOptions(prefetch=2, producer=mode))
         n = 0
         for got, want in zip(pf, ref, strict=True):
             plan = build_plan(want.ids(), want.layout(), sizes)

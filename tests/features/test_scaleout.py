@@ -15,7 +15,8 @@ import torch
 
 from leanml.features.batch import FeatureBatch
 from leanml.features.data import generate_logs
-from leanml.features.pipeline import ExtractConfig, Extractor
+from leanml.features.extract import ExtractConfig, Extractor
+from leanml.features.options import PipelineOptions, TrainOptions
 
 TINY = """
 name: tiny
@@ -55,13 +56,13 @@ def test_ray_data_matches_local_extraction(tiny, tmp_path):
     from leanml.features.ray_runner import run_ray
 
     d, log = tiny
-    cfg = ExtractConfig.build(str(d / "tiny.yaml"), [log], batch_rows=512)
+    cfg = ExtractConfig.build(str(d / "tiny.yaml"), [log], PipelineOptions(batch_rows=512))
     local = Extractor(cfg)
     ref = FeatureBatch.concat(list(local))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         kept: list[FeatureBatch] = []
-        _, rep = run_ray(cfg, quarantine_dir=str(tmp_path / "q"), dim=4, hidden=(8,), keep=kept)
+        _, rep = run_ray(cfg, TrainOptions(dim=4, hidden=(8,)), quarantine_dir=str(tmp_path / "q"), keep=kept)
     finally:
         ray.shutdown()
     got = FeatureBatch.concat(kept)
@@ -73,7 +74,7 @@ def test_ray_data_matches_local_extraction(tiny, tmp_path):
 @pytest.mark.slow  # several processes
 def test_torchrun_ddp_consumes_disjoint_shards(tiny, tmp_path):
     d, log = tiny
-    cfg = ExtractConfig.build(str(d / "tiny.yaml"), [log], batch_rows=256)
+    cfg = ExtractConfig.build(str(d / "tiny.yaml"), [log], PipelineOptions(batch_rows=256))
     total = sum(len(b) for b in Extractor(cfg))
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

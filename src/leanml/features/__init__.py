@@ -12,7 +12,9 @@ same graph runs on Ray Data and feeds ``torchrun`` DDP training. See docs/featur
 
 from leanml.features.arena import Arena, NoArena
 from leanml.features.batch import FeatureBatch
+from leanml.features.extract import ExtractConfig, Extractor
 from leanml.features.graph import FeatureGraph, OutputSpec, graph, load_graph
+from leanml.features.logschema import Quarantine, Schema
 from leanml.features.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
 from leanml.features.ops import (
     OPS,
@@ -29,15 +31,17 @@ from leanml.features.ops import (
     Split,
     TruncatePad,
 )
-from leanml.features.pipeline import ExtractConfig, Extractor, FeatureStream, Prefetcher, run_pipelined
-from leanml.features.readers import LogReader, Quarantine, Schema
+from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
+from leanml.features.pipeline import run_pipelined
+from leanml.features.producers import FeatureStream, Prefetcher
+from leanml.features.readers import LogReader
 from leanml.features.scheduler import LayerwiseExecutor, Plan, make_plan
 from leanml.features.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
 
 __all__ = [
     "OPS", "Arena", "Bucketize", "CTROptimizer", "ContentIdLookup", "Cross", "DictJoin", "ExtractConfig", "Extractor",
     "FeatureBatch", "FeatureDNN", "FeatureGraph", "FeatureStream", "FusedEmbedding", "Filter", "Hash", "LayerwiseExecutor", "LogReader", "LogTransform", "NoArena",
-    "Normalize", "Op", "OutputSpec", "Plan", "Prefetcher", "Quarantine", "Ragged", "Schema", "Split",
-    "TruncatePad", "extract_to_parquet", "graph", "load_graph", "make_plan", "model_for_graph", "read_parquet_batches",
+    "Normalize", "Op", "OutputSpec", "PipelineOptions", "Plan", "Prefetcher", "ProducerOptions", "Quarantine", "Ragged", "Schema", "Split",
+    "TrainOptions", "TruncatePad", "extract_to_parquet", "graph", "load_graph", "make_plan", "model_for_graph", "read_parquet_batches",
     "run_pipelined", "run_two_stage",
 ]

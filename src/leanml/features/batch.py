@@ -32,7 +32,7 @@ class FeatureBatch:
     def pin_memory(self) -> FeatureBatch:
         """Page-locked copies (what ``DataLoader(pin_memory=True)`` calls), the lookup plan included."""
         ids = self.ids().pin_memory()
-        b = _split_ids(self.label.pin_memory(), ids, self.dense.pin_memory(), [s.shape[1] for s in self.seqs])
+        b = split_ids(self.label.pin_memory(), ids, self.dense.pin_memory(), [s.shape[1] for s in self.seqs])
         b.plan = None if self.plan is None else self.plan.pin_memory()
         return b
 
@@ -64,7 +64,7 @@ class FeatureBatch:
         """The same batch with sparse ids and sequences as views of one ``[n, F + sum(L)]`` int64 buffer
         (one tensor to share between processes, no concatenation in the model)."""
         ids = torch.cat([self.sparse.long(), *(s.long() for s in self.seqs)], 1)
-        b = _split_ids(self.label, ids, self.dense, [s.shape[1] for s in self.seqs])
+        b = split_ids(self.label, ids, self.dense, [s.shape[1] for s in self.seqs])
         b.plan = self.plan
         return b
 
@@ -86,7 +86,7 @@ class FeatureBatch:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def _split_ids(label: torch.Tensor, ids: torch.Tensor, dense: torch.Tensor, widths: list[int]) -> FeatureBatch:
+def split_ids(label: torch.Tensor, ids: torch.Tensor, dense: torch.Tensor, widths: list[int]) -> FeatureBatch:
     f = ids.shape[1] - sum(widths)
     seqs, start = [], f
     for w in widths:
@@ -129,4 +129,4 @@ def collate(cols: dict[str, Column], label: str, sparse: list[str], dense: list[
     de = np.empty((n, len(dense)), dtype=np.float32)
     for j, c in enumerate(dense):
         de[:, j] = _np(cols[c])
-    return _split_ids(lab, torch.from_numpy(ids), torch.from_numpy(de), widths)
+    return split_ids(lab, torch.from_numpy(ids), torch.from_numpy(de), widths)

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from leanml.data.offline import widedeep_data_dir
-from leanml.features.readers import Schema
+from leanml.features.logschema import Schema
 from leanml.utils import EtaBar, LeanmlError, atomic_dir, atomic_file, cache_dir
 
 LOG_SCHEMA = Schema((("ts", "int"), ("user_id", "int"), ("item_id", "int"), ("click", "int"), ("hist", "str")))
@@ -215,11 +215,3 @@ def _corrupt(text: str, rate: float, rng: np.random.Generator) -> str:
         else:
             lines[i] = "\t".join([f[0], f[1], f[2], "yes", f[4]])  # non-integer click
     return "\n".join(lines) + "\n"
-
-
-def log_files(data_dir: str | Path, pattern: str = "impressions_*.tsv*") -> list[Path]:
-    """The impression logs of a data directory, sorted (train/test files of MovieLens excluded by name)."""
-    files = sorted(p for p in Path(data_dir).glob(pattern) if not p.name.startswith("."))
-    if not files:
-        raise LeanmlError(f"no logs matching {pattern} in {data_dir}; generate them with `leanml features generate`")
-    return files

@@ -8,7 +8,9 @@ import time
 import torch
 
 from leanml.features.data import movielens_logs
-from leanml.features.pipeline import ExtractConfig, Extractor, evaluate, run_pipelined
+from leanml.features.extract import ExtractConfig, Extractor
+from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
+from leanml.features.pipeline import evaluate, run_pipelined
 from leanml.features.twostage import run_two_stage
 from leanml.utils import cache_dir, machine_line, write_json
 
@@ -18,13 +20,13 @@ def run_demo(epochs: int = 1) -> None:
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # one core trains, the producer thread extracts
     d = movielens_logs()
-    cfg = ExtractConfig.build("movielens", [d / "impressions_train.tsv"], batch_rows=2048)
-    test = ExtractConfig.build("movielens", [d / "impressions_test.tsv"], batch_rows=4096)
-    kw = dict(epochs=epochs, lr=3e-3, seed=0, device="cpu")
+    cfg = ExtractConfig.build("movielens", [d / "impressions_train.tsv"], PipelineOptions(batch_rows=2048))
+    test = ExtractConfig.build("movielens", [d / "impressions_test.tsv"], PipelineOptions(batch_rows=4096))
+    train = TrainOptions(epochs=epochs, lr=3e-3, seed=0)
     print(f"FeatureBox on MovieLens-100k raw logs ({machine_line()})")
-    m_pipe, pipe = run_pipelined(cfg, prefetch=2, producer="thread", **kw)
+    m_pipe, pipe = run_pipelined(cfg, train, ProducerOptions(prefetch=2, producer="thread"), device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        m_two, two = run_two_stage(cfg, f"{tmp}/features", **kw)
+        m_two, two = run_two_stage(cfg, f"{tmp}/features", train, device="cpu")
     rows = []
     for rep, model in ((two, m_two), (pipe, m_pipe)):
         ev = evaluate(model, Extractor(test))

@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
+from leanml.features.logschema import Schema
 from leanml.features.ops import Op, TruncatePad, op_from_spec
-from leanml.features.readers import Schema
 from leanml.utils import LeanmlError
 
 GRAPHS_DIR = Path(__file__).parent / "graphs"

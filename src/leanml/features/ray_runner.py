@@ -18,10 +18,12 @@ import torch
 
 from leanml.features.arena import Arena
 from leanml.features.batch import FeatureBatch
+from leanml.features.extract import ExtractConfig
 from leanml.features.graph import FeatureGraph
+from leanml.features.linelogs import parse_lines
+from leanml.features.logschema import Quarantine
 from leanml.features.model import CTROptimizer, FeatureDNN, model_for_graph
-from leanml.features.pipeline import ExtractConfig, train_on
-from leanml.features.readers import Quarantine, parse_lines
+from leanml.features.pipeline import TrainOptions, train_on
 from leanml.features.scheduler import LayerwiseExecutor
 from leanml.utils import LeanmlError
 
@@ -34,15 +36,16 @@ class RayExtract:
         self.graph = FeatureGraph.from_dict(cfg.graph)
         qpath = Path(quarantine_dir) / f"quarantine-{os.getpid()}.jsonl" if quarantine_dir else None
         self.quarantine = Quarantine(qpath)
-        self.executor = LayerwiseExecutor(self.graph, device=cfg.device, threads=cfg.threads,
-                                          arena=Arena(cfg.arena_bytes), data_dir=cfg.data_dir, tables=cfg.tables,
-                                          entity=cfg.entity)
+        opts = cfg.options
+        self.executor = LayerwiseExecutor(self.graph, device=opts.device, threads=opts.threads,
+                                          arena=Arena(opts.arena_bytes), data_dir=cfg.data_dir, tables=cfg.tables,
+                                          entity=opts.entity)
         self.jsonl = cfg.logs and cfg.logs[0].removesuffix(".gz").endswith((".jsonl", ".json"))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         lines = [(s + "\n").encode("utf-8") for s in batch["text"].tolist()]
         chunk = parse_lines(lines, self.graph.schema, self.quarantine, "ray", -1,
-                            fmt="jsonl" if self.jsonl else "tsv", engine=self.cfg.engine)
+                            fmt="jsonl" if self.jsonl else "tsv", engine=self.cfg.options.reader)
         self.quarantine.close()
         if not chunk or len(next(iter(chunk.values()))) == 0:
             return _empty(self.graph)
@@ -74,7 +77,7 @@ def ray_dataset(cfg: ExtractConfig, quarantine_dir: str | None = None, actors: i
             raise LeanmlError("the Ray runner reads line-delimited logs (TSV / JSON lines); convert Parquet first")
     ds = ray.data.read_text(list(cfg.logs))
     return ds.map_batches(RayExtract, fn_constructor_kwargs={"cfg": cfg, "quarantine_dir": quarantine_dir},
-                          batch_size=cfg.batch_rows, batch_format="numpy",
+                          batch_size=cfg.options.batch_rows, batch_format="numpy",
                           compute=ray.data.ActorPoolStrategy(size=actors))
 
 
@@ -82,10 +85,9 @@ def to_feature_batch(b: dict[str, torch.Tensor], seq_names: list[str]) -> Featur
     return FeatureBatch(b["label"], b["sparse"], b["dense"], [b[f"seq:{s}"] for s in seq_names])
 
 
-def run_ray(cfg: ExtractConfig, *, epochs: int = 1, lr: float = 1e-3, seed: int = 0, actors: int = 1,
-            num_cpus: int | None = None, quarantine_dir: str | None = None, dim: int = 16,
-            hidden: tuple[int, ...] = (128, 64), model: FeatureDNN | None = None,
-            progress: bool = False, keep: list[FeatureBatch] | None = None) -> tuple[FeatureDNN, dict[str, Any]]:
+def run_ray(cfg: ExtractConfig, train: TrainOptions | None = None, *, actors: int = 1, num_cpus: int | None = None,
+            quarantine_dir: str | None = None, model: FeatureDNN | None = None, progress: bool = False,
+            keep: list[FeatureBatch] | None = None) -> tuple[FeatureDNN, dict[str, Any]]:
     """Train from a Ray Data stream of the graph's output; starts a local Ray if none is running.
 
     ``keep``: when a list, every batch trained on is also appended to it (for inspection and tests).
@@ -94,16 +96,17 @@ def run_ray(cfg: ExtractConfig, *, epochs: int = 1, lr: float = 1e-3, seed: int 
 
     if not ray.is_initialized():
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    torch.manual_seed(seed)
+    train = train or TrainOptions()
+    torch.manual_seed(train.seed)
     graph = FeatureGraph.from_dict(cfg.graph)
-    model = model or model_for_graph(graph, dim=dim, hidden=hidden)
-    opt = CTROptimizer(model, lr=lr)
+    model = model or model_for_graph(graph, dim=train.dim, hidden=train.hidden)
+    opt = CTROptimizer(model, lr=train.lr)
     seqs = graph.outputs.sequence
     t0 = time.perf_counter()
     trains = []
-    for ep in range(epochs):
+    for ep in range(train.epochs):
         ds = ray_dataset(cfg, quarantine_dir, actors)
-        stream = (to_feature_batch(b, seqs) for b in ds.iter_torch_batches(batch_size=cfg.batch_rows))
+        stream = (to_feature_batch(b, seqs) for b in ds.iter_torch_batches(batch_size=cfg.options.batch_rows))
         if keep is not None:
             stream = (keep.append(b) or b for b in stream)
         trains.append(train_on(model, stream, opt, "cpu", progress=progress, desc=f"ray epoch {ep + 1}"))

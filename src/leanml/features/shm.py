@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from leanml.features.batch import FeatureBatch, _split_ids
+from leanml.features.batch import FeatureBatch, split_ids
 from leanml.features.lookup import LookupPlan
 
 _FREE, _SENT, _HELD = 0, 1, 2
@@ -135,7 +135,7 @@ class SlotRing:
         for a in parts:  # torch.from_numpy keeps exactly these arrays alive until its tensor storage dies
             weakref.finalize(a, lease.release)
         t = [torch.from_numpy(a) for a in parts]
-        b = _split_ids(t[0], t[1], t[2], self.widths)
+        b = split_ids(t[0], t[1], t[2], self.widths)
         if len(t) > 3:
             sizes, layout = self.plan_key[0], self.plan_key[1]  # type: ignore[index]
             pi, uniq, pw = t[3], t[4], t[5]

@@ -17,11 +17,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from leanml.features.batch import FeatureBatch, _split_ids
+from leanml.features.batch import FeatureBatch, split_ids
 from leanml.features.checks import temp_sibling
+from leanml.features.extract import ExtractConfig, Extractor, no_rows_message
 from leanml.features.graph import FeatureGraph
 from leanml.features.model import CTROptimizer, FeatureDNN, model_for_graph
-from leanml.features.pipeline import ExtractConfig, Extractor, no_rows_message, train_on
+from leanml.features.pipeline import TrainOptions, train_on
 from leanml.utils import EtaBar, LeanmlError, atomic_dir, clean_stale, write_json
 
 BATCHES_PER_FILE = 64
@@ -56,7 +57,7 @@ def table_to_batch(table: pa.Table, seq_names: list[str], widths: dict[str, int]
         ids[:, start : start + widths[c]] = flat(c).reshape(n, widths[c])
         start += widths[c]
     dense = np.array(flat("dense"), dtype=np.float32).reshape(n, widths["dense"])
-    return _split_ids(torch.from_numpy(table.column("label").to_numpy().astype(np.float32)), torch.from_numpy(ids),
+    return split_ids(torch.from_numpy(table.column("label").to_numpy().astype(np.float32)), torch.from_numpy(ids),
                       torch.from_numpy(dense), [widths[f"seq:{s}"] for s in seq_names])
 
 
@@ -178,23 +179,23 @@ def parquet_graph(features_dir: str | Path) -> tuple[FeatureGraph, dict[str, int
     return FeatureGraph.from_dict(json.loads(meta[b"graph"])), json.loads(meta[b"cardinalities"])
 
 
-def train_from_parquet(features_dir: str | Path, *, epochs: int = 1, lr: float = 1e-3, seed: int = 0,
-                       model: FeatureDNN | None = None, dim: int = 16, hidden: tuple[int, ...] = (128, 64),
-                       device: str | None = None, progress: bool = False,
+def train_from_parquet(features_dir: str | Path, train: TrainOptions | None = None, *,
+                       model: FeatureDNN | None = None, device: str | None = None, progress: bool = False,
                        total_rows: int | None = None) -> tuple[FeatureDNN, dict[str, Any]]:
     """Stage 2: train from the Parquet features (reading is part of the measured time).
 
     ``total_rows`` (rows per epoch) gives the progress bar its length and an estimated time after the first batch."""
-    torch.manual_seed(seed)
+    train = train or TrainOptions()
+    torch.manual_seed(train.seed)
     graph, cards = parquet_graph(features_dir)
-    model = model or model_for_graph(graph, dim=dim, hidden=hidden,
+    model = model or model_for_graph(graph, dim=train.dim, hidden=train.hidden,
                                      cardinalities={k: v for k, v in cards.items() if v})
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(dev)
-    opt = CTROptimizer(model, lr=lr)
+    opt = CTROptimizer(model, lr=train.lr)
     t0 = time.perf_counter()
     trains = [train_on(model, read_parquet_batches(features_dir), opt, dev, progress=progress, total=total_rows,
-                       desc=f"train epoch {e + 1}") for e in range(epochs)]
+                       desc=f"train epoch {e + 1}") for e in range(train.epochs)]
     wall = time.perf_counter() - t0
     rows = sum(t.rows for t in trains)
     return model, {"stage": "train", "rows": rows, "wall_s": wall, "train_s": sum(t.train_s for t in trains),
@@ -203,14 +204,13 @@ def train_from_parquet(features_dir: str | Path, *, epochs: int = 1, lr: float =
                    "train": [t.as_dict() for t in trains]}
 
 
-def run_two_stage(cfg: ExtractConfig, out: str | Path, *, epochs: int = 1, lr: float = 1e-3, seed: int = 0,
-                  dim: int = 16, hidden: tuple[int, ...] = (128, 64), device: str | None = None,
-                  overwrite: bool = True, progress: bool = False) -> tuple[FeatureDNN, dict[str, Any]]:
+def run_two_stage(cfg: ExtractConfig, out: str | Path, train: TrainOptions | None = None, *,
+                  device: str | None = None, overwrite: bool = True,
+                  progress: bool = False) -> tuple[FeatureDNN, dict[str, Any]]:
     """Both stages back to back; the report has the same keys as the pipelined one."""
     t0 = time.perf_counter()
     ext = extract_to_parquet(cfg, out, overwrite=overwrite, progress=progress)
-    model, tr = train_from_parquet(out, epochs=epochs, lr=lr, seed=seed, dim=dim, hidden=hidden, device=device,
-                                   progress=progress)
+    model, tr = train_from_parquet(out, train, device=device, progress=progress)
     wall = time.perf_counter() - t0
     return model, {"mode": "two_stage", "rows": tr["rows"], "wall_s": wall,
                    "samples_s": tr["rows"] / wall if wall > 0 else 0.0,

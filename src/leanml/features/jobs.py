@@ -1,0 +1,184 @@
+"""The jobs of ``leanml features``: one function per command, taking that command's options
+(:mod:`leanml.features.options`). Each checks every input before any work (a bad one is a one-line
+:class:`~leanml.utils.LeanmlError` naming the flag that set it), writes its outputs atomically and returns
+its report.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from leanml.config import as_dict, flags_of
+from leanml.features.options import ExtractJob, GenerateJob, Inputs, PipelineOptions, PlanJob, TrainJob
+from leanml.utils import LeanmlError, cache_dir, write_json
+
+if TYPE_CHECKING:  # the heavy modules load when a job runs
+    from leanml.features.extract import ExtractConfig
+    from leanml.features.graph import FeatureGraph
+    from leanml.features.scheduler import Plan
+
+
+def _flag(cls: type, name: str) -> str:
+    """The flag that sets field ``name`` of ``cls`` (or of an options object inside it)."""
+    return next(flag for (_, field), flag in flags_of(cls).items() if field == name)
+
+
+def plan_job(job: PlanJob) -> tuple[FeatureGraph, Plan]:
+    """The graph and its plan (levels, placements, transfers) for this machine or, with ``assume_cuda``, a GPU one."""
+    from leanml.features.graph import load_graph
+    from leanml.features.scheduler import make_plan
+
+    graph = load_graph(job.graph)
+    return graph, make_plan(graph, cuda=True if job.assume_cuda else None)
+
+
+def extract_config(inputs: Inputs, options: PipelineOptions, quarantine: Path,
+                   test_logs: tuple[str, ...] = ()) -> tuple[ExtractConfig, int]:
+    """The extraction config of ``inputs`` with every log (``test_logs`` too) and table checked; also the
+    logs' estimated lines. No log given: the MovieLens-100k train log."""
+    from leanml.features.checks import check_logs
+    from leanml.features.data import movielens_logs
+    from leanml.features.extract import ExtractConfig
+    from leanml.features.graph import load_graph
+
+    if inputs.data_dir is not None and not Path(inputs.data_dir).is_dir():
+        raise LeanmlError(f"{_flag(Inputs, 'data_dir')} {inputs.data_dir} is not a folder; pass the folder that "
+                          "holds the tables")
+    graph = load_graph(inputs.graph)
+    logs = inputs.log or (str(movielens_logs() / "impressions_train.tsv"),)
+    infos = check_logs(logs, graph.schema)
+    if test_logs:
+        check_logs(test_logs, graph.schema, what=_flag(TrainJob, "test_log"))
+    cfg = ExtractConfig.build(graph, logs, options, data_dir=inputs.data_dir, tables=inputs.tables,
+                              quarantine=str(quarantine))
+    _check_tables(cfg, inputs.tables)
+    return cfg, sum(i.lines_estimate for i in infos)
+
+
+def _check_tables(cfg: ExtractConfig, overrides: dict[str, str]) -> None:
+    """Every table the graph reads exists (an override must name one of them)."""
+    from leanml.features.graph import FeatureGraph
+
+    table, data_dir_flag = _flag(Inputs, "table"), _flag(Inputs, "data_dir")
+    graph = FeatureGraph.from_dict(cfg.graph)
+    used = {t for t in (getattr(op, "table", None) for op in graph.ops) if isinstance(t, str)}
+    known = set(graph.tables) | used
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else None
+    for name in overrides:
+        if name not in known:
+            raise LeanmlError(f"{table} {name}=...: graph {graph.name} has no table {name!r}; its tables are "
+                              f"{', '.join(sorted(known)) or 'none'}")
+    paths = {**graph.tables, **overrides}
+    for name in sorted(used):
+        path = Path(paths.get(name, name))
+        if name in overrides:
+            if not path.exists():
+                raise LeanmlError(f"table {name!r} not found at {path} ({table} paths are relative to the current "
+                                  f"directory); pass {table} {name}=PATH to an existing file")
+            continue
+        if not path.is_absolute() and data_dir is not None:
+            path = data_dir / path
+        if not path.exists():
+            raise LeanmlError(f"table {name!r} not found at {path}; pass {table} {name}=PATH or {data_dir_flag}")
+
+
+def _quarantine_path(inputs: Inputs, default: Path) -> Path:
+    from leanml.features.checks import check_file_target
+
+    return check_file_target(Path(inputs.quarantine) if inputs.quarantine else default, _flag(Inputs, "quarantine"))
+
+
+def extract_job(job: ExtractJob, progress: bool = True) -> tuple[dict[str, Any], Path]:
+    """Stage 1 of two-stage: the graph over the logs into ``job.out`` (Parquet + ``report.json``); returns the
+    report and the folder."""
+    from leanml.features.twostage import extract_to_parquet
+    from leanml.utils import check_output_dir
+
+    out = check_output_dir(job.out, job.overwrite, _flag(ExtractJob, "out"))
+    quarantine = _quarantine_path(job.inputs, out.parent / f"{out.name}.quarantine.jsonl")
+    cfg, rows_estimate = extract_config(job.inputs, job.options, quarantine)
+    return extract_to_parquet(cfg, out, overwrite=job.overwrite, progress=progress, total_rows=rows_estimate), out
+
+
+def train_job(job: TrainJob, progress: bool = True) -> tuple[dict[str, Any], Path]:
+    """Train the graph's CTR model pipelined from logs (or on Ray), or from Parquet features; evaluate it on
+    the test logs. Writes the report (and the quarantine file beside it) atomically; returns both."""
+    import torch
+
+    from leanml.features.checks import check_file_target, check_logs, staged_files, temp_sibling
+    from leanml.features.data import movielens_logs
+    from leanml.features.extract import ExtractConfig, Extractor, no_rows_message
+    from leanml.features.graph import load_graph
+    from leanml.features.pipeline import evaluate, run_pipelined
+    from leanml.features.twostage import check_features_dir, train_from_parquet
+
+    report_path = check_file_target(Path(job.report) if job.report else cache_dir() / "features" /
+                                    "train_report.json", _flag(TrainJob, "report"))
+    quarantine = _quarantine_path(job.inputs, report_path.with_name(report_path.stem + ".quarantine.jsonl"))
+    test_logs = job.test_log
+    if job.features:
+        rows_estimate = check_features_dir(job.features)
+        if test_logs:
+            check_logs(test_logs, load_graph(job.inputs.graph).schema, what=_flag(TrainJob, "test_log"))
+        cfg = None
+    else:  # quarantine records go to the temporary name staged_files publishes
+        if not job.inputs.log and not test_logs:
+            test_logs = (str(movielens_logs() / "impressions_test.tsv"),)
+        cfg, rows_estimate = extract_config(job.inputs, job.options, temp_sibling(quarantine), test_logs)
+    torch.set_num_threads(job.train_threads)
+    with staged_files(report_path, quarantine) as (tmp_report, _):
+        if cfg is None:
+            model, report = train_from_parquet(job.features, job.train, progress=progress, total_rows=rows_estimate)
+            report["mode"] = "two_stage_train"
+        else:
+            if job.engine == "ray":
+                from leanml.features.ray_runner import run_ray
+
+                model, report = run_ray(cfg, job.train, quarantine_dir=str(report_path.parent / "ray_quarantine"),
+                                        progress=progress)
+            else:
+                model, report = run_pipelined(cfg, job.train, job.producer, progress=progress,
+                                              total_rows=rows_estimate)
+            ext = report.get("extract") or {}
+            if ext.get("quarantine_file"):
+                ext["quarantine_file"] = str(quarantine)
+        if not report["rows"]:
+            raise LeanmlError(no_rows_message(report.get("extract") or {}, "train on"))
+        if test_logs:
+            tcfg = ExtractConfig.build(cfg.graph if cfg else job.inputs.graph, test_logs,
+                                       PipelineOptions(batch_rows=job.options.batch_rows, reader=job.options.reader),
+                                       data_dir=job.inputs.data_dir or (cfg.data_dir if cfg else None),
+                                       tables=job.inputs.tables)
+            report["test"] = evaluate(model, Extractor(tcfg), "cuda" if torch.cuda.is_available() else "cpu")
+        report["config"] = {**as_dict(job), "logs": list(cfg.logs) if cfg else [], "test_logs": list(test_logs)}
+        report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        write_json(tmp_report, report)
+    return report, report_path
+
+
+def generate_job(job: GenerateJob, progress: bool = True) -> Path:
+    """A seeded synthetic log set (impressions plus user/item tables) in ``job.out``; returns the folder."""
+    from leanml.features.checks import check_writable
+    from leanml.features.data import check_generate_target, generate_logs
+
+    check_writable(check_generate_target(job.out, job.overwrite).parent, _flag(GenerateJob, "out"))
+    return generate_logs(job.out, job.rows, seed=job.seed, files=job.files, gz=job.gzip,
+                         malformed_rate=job.malformed_rate, overwrite=job.overwrite, progress=progress)
+
+
+def summary_lines(ext: dict[str, Any], rows: int) -> list[str]:
+    """What extraction did, in a few lines: rows and quarantine, the slowest ops, the arena."""
+    q = ext.get("quarantined") or {}
+    qs = ", ".join(f"{k}={v}" for k, v in sorted(q.items())) or "none"
+    lines = [f"rows read {ext.get('rows_read', 0)}, rows out {ext.get('rows_out', rows)}, quarantined: {qs}"]
+    ops = ext.get("exec", {}).get("op_seconds", {})
+    if ops:
+        top = sorted(ops.items(), key=lambda kv: -kv[1])[:5]
+        lines.append("slowest ops: " + ", ".join(f"{k} {v:.2f}s" for k, v in top))
+    ar = ext.get("arena") or {}
+    if ar.get("allocations"):
+        lines.append(f"arena: peak {ar['peak_bytes'] / 2**20:.1f} MiB, reused {ar['bytes_reused'] / 2**20:.0f} MiB "
+                     f"of {ar['bytes_allocated'] / 2**20:.0f} MiB, grows {ar['grows']}")
+    return lines
