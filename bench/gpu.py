@@ -323,7 +323,10 @@ MEMORY_RUNS = (("none", None, False), ("checkpoint", None, False), ("adacc", 0.5
 def part_memory(S: Sizes, device: str, assets: Path | None, emit: Emitter, args: argparse.Namespace) -> None:
     import torch
 
-    from leanml.memory.train import StrategyRunner, TrainConfig, lm_unoptimized_peak
+    from leanml.memory import Budget
+    from leanml.memory.api import DEFAULT_COMPILE_BUDGETS
+    from leanml.memory.runner import StrategyRunner, lm_unoptimized_peak
+    from leanml.memory.train import TrainConfig
 
     tok, vocab = tokenizer_and_vocab(assets)
     model = llama(S.mem_hidden, S.mem_inter, S.mem_heads, S.mem_kv, S.mem_layers, vocab, S.mem_seqlen, device,
@@ -345,8 +348,9 @@ def part_memory(S: Sizes, device: str, assets: Path | None, emit: Emitter, args:
         what = {**shape, "strategy": label, "budget_fraction": budget}
         runner = None
         try:
-            cfg = TrainConfig(strategy=strategy, budget=budget if budget is not None else 0.5, batch_size=S.mem_batch,
-                              steps=S.mem_steps, warmup=2, progress=False, compile_blocks=blocks,
+            cfg = TrainConfig(strategy=strategy, budget=Budget.parse(budget) if budget is not None else None,
+                              batch_size=S.mem_batch, steps=S.mem_steps, warmup=2, progress=False,
+                              compile_blocks=DEFAULT_COMPILE_BUDGETS if blocks else (),
                               # Adacc profiles (and compiles) two layers; the others copy the nearest measured
                               compress_layers=[0, 1] if strategy == "adacc" else None)
             runner = StrategyRunner(model, cfg, unoptimized_peak=unopt)
@@ -376,7 +380,8 @@ def part_memory(S: Sizes, device: str, assets: Path | None, emit: Emitter, args:
 def part_recover(S: Sizes, device: str, assets: Path | None, emit: Emitter, args: argparse.Namespace) -> None:
     import copy
 
-    from leanml.recover.api import RecoverConfig, recover
+    from leanml.memory import Budget
+    from leanml.recover import RecoverConfig, recover, recover_training
 
     tok, vocab = tokenizer_and_vocab(assets)
     teacher = llama(S.mem_hidden, S.mem_inter, S.mem_heads, S.mem_kv, min(S.mem_layers, 4), vocab, 512, device,
@@ -388,8 +393,9 @@ def part_recover(S: Sizes, device: str, assets: Path | None, emit: Emitter, args
     what = {"method": "recover 2:4 + distillation, adacc@50%", "params": n_params(student), "seqlen": seqlen,
             "steps": S.recover_steps}
     try:
-        cfg = RecoverConfig(steps=S.recover_steps, batch_size=2, warmup=1, memory="adacc", budget=0.5,
-                            measure_every=1, checkpoint_every=10**6)
+        cfg = RecoverConfig(train=recover_training(steps=S.recover_steps, batch_size=2, strategy="adacc",
+                                                   budget=Budget.parse(0.5)),
+                            warmup=1, measure_every=1, checkpoint_every=10**6)
         reset_peak(device)
         t0 = time.perf_counter()
         rep = recover(student, wins, cfg, teacher=teacher, device=device, progress=False)

@@ -35,14 +35,9 @@ from tqdm.auto import tqdm
 
 from _common import replace_block
 from leanml.data.text import load_text, token_windows
-from leanml.memory.train import (
-    StrategyRunner,
-    TrainConfig,
-    batches,
-    lm_unoptimized_peak,
-    remap_vocab,
-    shared_weights_copy,
-)
+from leanml.memory import Budget
+from leanml.memory.runner import StrategyRunner, lm_unoptimized_peak
+from leanml.memory.train import TrainConfig, batches, remap_vocab, shared_weights_copy
 from leanml.utils import machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -90,9 +85,8 @@ SECTIONS = {
 
 
 def label(strategy: str, budget: float, compile_blocks: bool, pool_layers: bool = True) -> str:
-    cfg = TrainConfig(strategy=strategy, budget=budget, compile_blocks=compile_blocks, pool_layers=pool_layers)
-    cfg.check()
-    return cfg.label
+    return TrainConfig(strategy=strategy, budget=Budget.parse(budget),
+                       compile_blocks=COMPILE_BLOCK_BUDGETS if compile_blocks else (), pool_layers=pool_layers).label
 
 
 def load(model: str, dtype: str, vocab: int) -> tuple[torch.nn.Module, Any]:
@@ -153,9 +147,9 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
             if shared_opt is None:
                 shared_opt = torch.optim.AdamW(model.parameters(), lr=lr)
             opt = shared_opt
-        cfg = TrainConfig(strategy=strategy, budget=budget, batch_size=spec["batch"], steps=steps, lr=lr,
+        cfg = TrainConfig(strategy=strategy, budget=Budget.parse(budget), batch_size=spec["batch"], steps=steps, lr=lr,
                           warmup=spec["warmup"], progress=False, max_error=max_error,
-                          compile_blocks=COMPILE_BLOCK_BUDGETS if cb else False, compress_layers=spec["layers"],
+                          compile_blocks=COMPILE_BLOCK_BUDGETS if cb else (), compress_layers=spec["layers"],
                           pool_layers=pool[0] if pool else True)
         runner = StrategyRunner(m, cfg, unoptimized_peak=base, optimizer=opt, profile=profiles.get(cb))
         t0 = time.perf_counter()

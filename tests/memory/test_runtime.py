@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-from leanml.memory import ActivationMeter, Adacc, parse_budget
+from leanml.memory import ActivationMeter, Adacc, Budget
 from leanml.memory.meter import param_tensors
 from leanml.memory.policy import DriftMonitor, DriftThresholds
 from leanml.memory.runtime import RECOMPUTE, SELECTIVE, AppliedPlan, apply_strategy
@@ -167,13 +167,13 @@ def test_bad_inputs() -> None:
     with pytest.raises(LeanmlError, match="repeated blocks"):
         Adacc(nn.Linear(3, 3))
     with pytest.raises(LeanmlError, match="cannot read memory budget"):
-        parse_budget("lots")
+        Budget.parse("lots")
     with pytest.raises(LeanmlError, match="positive"):
-        parse_budget(-1)
-    assert parse_budget("2GB") == ("bytes", 2e9)
-    assert parse_budget("512MiB") == ("bytes", 512 * 2**20)
-    assert parse_budget(0.25) == ("fraction", 0.25)
-    assert parse_budget(3_000_000) == ("bytes", 3e6)
+        Budget.parse(-1)
+    assert Budget.parse("2GB") == Budget("bytes", 2e9)
+    assert Budget.parse("512MiB") == Budget("bytes", 512 * 2**20)
+    assert Budget.parse(0.25) == Budget("fraction", 0.25)
+    assert Budget.parse(3_000_000) == Budget("bytes", 3e6)
 
 
 def test_drift_monitor_thresholds() -> None:

@@ -4,11 +4,12 @@ profiler that prices the planner's options, in Adacc and in the training loop; o
 import pytest
 import torch
 
-from leanml.memory import Adacc
+from leanml.memory import Adacc, Budget
 from leanml.memory.profiler import profile_step
+from leanml.memory.runner import StrategyRunner
 from leanml.memory.structure import SELF, find_blocks
 from leanml.memory.timing import DeviceTimer, device_synchronizer
-from leanml.memory.train import StrategyRunner, TrainConfig
+from leanml.memory.train import TrainConfig
 from leanml.utils import LeanmlError
 
 from .test_runtime import IDS, tiny_llama
@@ -74,7 +75,7 @@ def test_profiler_waits_for_the_device_before_reading_the_clock() -> None:
 def test_adacc_and_training_loop_time_through_the_device_timer() -> None:
     model = tiny_llama()
     dev = FakeDevice(1.0)
-    runner = StrategyRunner(model, TrainConfig(strategy="adacc", budget=0.7, steps=3, warmup=0, progress=False),
+    runner = StrategyRunner(model, TrainConfig(strategy="adacc", budget=Budget.parse(0.7), steps=3, warmup=0, progress=False),
                             timer=dev.timer())
     runner.setup(IDS)
     assert runner.adacc is not None and runner.adacc.timer is runner.timer
@@ -97,7 +98,7 @@ def _oom(*args: object, **kwargs: object) -> None:
 
 @pytest.mark.parametrize("strategy", ["adacc", "checkpoint"])
 def test_out_of_memory_in_a_step_is_one_line_naming_the_fix(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
-    runner = StrategyRunner(tiny_llama(), TrainConfig(strategy=strategy, budget=0.7, batch_size=2, steps=2,
+    runner = StrategyRunner(tiny_llama(), TrainConfig(strategy=strategy, budget=Budget.parse(0.7), batch_size=2, steps=2,
                                                       progress=False))
     runner.setup(IDS)
     monkeypatch.setattr(runner, "_train_step", _oom)

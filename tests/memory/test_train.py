@@ -1,12 +1,16 @@
 """The training loop shared by ``leanml train`` and the benchmark: per-step budgets across input shapes,
 the allocator's own peak as a cross-check of the meter, and the ``--compile-blocks`` budgets."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from leanml.memory.cli import parse_compile_budgets
+from leanml.config import ConfigError
+from leanml.memory import Budget
 from leanml.memory.meter import AllocatorPeak, param_tensors
-from leanml.memory.train import StrategyRunner, TrainConfig, lm_unoptimized_peak, shared_weights_copy
+from leanml.memory.runner import StrategyRunner, lm_unoptimized_peak
+from leanml.memory.train import TrainConfig, parse_compile_budgets, shared_weights_copy
 from leanml.utils import LeanmlError
 
 from .test_runtime import IDS, tiny_llama
@@ -37,7 +41,7 @@ def test_allocator_step_cross_checks_the_meter() -> None:
     res = {}
     for strategy in ("none", "checkpoint", "adacc"):
         r = StrategyRunner(shared_weights_copy(model),
-                           TrainConfig(strategy=strategy, budget=0.6, steps=2, warmup=0, progress=False),
+                           TrainConfig(strategy=strategy, budget=Budget.parse(0.6), steps=2, warmup=0, progress=False),
                            unoptimized_peak=base)
         r.setup(IDS)
         r.step(IDS)
@@ -62,7 +66,7 @@ def test_runner_new_shape_replans_with_its_own_budget() -> None:
     budget of its own plan, and the re-planning time is counted in tokens/s."""
     torch.set_num_threads(1)
     model = tiny_llama()
-    r = StrategyRunner(model, TrainConfig(strategy="adacc", budget=0.6, steps=3, warmup=0, progress=False))
+    r = StrategyRunner(model, TrainConfig(strategy="adacc", budget=Budget.parse(0.6), steps=3, warmup=0, progress=False))
     r.setup(IDS)
     r.step(IDS)
     r.step(IDS[:, :16])
@@ -80,8 +84,25 @@ def test_runner_new_shape_replans_with_its_own_budget() -> None:
 
 
 def test_compile_block_budgets_parsed() -> None:
-    assert parse_compile_budgets(None) == ()
+    assert TrainConfig().compile_blocks == ()
     assert parse_compile_budgets("1,0.5,0") == (1.0, 0.5, 0.0)
     for bad in ("", "1,2", "half", "0.5,,0", "-0.5"):
         with pytest.raises(LeanmlError, match="compiler budgets in"):
             parse_compile_budgets(bad)
+
+
+def test_train_config_checks_once_and_keeps_what_was_asked() -> None:
+    """Refusals name fields; nothing is rewritten behind the caller's back (a warm-up as long as the run
+    stays as given; the timing just leaves no step out); the default budget is the one default."""
+    cfg = TrainConfig(steps=2, warmup=5)
+    assert cfg.warmup == 5 and cfg.timing_warmup == 0 and TrainConfig(steps=3).timing_warmup == 2
+    assert cfg.budget is None and cfg.memory_budget == Budget("fraction", 0.5) and cfg.label == "adacc@50%"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.steps = 3  # type: ignore[misc]
+    for bad, field in ((dict(steps=0), "steps"), (dict(batch_size=0), "batch_size"), (dict(lr=0.0), "lr"),
+                       (dict(strategy="compile", budget=Budget.parse("2GB")), "budget"),
+                       (dict(strategy="checkpoint", compile_blocks=(1.0,)), "compile_blocks"),
+                       (dict(budget=0.5), "budget")):
+        with pytest.raises(ConfigError) as err:
+            TrainConfig(**bad)
+        assert field in err.value.fields and str(err.value).startswith(field), (bad, str(err.value))

@@ -7,7 +7,17 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from builders import tiny_llama
-from leanml.recover import MaskKeeper, RecoverConfig, linear_sparsity, lr_factor, masked_linears, recover
+from leanml.memory import Budget
+from leanml.memory.train import TrainConfig
+from leanml.recover import (
+    MaskKeeper,
+    RecoverConfig,
+    linear_sparsity,
+    lr_factor,
+    masked_linears,
+    recover,
+    recover_training,
+)
 from leanml.utils import LeanmlError
 from recover.helpers import sparse_llama
 
@@ -30,7 +40,7 @@ def test_masks_are_kept_exactly_while_the_loss_falls(pattern):
     model = sparse_llama(pattern=pattern)
     before = _zeros(model)
     weights = {n: lin.weight.detach().clone() for n, lin in masked_linears(model)}
-    cfg = RecoverConfig(steps=12, batch_size=4, lr=3e-3, warmup=2, memory="none")
+    cfg = RecoverConfig(train=recover_training(steps=12, batch_size=4, lr=3e-3, strategy="none"), warmup=2)
     report = recover(model, _windows(), cfg, teacher=tiny_llama(seed=1), progress=False)
     assert report["sparsity"]["in"] == report["sparsity"]["out"] == pytest.approx(0.5)
     for name, lin in masked_linears(model):
@@ -65,7 +75,7 @@ def test_a_structured_model_trains_at_its_smaller_size(tmp_path):
     model = _structured_llama()
     params = sum(p.numel() for p in model.parameters())
     before = _zeros(model)
-    report = recover(model, _windows(), RecoverConfig(steps=4, batch_size=2, lr=1e-3, memory="checkpoint"),
+    report = recover(model, _windows(), RecoverConfig(train=recover_training(steps=4, batch_size=2, lr=1e-3, strategy="checkpoint")),
                      progress=False)
     assert sum(p.numel() for p in model.parameters()) == params and model.config.intermediate_size == 96
     assert all(torch.equal(lin.weight.detach() == 0, before[n]) for n, lin in masked_linears(model))
@@ -77,8 +87,7 @@ def test_a_structured_model_trains_at_its_smaller_size(tmp_path):
 
 def test_adacc_keeps_the_peak_within_the_budget_with_a_teacher():
     model = sparse_llama()
-    report = recover(model, _windows(seqlen=32), RecoverConfig(steps=3, batch_size=4, memory="adacc", budget=0.6,
-                                                              measure_every=1),
+    report = recover(model, _windows(seqlen=32), RecoverConfig(train=recover_training(steps=3, batch_size=4, strategy="adacc", budget=Budget.parse(0.6)), measure_every=1),
                      teacher=tiny_llama(seed=1), progress=False)
     mem = report["memory"]
     assert mem["within_budget"] and mem["peak_bytes"] <= mem["budget_bytes"]
@@ -89,7 +98,7 @@ def test_adacc_keeps_the_peak_within_the_budget_with_a_teacher():
 
 
 def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path):
-    cfg = RecoverConfig(steps=7, batch_size=2, lr=2e-3, warmup=2, memory="checkpoint", checkpoint_every=2)
+    cfg = RecoverConfig(train=recover_training(steps=7, batch_size=2, lr=2e-3, strategy="checkpoint"), warmup=2, checkpoint_every=2)
     teacher = tiny_llama(seed=1)
     full = sparse_llama()
     ref = recover(full, _windows(), cfg, teacher=teacher, checkpoint_dir=tmp_path / "a", progress=False)
@@ -108,15 +117,15 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path):
     a, b = full.state_dict(), resumed.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(LeanmlError, match="other settings"):
-        recover(sparse_llama(), _windows(), RecoverConfig(steps=8, checkpoint_every=2, memory="none"),
+        recover(sparse_llama(), _windows(), RecoverConfig(train=recover_training(steps=8, strategy="none"), checkpoint_every=2),
                 checkpoint_dir=tmp_path / "b", progress=False)
 
 
 def test_dense_fine_tune_is_allowed_only_without_masks():
     with pytest.raises(LeanmlError, match="no pruned weights"):
-        recover(tiny_llama(), _windows(), RecoverConfig(steps=1, memory="none"), progress=False)
+        recover(tiny_llama(), _windows(), RecoverConfig(train=recover_training(steps=1, strategy="none")), progress=False)
     model = tiny_llama()
-    report = recover(model, _windows(), RecoverConfig(steps=2, memory="none", keep_masks=False, lr=1e-3),
+    report = recover(model, _windows(), RecoverConfig(train=recover_training(steps=2, strategy="none", lr=1e-3), keep_masks=False),
                      progress=False)
     assert report["sparsity"]["kept_exactly"] is False
 
@@ -125,7 +134,7 @@ def test_budget_below_the_feasible_minimum_fails_before_training():
     model = sparse_llama()
     w0 = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(LeanmlError, match="smallest feasible plan"):
-        recover(model, _windows(), RecoverConfig(steps=2, memory="adacc", budget=0.01), progress=False)
+        recover(model, _windows(), RecoverConfig(train=recover_training(steps=2, strategy="adacc", budget=Budget.parse(0.01))), progress=False)
     assert all(torch.equal(w0[k], v) for k, v in model.state_dict().items())
 
 
@@ -134,18 +143,22 @@ def test_explicit_masks_and_bad_settings():
     keep = {n: torch.zeros_like(lin.weight, dtype=torch.bool) for n, lin in masked_linears(model)}
     first = next(iter(keep))
     keep[first][0, 0] = True
-    report = recover(model, _windows(), RecoverConfig(steps=1, memory="none"), masks=MaskKeeper(model, keep),
+    report = recover(model, _windows(), RecoverConfig(train=recover_training(steps=1, strategy="none")), masks=MaskKeeper(model, keep),
                      progress=False)
     assert report["sparsity"]["masked_fraction"] < 1e-3
     with pytest.raises(LeanmlError, match="not a linear"):
         MaskKeeper(model, {"lm_head": torch.zeros(256, 64, dtype=torch.bool)})
-    for bad in (dict(memory="zip"), dict(kd_weight=1.5), dict(steps=0), dict(budget="lots")):
+    for bad in (lambda: recover_training(strategy="zip"), lambda: RecoverConfig(kd_weight=1.5),
+                lambda: recover_training(steps=0), lambda: Budget.parse("lots"),
+                lambda: RecoverConfig(train=recover_training(strategy="compile")),
+                lambda: RecoverConfig(train=recover_training(strategy="none", budget=Budget.parse(0.5))),
+                lambda: TrainConfig(budget=0.5)):
         with pytest.raises(LeanmlError):
-            RecoverConfig(**bad).check()
+            bad()
 
 
 def test_learning_rate_schedule():
-    cfg = RecoverConfig(steps=20, warmup=4, min_lr_ratio=0.1)
+    cfg = RecoverConfig(train=recover_training(steps=20), warmup=4, min_lr_ratio=0.1)
     f = [lr_factor(s, cfg) for s in range(20)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4] == 1.0
     assert f[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(f[4:], f[5:]))

@@ -10,13 +10,12 @@ error, outliers or step time drift. ``AdaccCallback`` does the same inside a ``t
 from typing import Any
 
 from leanml.memory.api import Adacc, build_problem
-from leanml.memory.budget import Budget, parse_budget
+from leanml.memory.budget import Budget
 from leanml.memory.compressors import make_compressor
 from leanml.memory.meter import ActivationMeter
 from leanml.memory.planner import solve_plan
 
-__all__ = ["Adacc", "AdaccCallback", "ActivationMeter", "Budget", "build_problem", "make_compressor", "parse_budget",
-           "solve_plan"]
+__all__ = ["Adacc", "AdaccCallback", "ActivationMeter", "Budget", "build_problem", "make_compressor", "solve_plan"]
 
 
 def __getattr__(name: str) -> Any:

@@ -353,11 +353,6 @@ class Adacc:
         compiling it worked)."""
         return self._loss is not None and self._loss.active
 
-    @property
-    def budget_spec(self) -> tuple[str, float]:
-        """``(kind, value)`` of the budget."""
-        return (self.budget.kind, self.budget.value)
-
     # ------------------------------------------------------------------ model hooks
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or self._busy:

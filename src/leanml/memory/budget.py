@@ -5,7 +5,7 @@ size (``"2GB"``, ``"512MiB"``, ``"3000000B"``; from Python also a number above 1
 bytes). A string is what a command line passes: a bare number in it above 1 (``"2.0"``, ``"3000000"``) is
 refused, since ``--memory-budget 2.0`` was meant as something else than 2 bytes; give a fraction in
 (0, 1] or a size with a unit. :meth:`Budget.parse` reads it once, where it enters the
-library (``Adacc(budget=...)``, ``TrainConfig``, ``leanml train --memory-budget``); everything downstream
+library (``Adacc(budget=...)``, the ``--memory-budget`` option of ``TrainConfig``); everything downstream
 passes the :class:`Budget` on and converts it with :meth:`Budget.to_bytes` against the one unoptimized
 peak that the block-by-block profile computes for the input shape being planned.
 """
@@ -75,9 +75,5 @@ class Budget:
 
 BudgetLike = Budget | float | int | str
 
-
-def parse_budget(budget: BudgetLike) -> tuple[str, float]:
-    """``("fraction", f)`` or ``("bytes", n)``: :meth:`Budget.parse` as a tuple (kept for callers of the
-    earlier API)."""
-    b = Budget.parse(budget)
-    return (b.kind, b.value)
+#: the budget of ``leanml train`` and ``leanml recover`` when none is given: half the unoptimized peak
+DEFAULT_BUDGET = Budget("fraction", 0.5)

@@ -15,7 +15,9 @@ def run_demo() -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from leanml.data.text import load_text, token_windows
-    from leanml.memory.train import StrategyRunner, TrainConfig, batches, lm_unoptimized_peak, remap_vocab
+    from leanml.memory import Budget
+    from leanml.memory.runner import StrategyRunner, lm_unoptimized_peak
+    from leanml.memory.train import TrainConfig, batches, remap_vocab
     from leanml.models import bundled_dir
 
     t0 = time.perf_counter()
@@ -35,7 +37,7 @@ def run_demo() -> None:
         base = lm_unoptimized_peak(model().train(), data[0])
         runners = []
         for strategy, budget in [("none", 1.0), ("checkpoint", 1.0), ("sac", 1.0), ("adacc", 0.5)]:
-            r = StrategyRunner(model(), TrainConfig(strategy=strategy, budget=budget, steps=len(data), lr=1e-3,
+            r = StrategyRunner(model(), TrainConfig(strategy=strategy, budget=Budget.parse(budget), steps=len(data), lr=1e-3,
                                                     warmup=2, progress=False), unoptimized_peak=base)
             r.setup(data[0])
             runners.append(r)

@@ -25,7 +25,7 @@ def run_demo() -> None:
     from leanml.prune.engine import prune_model
     from leanml.prune.masks import MaskSpec
     from leanml.prune.methods import available, pruner_class
-    from leanml.recover.api import RecoverConfig, recover
+    from leanml.recover import RecoverConfig, recover, recover_training
 
     print(f"\n== pruning: SmolLM2-135M, calibration {DEMO_CALIB} x {DEMO_SEQLEN} Shakespeare tokens, "
           f"perplexity on {DEMO_EVAL_WINDOWS} x {DEMO_SEQLEN} Hamlet tokens, {torch.get_num_threads()} threads ==")
@@ -62,8 +62,8 @@ def run_demo() -> None:
     # prune, then recover: a short fine-tune of the SparseGPT model that keeps its zeros exactly
     model.load_state_dict(states["sparsegpt"])
     train = token_windows(tok, load_text("shakespeare", "train")[:400_000], RECOVER_SEQLEN)
-    cfg = RecoverConfig(steps=RECOVER_STEPS, batch_size=RECOVER_BATCH, lr=RECOVER_LR, warmup=2, memory="none",
-                        checkpoint_every=RECOVER_STEPS + 1)
+    cfg = RecoverConfig(train=recover_training(steps=RECOVER_STEPS, batch_size=RECOVER_BATCH, lr=RECOVER_LR,
+                                               strategy="none"), warmup=2, checkpoint_every=RECOVER_STEPS + 1)
     t = time.perf_counter()
     result = recover(model, train, cfg, progress=False)
     seconds = time.perf_counter() - t

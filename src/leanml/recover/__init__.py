@@ -7,13 +7,14 @@ to resume from. ``KeepMasksCallback`` keeps the mask under ``transformers.Traine
 is ``leanml recover``.
 """
 
-from leanml.recover.api import RecoverConfig, evaluate, lr_factor, recover
+from leanml.recover.api import evaluate, recover
+from leanml.recover.config import RecoverConfig, lr_factor, recover_training
 from leanml.recover.distill import Objective, distill_kl, next_token_ce
 from leanml.recover.masks import MaskKeeper, linear_sparsity, masked_linears, nm_violations
 
 __all__ = [
     "KeepMasksCallback", "MaskKeeper", "Objective", "RecoverConfig", "distill_kl", "evaluate", "linear_sparsity",
-    "lr_factor", "masked_linears", "next_token_ce", "nm_violations", "recover",
+    "lr_factor", "masked_linears", "next_token_ce", "nm_violations", "recover", "recover_training",
 ]
 
 

@@ -1,0 +1,263 @@
+"""``leanml recover`` as a library call: :class:`RecoverJob` (every option of the command, each declared
+once) and :func:`run_recover_job`, which checks every input before a model is loaded, loads the pruned
+model and its teacher, mixes in the teacher's samples, runs :func:`~leanml.recover.recover`, and writes
+the model, ``report.json`` and ``losses.csv`` atomically."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from leanml.config import option, require
+from leanml.recover.config import RecoverConfig
+from leanml.recover.source import parse_nm
+from leanml.utils import LeanmlError
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class RecoverJob:
+    """``leanml recover``: fine-tune the pruned ``model`` keeping its zeros (``recover``: the training
+    options), optionally distilling ``teacher``, and save it to ``out``."""
+
+    model: str = option(help="the pruned model: a directory written by leanml prune (or any HF dir)")
+    out: str = option(help="output directory (appears only when complete)")
+    teacher: str | None = option(None, "dense teacher to distil: a model spec, or 'source' (the model pruned)")
+    data: str = option("shakespeare", "training corpus; its train split is used (shakespeare: every play but Hamlet)")
+    seqlen: int = option(256, "tokens per training window")
+    recover: RecoverConfig = option(default_factory=RecoverConfig, prefix="")
+    teacher_samples: float = option(0.0, "share of the training windows sampled from the teacher instead of read "
+                                         "from --data, in [0, 1] (needs --teacher)")
+    teacher_samples_cache: str | None = option(
+        None, "keep the teacher's samples in DIR and reuse them in later runs with the same teacher weights, window "
+        "count, length, seed and start token (the report keeps the sampling time)", metavar="DIR")
+    pattern: str | None = option(None, "N:M pattern the zeros must follow (checked; default: report.json's)")
+    eval_data: str = option("shakespeare,reviews", "comma-separated corpora whose test split gives perplexity "
+                                                   "before/after")
+    eval_seqlen: int = option(512, "tokens per evaluation window")
+    eval_windows: int | None = option(None, "evaluate the first N test windows of each corpus")
+    evaluate: bool = option(True, "measure the perplexities (--no-eval: skip them)", flag="--eval")
+    resume: bool = option(False, "continue from the checkpoint of an interrupted run")
+    device: str | None = option(None, "cpu or cuda (default: cuda when present)")
+    save_format: Literal["safetensors", "compressed"] = option(
+        "safetensors", "safetensors (plain from_pretrained loads it) or compressed (sparse-bitmask layout that "
+        "leanml reloads: a 50% model is 0.63x the dense directory; python -m leanml.models.compressed writes the "
+        "dense copy other tools read)")
+    dtype: DType | None = option(None, "dtype of the saved model (default: the input's); training is float32")
+    overwrite: bool = option(False, "replace an existing output directory")
+    threads: int | None = option(None, "torch threads (default: the cores this process may use); lower it when "
+                                       "other jobs share the machine", metavar="N")
+
+    def __post_init__(self) -> None:
+        require(self, self.seqlen >= 2, "seqlen", f"must be at least 2, got {self.seqlen}")
+        require(self, self.eval_seqlen >= 2, "eval_seqlen", f"must be at least 2, got {self.eval_seqlen}")
+        require(self, self.eval_windows is None or self.eval_windows >= 1, "eval_windows",
+                f"must be at least 1, got {self.eval_windows}")
+        require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
+        require(self, 0.0 <= self.teacher_samples <= 1.0, "teacher_samples",
+                f"is a share of the training windows in [0, 1], got {self.teacher_samples}")
+        require(self, not self.teacher_samples > 0 or self.teacher is not None, ("teacher_samples", "teacher"),
+                "teacher_samples needs a model to sample from: pass teacher too")
+        require(self, self.teacher_samples_cache is None or self.teacher_samples > 0,
+                ("teacher_samples_cache", "teacher_samples"),
+                "teacher_samples_cache keeps the samples of teacher_samples: pass teacher_samples too")
+        require(self, self.recover.keep_masks or self.pattern is None, "pattern",
+                "pattern cannot be kept while every weight trains (keep_masks=False, --no-mask); drop one of them")
+        parse_nm(self.pattern)
+
+    @property
+    def eval_names(self) -> list[str]:
+        """The corpora evaluated before and after (none with ``evaluate`` off)."""
+        return [c.strip() for c in self.eval_data.split(",") if c.strip()] if self.evaluate else []
+
+
+def _device(arg: str | None):  # noqa: ANN202
+    from leanml.utils import parse_device
+
+    return parse_device(arg)
+
+
+def _check_seqlen(model: Any, seqlen: int, flag: str) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if seqlen < 2:
+        raise LeanmlError(f"{flag} must be at least 2, got {seqlen}")
+    if limit is not None and seqlen > limit:
+        raise LeanmlError(f"{flag} {seqlen} is above the model's maximum of {limit} tokens")
+
+
+def input_dtype(spec: str) -> str:
+    """The dtype a model directory was saved in (its config.json), else float32."""
+    from leanml.models import DTYPES
+
+    config = Path(spec).expanduser() / "config.json"
+    if config.is_file():
+        raw = json.loads(config.read_text())
+        name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
+        if name in DTYPES:
+            return name
+    return "float32"
+
+
+def run_recover_job(job: RecoverJob) -> dict[str, Any]:
+    """Run ``leanml recover``: every input is checked before a model is loaded; a run refused after that
+    (a budget below the smallest plan) removes the checkpoint folder it made. Returns the report
+    written to ``job.out``/report.json."""
+    from leanml.models.compressed import require_compressed
+    from leanml.utils import apply_threads, check_output_dir, check_writable, clean_stale_in
+
+    cache = job.teacher_samples_cache
+    if cache is not None and Path(cache).is_file():
+        raise LeanmlError(f"--teacher-samples-cache {cache} is a file; it must be a directory")
+    if cache is not None:
+        check_writable(cache, "--teacher-samples-cache")
+    if job.save_format == "compressed":
+        require_compressed()
+    out = check_output_dir(job.out, job.overwrite)
+    ckpt = out.with_name(out.name + ".ckpt")
+    if ckpt.exists() and not job.resume:
+        raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; add --resume to continue it, "
+                          f"or delete {ckpt} to start over")
+    threads = apply_threads(job.threads)
+    device = _device(job.device)
+    _check_inputs(job)
+    clean_stale_in(ckpt)
+    # from here on a refused run removes the checkpoint folder it made (teacher samples) before training began
+    fresh_ckpt = not ckpt.exists()
+    try:
+        return _run(job, out, ckpt, device, threads)
+    except LeanmlError:
+        if fresh_ckpt and ckpt.is_dir() and not (ckpt / "state.pt").exists():
+            shutil.rmtree(ckpt, ignore_errors=True)
+        raise
+
+
+def _check_inputs(job: RecoverJob) -> None:
+    """Everything checkable before a model is loaded: the model's and teacher's files, window lengths,
+    the corpora."""
+    from leanml.data.text import check_corpus
+    from leanml.models.check import check_model_input, check_model_spec
+    from leanml.recover.source import declaration, read_report
+
+    check_model_input(job.model, job.seqlen)
+    if job.eval_names:
+        check_model_input(job.model, job.eval_seqlen, "--eval-seqlen")
+    teacher = job.teacher
+    if teacher == "source":
+        teacher = declaration(read_report(job.model)).source_model  # none: refused after loading, as before
+    if teacher:
+        check_model_spec(teacher, flag="--teacher")
+    check_corpus(job.data, "train", "--data")
+    for name in job.eval_names:
+        check_corpus(name, "test", "--eval-data")
+
+
+def _run(job: RecoverJob, out: Path, ckpt: Path, device: Any, threads: int) -> dict[str, Any]:
+    from leanml.data.text import load_text, token_windows
+    from leanml.models import count_parameters, decoder_linear_names, load_model, parse_dtype, save_model
+    from leanml.recover.api import recover
+    from leanml.recover.masks import MaskKeeper, cast_keeping_zeros
+    from leanml.recover.source import check_masks, check_teacher, declaration, read_report
+    from leanml.recover.teacher import mix_teacher_samples
+    from leanml.utils import announce_eta, atomic_dir, machine_info, write_json
+
+    cfg = job.recover
+    save_dtype = job.dtype or input_dtype(job.model)
+    model, tokenizer = load_model(job.model)  # float32: training keeps float32 weights and optimizer state
+    report_in = read_report(job.model)
+    decl = declaration(report_in, job.pattern)
+    mask_info: dict[str, Any] = {"source": None, **decl.to_json()}
+    keeper = None
+    if cfg.keep_masks:
+        keeper = MaskKeeper.from_zeros(model)
+        mask_info = check_masks(keeper, decl, job.model)
+    _check_seqlen(model, job.seqlen, "--seqlen")
+    if job.eval_names:
+        _check_seqlen(model, job.eval_seqlen, "--eval-seqlen")
+    teacher = None
+    teacher_spec = job.teacher
+    if teacher_spec == "source":
+        if not decl.source_model:
+            raise LeanmlError(f"--teacher source: {job.model} has no report.json naming the model it was pruned "
+                              f"from; pass the dense model itself as --teacher")
+        teacher_spec = decl.source_model
+    if teacher_spec is not None:
+        teacher, teacher_tok = load_model(teacher_spec)
+        check_teacher(model, tokenizer, teacher, teacher_tok, where=f"teacher {teacher_spec}")
+
+    windows = token_windows(tokenizer, load_text(job.data, "train"), job.seqlen)
+    samples_info = None
+    if job.teacher_samples > 0:
+        assert teacher is not None and teacher_spec is not None
+        windows, samples_info = mix_teacher_samples(windows, teacher, teacher_spec, tokenizer, cfg, job.teacher_samples,
+                                                    ckpt, device, cache_dir=job.teacher_samples_cache)
+    eval_sets = {}
+    for name in job.eval_names:
+        w = token_windows(tokenizer, load_text(name, "test"), job.eval_seqlen)
+        eval_sets[name] = w[: job.eval_windows] if job.eval_windows else w
+    params = count_parameters(model)
+
+    first: dict[str, Any] = {}
+
+    def say_eta(done: int, entry: dict[str, Any]) -> None:  # one plain line after the first step
+        if not first:
+            first["done"] = done
+            line = announce_eta("recover", 1, cfg.train.steps - done + 1, entry["step_s"], "step")
+            if line:
+                print(line, file=sys.stderr, flush=True)
+
+    result = recover(model, windows, cfg, teacher=teacher, masks=keeper, eval_sets=eval_sets,
+                     checkpoint_dir=ckpt, device=device, on_step=say_eta)
+
+    kept = cfg.keep_masks
+    pattern = mask_info.get("pattern") or ("structured" if decl.structured else "unstructured")
+    report = {
+        "command": "recover",
+        "config": asdict(job),
+        "method": decl.method,
+        "mask": {"pattern": pattern if kept else "dense", "sparsity": result["sparsity"]["out"],
+                 "structured": decl.structured, "kept": kept},
+        "mask_check": mask_info,
+        "model": {"source": decl.source_model or job.model, "recovered_from": job.model, "params": params},
+        "teacher_model": teacher_spec,
+        "data": {"corpus": job.data, "split": "train", **result["data"],
+                 "note": "shakespeare train = every play except Hamlet (the test split)"
+                 if job.data == "shakespeare" else "", "teacher_samples": samples_info},
+        "eval": {"corpora": job.eval_names, "split": "test", "seqlen": job.eval_seqlen},
+        "input_report": {k: report_in.get(k) for k in ("method", "mask", "measured_sparsity", "finalize")}
+        if report_in else None,
+        **{k: v for k, v in result.items() if k not in ("data", "config")},
+        "recover_config": result["config"],
+        "threads": threads,
+        "machine": machine_info(),
+    }
+    dtype = parse_dtype(save_dtype)
+    if dtype != next(model.parameters()).dtype:
+        underflow = cast_keeping_zeros(model, dtype)
+        report["save_cast"] = {"dtype": save_dtype, "kept_weights_raised_from_underflow": underflow}
+    sparse = [n for n in decoder_linear_names(model) if bool((model.get_submodule(n).weight == 0).any())]
+    structure = "2:4" if mask_info.get("pattern") == "2:4" and kept else "unstructured"
+    with atomic_dir(out, overwrite=job.overwrite) as tmp:
+        model.config.use_cache = True
+        sizes = save_model(model, tokenizer, tmp, job.save_format, sparse, result["sparsity"]["out"], structure)
+        report["save"] = {"format": job.save_format, "dtype": save_dtype, **(sizes or {}),
+                          "weights_bytes": sum(f.stat().st_size for f in tmp.glob("*.safetensors"))}
+        write_json(tmp / "report.json", report)
+        write_losses(tmp / "losses.csv", result["losses"])
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return report
+
+
+def write_losses(path: Path, log: dict[str, list]) -> None:
+    """The per-step log as CSV: step (1-based), then one column per logged quantity."""
+    keys = list(log)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", *keys])
+        for i, row in enumerate(zip(*(log[k] for k in keys))):
+            w.writerow([i + 1, *("" if v is None else f"{v:.6g}" for v in row)])
