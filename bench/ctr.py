@@ -38,19 +38,19 @@ import torch
 from tqdm.auto import tqdm
 
 from _common import markers, replace_block
-from leanml.ctr.data import CTRData, image_attributes, load_dataset, validation_split
-from leanml.ctr.metrics import bootstrap_auc_diff_se
-from leanml.ctr.train import (
-    DEFAULT_LR,
-    CTRConfig,
+from leanml.config import as_dict
+from leanml.ctr.content import (
     ItemFeatures,
     bytes_per_ad,
     content_config_for,
     content_items,
     fit_dataset_content_ids,
-    record,
-    run_ctr,
 )
+from leanml.ctr.content_ids.trainer import ContentIDConfig
+from leanml.ctr.data import CTRData, image_attributes, load_dataset, validation_split
+from leanml.ctr.metrics import bootstrap_auc_diff_se
+from leanml.ctr.options import DEFAULT_LR, CTRConfig
+from leanml.ctr.train import record, run_ctr
 from leanml.utils import atomic_file, machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).parent / "results"
@@ -168,7 +168,7 @@ def fit_seconds(fit: dict[str, Any]) -> str:
 
 def fit_items(data: CTRData, seed: int, overrides: dict[str, Any]) -> tuple[ItemFeatures, dict[str, Any]]:
     """Fit (or load from the cache) a content-ID model on ``data``'s old ads; item features and fit facts."""
-    cfg = content_config_for(data, seed=seed, **overrides)
+    cfg = content_config_for(data, ContentIDConfig(seed=seed, **overrides))
     model, report = fit_dataset_content_ids(data, cfg, use_cache=True, progress=False)
     items = content_items(data, model)
     def rel_err(rows: np.ndarray) -> float | None:
@@ -424,7 +424,8 @@ def main() -> int:
                     del stages[old]
             stages[key] = {**st.info, "command": command}
             out["machine"], out["machine_line"] = machine_info(), machine_line()
-            out["ctr_defaults"] = {k: v for k, v in CTRConfig().__dict__.items() if k not in ("features", "model")}
+            out["ctr_defaults"] = {k: v for k, v in as_dict(CTRConfig().resolved()).items()
+                                  if k not in ("features", "model")}
             args.out.mkdir(parents=True, exist_ok=True)
             write_json(path, out)  # after every stage: a later failure keeps what is done
     with atomic_file(args.out / "ctr.md") as tmp:

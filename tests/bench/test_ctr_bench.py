@@ -73,7 +73,8 @@ def test_cli_line_reproduces_the_chosen_design_through_the_real_parser():
     import shlex
 
     from leanml.cli import build_parser
-    from leanml.ctr.cli import _content_overrides
+    from leanml.config import from_args
+    from leanml.ctr.jobs import TrainJob
 
     ctr = load_bench("ctr")
     chosen = {"content": {"codebook": "pq", "m": 16, "k": 64, "joint": False, "norm_groups": 8},
@@ -82,8 +83,8 @@ def test_cli_line_reproduces_the_chosen_design_through_the_real_parser():
     line = ctr.cli_line("fashion", chosen)
     assert "--norm-groups 8" in line and "--posthoc" in line and "--id-dropout 0.5" in line
     args = build_parser().parse_args(shlex.split(line)[1:])
-    ov = _content_overrides(args)
-    assert (ov["norm_groups"], ov["m"], ov["k"], ov["joint"], ov["codebook"]) == (8, 16, 64, False, "pq")
+    c = from_args(TrainJob, args).content
+    assert (c.norm_groups, c.m, c.k, c.joint, c.codebook) == (8, 16, 64, False, "pq")
 
 
 def test_a_fit_loaded_from_the_cache_is_not_reported_as_timed():

@@ -33,7 +33,7 @@ CASES = [
     Case("unknown_model_with_visual", _train("--model", "foo", "--features", "id,visual"), ("unknown CTR model", "foo")),
     Case("epochs_zero", _train("--epochs", "0"), ("epochs", "at least 1")),
     Case("lr_zero", _train("--lr", "0"), ("lr",)),
-    Case("embed_dim_zero", _train("--embed-dim", "0", "--features", "id"), ("embed_dim",)),
+    Case("embed_dim_zero", _train("--embed-dim", "0", "--features", "id"), ("--embed-dim",)),
     Case("codebook_k_one", _train("--K", "1"), ("K >= 2",)),
     Case("content_epochs_zero", _train("--content-epochs", "0"), ("--content-epochs",)),
     Case("threads_zero", _train("--threads", "0"), ("--threads",)),

@@ -86,13 +86,13 @@ def test_train_with_visual_id_table_reports_missing_ads_and_evals(tmp_path, caps
 
 
 def test_content_tower_without_both_vectors_fails_before_any_fit(tmp_path, capsys, monkeypatch) -> None:
-    import leanml.ctr.train as train_mod
+    import leanml.ctr.content as content_mod
 
     def no_fit(*a, **k):
         raise AssertionError("the options should be rejected before content IDs are fitted")
 
-    monkeypatch.setattr(train_mod, "fit_dataset_content_ids", no_fit)
+    monkeypatch.setattr(content_mod, "fit_dataset_content_ids", no_fit)
     args = ["ctr", "train", "--data", "fashion", "--features", "id,visual", "--visual-fields", "none",
             "--codeword-vector", "--content-tower", "--out", str(tmp_path / "run")]
     assert main(args) == 2
-    assert "content_tower" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert "--content-tower" in capsys.readouterr().err and not (tmp_path / "run").exists()

@@ -129,26 +129,26 @@ def test_fit_cache_is_keyed_by_the_fitting_code(tmp_path, monkeypatch) -> None:
     import hashlib
     from pathlib import Path
 
+    import leanml.ctr.content as content_mod
     import leanml.ctr.content_ids as cid_pkg
-    import leanml.ctr.train as train_mod
 
     # the hash covers the three files that fit content IDs (computed here independently)
     root = Path(cid_pkg.__file__).parent
     ref = hashlib.sha256(b"".join((root / n).read_bytes() for n in ("encoders.py", "quantizer.py", "trainer.py")))
-    assert train_mod.content_code_hash() == ref.hexdigest()[:16]
+    assert content_mod.content_code_hash() == ref.hexdigest()[:16]
     # a second call with the same code is served from the cache; changed code fits again
     monkeypatch.setenv("LEANML_CACHE", str(tmp_path))
     data = fashion_ads(n_ads=160, n_users=10, per_day=100, seed=3)
     cfg = ContentIDConfig(kind="cnn", dim=8, m=2, k=4, width=4, epochs=1, warmup_epochs=1, loss="tokens", batch_size=64)
     calls = []
-    real_fit = train_mod.fit_content_ids
-    monkeypatch.setattr(train_mod, "fit_content_ids", lambda *a, **k: calls.append(1) or real_fit(*a, **k))
-    model, _ = train_mod.fit_dataset_content_ids(data, cfg, progress=False)
+    real_fit = content_mod.fit_content_ids
+    monkeypatch.setattr(content_mod, "fit_content_ids", lambda *a, **k: calls.append(1) or real_fit(*a, **k))
+    model, _ = content_mod.fit_dataset_content_ids(data, cfg, progress=False)
     assert model.config.vocab and not cfg.vocab  # the fit keeps its vocabulary; the caller's config is unchanged
-    train_mod.fit_dataset_content_ids(data, cfg, progress=False)
+    content_mod.fit_dataset_content_ids(data, cfg, progress=False)
     assert len(calls) == 1
-    monkeypatch.setattr(train_mod, "content_code_hash", lambda: "another-version")
-    train_mod.fit_dataset_content_ids(data, cfg, progress=False)
+    monkeypatch.setattr(content_mod, "content_code_hash", lambda: "another-version")
+    content_mod.fit_dataset_content_ids(data, cfg, progress=False)
     assert len(calls) == 2 and len(list((tmp_path / "content_ids").iterdir())) == 2
 
 
@@ -210,7 +210,7 @@ def test_post_hoc_designs_of_one_seed_share_one_continuous_vector(tmp_path) -> N
         sub = model.embed(data.content).reshape(-1, 4, 4)
     assert torch.allclose(sub.norm(dim=-1), torch.ones(sub.shape[:2]))
     with pytest.raises(LeanmlError, match="norm_groups=3 must divide"):
-        ContentIDConfig(dim=16, norm_groups=3).validate()
+        ContentIDConfig(dim=16, norm_groups=3)
     # a folder written before the option existed keeps its per-sub-vector normalization on load
     save_content_model(models[0], tmp_path / "old", {})
     cfg_path = tmp_path / "old" / "config.json"

@@ -108,14 +108,14 @@ def test_usage_stats_bruteforce() -> None:
 def test_global_ids_and_validation() -> None:
     assert global_ids(np.array([[1, 0, 3]]), 4).tolist() == [[1, 4, 11]]
     with pytest.raises(LeanmlError, match="codebook"):
-        ContentIDConfig(codebook="vq").validate()
-    ContentIDConfig(codebook="rq", dim=10, m=3).validate()  # rq levels need not divide D
+        ContentIDConfig(codebook="vq")
+    ContentIDConfig(codebook="rq", dim=10, m=3)  # rq levels need not divide D
     with pytest.raises(LeanmlError, match="K=1"):
         SoftProductQuantizer(8, 2, 1)
     with pytest.raises(LeanmlError, match="divide"):
         SoftProductQuantizer(10, 3, 4)
     with pytest.raises(LeanmlError, match="K >= 2"):
-        ContentIDConfig(k=1).validate()
+        ContentIDConfig(k=1)
     assert anneal_tau(0, 10, 1.0, 0.01) == pytest.approx(1.0)
     assert anneal_tau(9, 10, 1.0, 0.01) == pytest.approx(0.01)
 

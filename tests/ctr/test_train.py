@@ -9,22 +9,13 @@ import pandas as pd
 import pytest
 import torch
 
+from leanml.ctr.content import ItemFeatures, bytes_per_ad
 from leanml.ctr.data import CTRData, fashion_ads, validation_split
+from leanml.ctr.fields import FieldBuilder, content_fields, prefix_ids, seen_remap
 from leanml.ctr.metrics import auc
-from leanml.ctr.train import (
-    CTRConfig,
-    FieldBuilder,
-    ItemFeatures,
-    build_model,
-    bytes_per_ad,
-    content_fields,
-    predict,
-    prefix_ids,
-    run_ctr,
-    seen_remap,
-    train_ctr_model,
-    zero_unseen_rows,
-)
+from leanml.ctr.models import build_model
+from leanml.ctr.options import CTRConfig
+from leanml.ctr.train import predict, run_ctr, train_ctr_model, zero_unseen_rows
 from leanml.utils import LeanmlError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -167,7 +158,7 @@ def test_residual_id_mode_leaves_new_ads_exactly_to_the_content_model() -> None:
 
 
 def test_content_tower_joins_raw_and_codeword_into_one_field(tmp_path) -> None:
-    from leanml.ctr.train import load_ctr_run, save_ctr_run
+    from leanml.ctr.runs import load_ctr_run, save_ctr_run
 
     data = fashion_ads(n_ads=200, n_users=20, per_day=500, seed=5)
     rng = np.random.default_rng(2)

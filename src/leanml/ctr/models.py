@@ -222,3 +222,35 @@ def build_model(name: str, fields: Sequence[FieldSpec], dense_dims: Mapping[str,
     if key not in MODELS:
         raise LeanmlError(f"unknown CTR model {name!r}; choose one of {sorted(MODELS)}")
     return MODELS[key](fields, dense_dims, embed_dim=embed_dim, **kwargs)
+
+
+class ResidualID(torch.nn.Module):
+    """``base(sparse, dense) + b[ad] + <e[ad], u[user]>``: the ad ID as a correction on a model without it.
+
+    Row 0 of ``b`` and ``e`` (ads without training rows) is zero and receives no gradient (no training row
+    maps to it: the residual stage uses no ID dropout), so for a new ad the prediction is the base model's.
+    """
+
+    def __init__(self, base: CTRModel, n_ads: int, n_users: int, dim: int) -> None:
+        super().__init__()
+        self.base = base
+        self.ad_bias = torch.nn.Embedding(n_ads, 1)
+        self.ad = torch.nn.Embedding(n_ads, dim)
+        self.user = torch.nn.Embedding(n_users, dim)
+        torch.nn.init.zeros_(self.ad_bias.weight)
+        torch.nn.init.normal_(self.ad.weight, std=0.05)
+        torch.nn.init.normal_(self.user.weight, std=0.05)
+        with torch.no_grad():
+            self.ad.weight[0].zero_()
+
+    def correction(self, sparse: dict[str, torch.Tensor]) -> torch.Tensor:
+        ad = sparse["ad"]
+        return self.ad_bias(ad).squeeze(-1) + (self.ad(ad) * self.user(sparse["user"])).sum(-1)
+
+    def forward(self, sparse: dict[str, torch.Tensor], dense: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.base(sparse, dense) + self.correction(sparse)
+
+    @torch.no_grad()
+    def predict_proba(self, sparse: dict[str, torch.Tensor], dense: dict[str, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
+        return torch.sigmoid(self(sparse, dense))

@@ -34,9 +34,9 @@ import json
 import re
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from leanml.config import option, require
 from leanml.ctr.content_ids.encoders import ContentEncoder, MLPEncoder, SmallCNN
 from leanml.ctr.content_ids.quantizer import QUANTIZERS, anneal_tau, reseed_dead_codes, usage_stats
 from leanml.utils import LeanmlError, atomic_dir, write_json
@@ -51,58 +52,76 @@ from leanml.utils import LeanmlError, atomic_dir, write_json
 STOPWORDS = frozenset("a an the and or of with in on for to is it this that its by at as".split())
 
 
-@dataclass
-class ContentIDConfig:
-    """Hyper-parameters of the content-ID model and its training."""
+# training schedule of a config that leaves it unset (None): an image folder and any Python caller
+DEFAULT_SCHEDULE = {"epochs": 6, "warmup_epochs": 1, "batch_size": 256}
 
-    kind: str = "cnn"  # "cnn" (images) or "mlp" (content vectors)
-    in_dim: int = 0  # vector length for kind="mlp"
-    dim: int = 32  # D, the quantized vector length; divisible by m for codebook="pq"
-    m: int = 4  # codes per item: sub-spaces (pq) or levels (rq)
-    k: int = 16  # codewords per sub-space / level
-    codebook: str = "pq"  # "pq" (product) or "rq" (residual, hierarchical)
-    reseed_dead: bool = True  # re-seed unused codewords after each quantized epoch but the last
-    joint: bool = True  # train encoder and quantizer together; False: encoder alone, then k-means codebooks
+
+@dataclass(frozen=True)
+class ContentIDConfig:
+    """Hyper-parameters of the content-ID model and its training; the command-line fields are the options
+    of ``leanml ctr content-ids fit`` and ``leanml ctr train``. ``epochs``, ``warmup_epochs`` and
+    ``batch_size`` left unset (None) follow the data's schedule (:meth:`scheduled`)."""
+
+    kind: Literal["cnn", "mlp"] = option("cnn", "encoder: 'cnn' (images) or 'mlp' (content vectors)", cli=False)
+    in_dim: int = option(0, "content vector length for kind='mlp'", cli=False)
+    dim: int = option(32, "quantized vector length D (divisible by M for pq)")
+    m: int = option(4, "IDs per ad: sub-spaces (pq) or levels (rq)", flag="--M")
+    k: int = option(16, "codewords per sub-space / level (>= 2)", flag="--K")
+    codebook: Literal["pq", "rq"] = option(
+        "pq", "product quantization (independent sub-spaces) or residual (coarse-to-fine levels)")
+    reseed_dead: bool = option(True, "re-seed dead codewords after each quantized epoch but the last "
+                                     "(--no-reseed keeps them)", flag="--reseed", show_default=False)
+    joint: bool = option(True, "train encoder and quantizer together (default), or (--posthoc) the encoder alone, "
+                               "then fit the codebooks by k-means", negative="--posthoc", show_default=False)
     # L2-normalize x in this many equal groups (1: the whole vector); 0: M for jointly trained pq, else 1. Tied
     # to M before, the post-hoc raw vector depended on the codebook design (MovieLens validation raw new-ad AUC
     # 0.5845-0.6034 across the designs of one seed).
-    norm_groups: int = 0
-    loss: str = "infonce"  # or "tokens"
-    width: int = 16  # CNN width / MLP hidden = 8 * width
-    epochs: int = 6
-    warmup_epochs: int = 1
-    batch_size: int = 256
-    lr: float = 3e-3
-    tau_start: float = 1.0
+    norm_groups: int = option(0, "L2-normalize the content vector in G equal groups (1: as a whole; 0: M for "
+                                 "jointly trained pq, else 1)", metavar="G")
+    loss: Literal["infonce", "tokens"] = option("infonce", "text supervision")
+    width: int = option(16, "CNN width / MLP hidden = 8 * width", cli=False)
+    epochs: int | None = option(None, "quantized training epochs (default: the data's: 8 on fashion, 30 on "
+                                      "movielens, 6 on an image folder)", flag="--content-epochs")
+    warmup_epochs: int | None = option(None, "epochs without quantization first (default: the data's)", cli=False)
+    batch_size: int | None = option(None, "batch size (default: the data's)", cli=False)
+    lr: float = option(3e-3, "Adam learning rate", cli=False)
+    tau_start: float = option(1.0, "soft-assignment temperature at the start", cli=False)
     # 0.02 let joint residual codes collapse in the last epochs (MovieLens rq M4 K64: 182 of 256 codewords dead,
     # caption top-1 0.017; at 0.1: 1 dead, 0.959)
-    tau_end: float = 0.1
-    straight_through: bool = False
-    commit_weight: float = 0.05
-    temperature: float = 0.1  # InfoNCE logit temperature
-    proj_dim: int = 64
-    recon_weight: float = 0.0  # weight of the input reconstruction term (0: text supervision only)
-    recon_dim: int = 0  # flattened input size, set by fit_content_ids when recon_weight > 0
-    vocab: list[str] = field(default_factory=list)  # caption tokens, for loss="tokens"
-    text_dim: int = 384
-    seed: int = 0
+    tau_end: float = option(0.1, "soft-assignment temperature at the end", cli=False)
+    straight_through: bool = option(False, "hard forward, soft backward", show_default=False)
+    commit_weight: float = option(0.05, "weight of the commitment term", cli=False)
+    temperature: float = option(0.1, "InfoNCE logit temperature", cli=False)
+    proj_dim: int = option(64, "InfoNCE projection size", cli=False)
+    recon_weight: float = option(0.0, "weight of the input reconstruction term (0: text supervision only)",
+                                 cli=False)
+    recon_dim: int = option(0, "flattened input size, set by fit_content_ids when recon_weight > 0", cli=False)
+    vocab: list[str] = option(default_factory=list, help="caption tokens, for loss='tokens'", cli=False)
+    text_dim: int = option(384, "text embedding size", cli=False)
+    seed: int = option(0, "seed of the fit", cli=False)
 
-    def validate(self) -> None:
-        if self.kind not in ("cnn", "mlp"):
-            raise LeanmlError(f"unknown encoder kind {self.kind!r}; use 'cnn' or 'mlp'")
-        if self.codebook not in QUANTIZERS:
-            raise LeanmlError(f"unknown codebook {self.codebook!r}; use 'pq' (product) or 'rq' (residual)")
-        if self.loss not in ("infonce", "tokens"):
-            raise LeanmlError(f"unknown loss {self.loss!r}; use 'infonce' or 'tokens'")
-        if self.k < 2:
-            raise LeanmlError(f"K={self.k}: a codebook needs at least 2 codewords; use K >= 2")
-        if self.m < 1 or (self.codebook == "pq" and self.dim % self.m):
-            raise LeanmlError(f"M={self.m} must divide the vector dim D={self.dim}; change --M or --dim")
-        if self.norm_groups < 0 or (self.norm_groups and self.dim % self.norm_groups):
-            raise LeanmlError(f"norm_groups={self.norm_groups} must divide the vector dim D={self.dim} "
-                              "(or be 0: the default); change --norm-groups or --dim")
-        if self.kind == "mlp" and self.in_dim <= 0:
-            raise LeanmlError("kind='mlp' needs in_dim > 0 (the content vector length)")
+    def __post_init__(self) -> None:
+        require(self, self.kind in ("cnn", "mlp"), "kind", f"{self.kind!r} is unknown; use 'cnn' or 'mlp'")
+        require(self, self.codebook in QUANTIZERS, "codebook",
+                f"{self.codebook!r} is unknown; use 'pq' (product) or 'rq' (residual)")
+        require(self, self.loss in ("infonce", "tokens"), "loss", f"{self.loss!r} is unknown; use 'infonce' or 'tokens'")
+        require(self, self.k >= 2, "k", f"k={self.k}: a codebook needs at least 2 codewords; use K >= 2")
+        require(self, self.m >= 1 and self.dim >= 1, ("m", "dim"), f"m={self.m} and dim={self.dim} must be >= 1")
+        require(self, self.codebook != "pq" or self.dim % self.m == 0, ("m", "dim"),
+                f"m={self.m} must divide the vector dim={self.dim} (D); change them")
+        require(self, self.norm_groups >= 0 and not (self.norm_groups and self.dim % self.norm_groups),
+                ("norm_groups", "dim"), f"norm_groups={self.norm_groups} must divide the vector dim={self.dim} "
+                "(D), or be 0 (the default)")
+        require(self, self.kind != "mlp" or self.in_dim > 0, ("kind", "in_dim"),
+                "kind='mlp' needs in_dim > 0 (the content vector length)")
+        for name in DEFAULT_SCHEDULE:
+            value = getattr(self, name)
+            require(self, value is None or value >= 1, name, f"must be at least 1, got {value}")
+
+    def scheduled(self, schedule: dict[str, int] = DEFAULT_SCHEDULE) -> ContentIDConfig:
+        """This config with the schedule fields it leaves unset (None) taken from ``schedule``."""
+        unset = {k: v for k, v in schedule.items() if getattr(self, k) is None}
+        return replace(self, **unset) if unset else self
 
 
 def tokenize(text: str) -> list[str]:
@@ -138,7 +157,6 @@ class ContentIDModel(nn.Module):
 
     def __init__(self, config: ContentIDConfig, backbone: nn.Module | None = None) -> None:
         super().__init__()
-        config.validate()
         self.config = config
         if backbone is None:
             backbone = SmallCNN(width=config.width) if config.kind == "cnn" else MLPEncoder(config.in_dim, 8 * config.width)
@@ -225,7 +243,7 @@ def fit_content_ids(
     ``text_emb`` (``(N, 384)``) is required for ``loss="infonce"`` (see ``encoders.embed_texts``).
     Returns the model (eval mode) and a report with per-epoch losses and codebook usage statistics.
     """
-    config.validate()
+    config = config.scheduled()
     n = len(inputs)
     if len(captions) != n:
         raise LeanmlError(f"{n} inputs but {len(captions)} captions; every item needs exactly one caption")
@@ -238,7 +256,7 @@ def fit_content_ids(
         if not config.vocab:
             raise LeanmlError("captions have no token seen twice; token supervision needs repeated words")
     if config.recon_weight > 0:
-        config.recon_dim = int(inputs[0].numel())
+        config = replace(config, recon_dim=int(inputs[0].numel()))
     model = ContentIDModel(config, backbone).to(device)
     if config.recon_weight > 0:
         flat = inputs.reshape(n, -1).float()
