@@ -75,8 +75,8 @@ def test_a_structured_model_trains_at_its_smaller_size(tmp_path):
     model = _structured_llama()
     params = sum(p.numel() for p in model.parameters())
     before = _zeros(model)
-    report = recover(model, _windows(), RecoverConfig(train=recover_training(steps=4, batch_size=2, lr=1e-3, strategy="checkpoint")),
-                     progress=False)
+    cfg = RecoverConfig(train=recover_training(steps=4, batch_size=2, lr=1e-3, strategy="checkpoint"))
+    report = recover(model, _windows(), cfg, progress=False)
     assert sum(p.numel() for p in model.parameters()) == params and model.config.intermediate_size == 96
     assert all(torch.equal(lin.weight.detach() == 0, before[n]) for n, lin in masked_linears(model))
     assert report["memory"]["peak_bytes"] < report["memory"]["unoptimized_peak_bytes"]  # checkpointing saved memory
@@ -87,7 +87,8 @@ def test_a_structured_model_trains_at_its_smaller_size(tmp_path):
 
 def test_adacc_keeps_the_peak_within_the_budget_with_a_teacher():
     model = sparse_llama()
-    report = recover(model, _windows(seqlen=32), RecoverConfig(train=recover_training(steps=3, batch_size=4, strategy="adacc", budget=Budget.parse(0.6)), measure_every=1),
+    train = recover_training(steps=3, batch_size=4, strategy="adacc", budget=Budget.parse(0.6))
+    report = recover(model, _windows(seqlen=32), RecoverConfig(train=train, measure_every=1),
                      teacher=tiny_llama(seed=1), progress=False)
     mem = report["memory"]
     assert mem["within_budget"] and mem["peak_bytes"] <= mem["budget_bytes"]
@@ -98,7 +99,8 @@ def test_adacc_keeps_the_peak_within_the_budget_with_a_teacher():
 
 
 def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path):
-    cfg = RecoverConfig(train=recover_training(steps=7, batch_size=2, lr=2e-3, strategy="checkpoint"), warmup=2, checkpoint_every=2)
+    cfg = RecoverConfig(train=recover_training(steps=7, batch_size=2, lr=2e-3, strategy="checkpoint"), warmup=2,
+                        checkpoint_every=2)
     teacher = tiny_llama(seed=1)
     full = sparse_llama()
     ref = recover(full, _windows(), cfg, teacher=teacher, checkpoint_dir=tmp_path / "a", progress=False)
@@ -117,15 +119,18 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path):
     a, b = full.state_dict(), resumed.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(LeanmlError, match="other settings"):
-        recover(sparse_llama(), _windows(), RecoverConfig(train=recover_training(steps=8, strategy="none"), checkpoint_every=2),
+        recover(sparse_llama(), _windows(),
+                RecoverConfig(train=recover_training(steps=8, strategy="none"), checkpoint_every=2),
                 checkpoint_dir=tmp_path / "b", progress=False)
 
 
 def test_dense_fine_tune_is_allowed_only_without_masks():
     with pytest.raises(LeanmlError, match="no pruned weights"):
-        recover(tiny_llama(), _windows(), RecoverConfig(train=recover_training(steps=1, strategy="none")), progress=False)
+        recover(tiny_llama(), _windows(), RecoverConfig(train=recover_training(steps=1, strategy="none")),
+                progress=False)
     model = tiny_llama()
-    report = recover(model, _windows(), RecoverConfig(train=recover_training(steps=2, strategy="none", lr=1e-3), keep_masks=False),
+    report = recover(model, _windows(),
+                     RecoverConfig(train=recover_training(steps=2, strategy="none", lr=1e-3), keep_masks=False),
                      progress=False)
     assert report["sparsity"]["kept_exactly"] is False
 
@@ -133,8 +138,9 @@ def test_dense_fine_tune_is_allowed_only_without_masks():
 def test_budget_below_the_feasible_minimum_fails_before_training():
     model = sparse_llama()
     w0 = {k: v.clone() for k, v in model.state_dict().items()}
+    train = recover_training(steps=2, strategy="adacc", budget=Budget.parse(0.01))
     with pytest.raises(LeanmlError, match="smallest feasible plan"):
-        recover(model, _windows(), RecoverConfig(train=recover_training(steps=2, strategy="adacc", budget=Budget.parse(0.01))), progress=False)
+        recover(model, _windows(), RecoverConfig(train=train), progress=False)
     assert all(torch.equal(w0[k], v) for k, v in model.state_dict().items())
 
 
@@ -143,8 +149,8 @@ def test_explicit_masks_and_bad_settings():
     keep = {n: torch.zeros_like(lin.weight, dtype=torch.bool) for n, lin in masked_linears(model)}
     first = next(iter(keep))
     keep[first][0, 0] = True
-    report = recover(model, _windows(), RecoverConfig(train=recover_training(steps=1, strategy="none")), masks=MaskKeeper(model, keep),
-                     progress=False)
+    report = recover(model, _windows(), RecoverConfig(train=recover_training(steps=1, strategy="none")),
+                     masks=MaskKeeper(model, keep), progress=False)
     assert report["sparsity"]["masked_fraction"] < 1e-3
     with pytest.raises(LeanmlError, match="not a linear"):
         MaskKeeper(model, {"lm_head": torch.zeros(256, 64, dtype=torch.bool)})

@@ -57,7 +57,7 @@ def test_mixed_windows_are_kept_for_a_resumed_run(tmp_path):
     _, info3 = mix_teacher_samples(corpus, teacher, "another", tok, cfg, 0.3, tmp_path / "ckpt", "cpu")
     assert not info3["reused_from_checkpoint"]  # another teacher's samples are never reused
     with pytest.raises(LeanmlError, match="corpus has 40"):
-        mix_teacher_samples(corpus, teacher, "t", tok, RecoverConfig(train=recover_training(steps=50, batch_size=2)), 0.1,
+        mix_teacher_samples(corpus, teacher, "t", tok, RecoverConfig(train=recover_training(steps=50)), 0.1,
                              tmp_path / "c2", "cpu")
 
 
