@@ -215,62 +215,48 @@ class Context:
 # ---------------------------------------------------------------- rows
 
 
-def cli_defaults(method: str) -> argparse.Namespace:
-    """What ``leanml prune --method METHOD`` parses to with every other option at its default: the
-    settings our rows run with (method options, mask scope, sequential mode, intra-layer correction,
-    batch size, OWL's M and lambda), taken from the CLI's own parser so they cannot drift from it."""
-    from leanml.prune import cli
-    from leanml.prune.methods import pruner_class
-
-    pruner_class(method)  # an unknown name: a one-line LeanmlError, not argparse's exit
-    ap = argparse.ArgumentParser(prog="leanml")
-    cli.register(ap.add_subparsers(dest="command"))
-    return ap.parse_args(["prune", "--method", method, "--out", "unused"])
-
-
-def our_settings(label: str, pattern: str, profile: str, batch_size: int | None) -> tuple[Any, Any, dict[str, Any]]:
-    """(pruner, open mask spec, ``prune_model`` keyword arguments) for a row of ours, as ``leanml prune``
-    builds them; ``label`` is a method name, or ``method:warm`` for a warm start (``fista:dense``);
-    ``batch_size`` None keeps the CLI's."""
-    from leanml.prune.masks import MaskSpec
+def our_config(label: str, pattern: str, profile: str, batch_size: int | None) -> Any:
+    """The :class:`~leanml.prune.config.PruneConfig` of a row of ours: ``leanml prune --method METHOD``'s
+    settings (the config's defaults: method options, mask scope, sequential mode, intra-layer correction,
+    batch size, OWL's M and lambda) at the row's pattern and profile; ``label`` is a method name, or
+    ``method:warm`` for a warm start (``fista:dense``); ``batch_size`` None keeps the default."""
+    from leanml.config import replace
+    from leanml.prune.config import PruneConfig
     from leanml.prune.methods import pruner_class
 
     method, _, warm = label.partition(":")
-    args = cli_defaults(method)
+    options = pruner_class(method).Options()  # an unknown name: a one-line LeanmlError
     if warm:
-        attr = f"{method.replace('-', '_')}_warm_start"
-        if not hasattr(args, attr):
+        if not hasattr(options, "warm_start"):
             raise LeanmlError(f"method {method!r} takes no warm start; drop ':{warm}' from {label!r}")
-        setattr(args, attr, warm)
-    pruner = pruner_class(method).from_args(args)
+        options = replace(options, warm_start=warm)
     sparsity, nm = H.parse_pattern(pattern)
-    spec = MaskSpec(sparsity, nm, args.scope)  # scope None: the method's default, resolved by the engine
-    engine = {"sequential": args.mode == "sequential", "intra_layer": args.intra_layer,
-              "batch_size": args.batch_size if batch_size is None else batch_size,
-              "sparsity_profile": profile, "owl": {"m": args.owl_m, "lam": args.owl_lambda}}
-    return pruner, spec, engine
+    extra = {} if batch_size is None else {"batch_size": batch_size}
+    return PruneConfig(method=method, sparsity=sparsity, pattern=f"{nm[0]}:{nm[1]}" if nm else None,
+                       sparsity_profile=profile, options=options, **extra)
 
 
 def prune_ours(ctx: Context, label: str, pattern: str, profile: str, seed: int, out: Path) -> dict[str, Any]:
-    """Prune with our engine (``prune_model``, the CLI's default settings), save to ``out``; return
+    """Prune with our engine (:func:`leanml.prune`, the CLI's default settings), save to ``out``; return
     timing and the settings the engine reports it used.
 
     Timed like the peer's ``oneshot``: the pruning call only, model already loaded, saving after;
     no per-layer checkpoint files (the CLI writes them for ``--resume``)."""
+    import leanml.prune
     from leanml.models import load_model, save_model
-    from leanml.prune.engine import prune_model
 
-    pruner, spec, engine = our_settings(label, pattern, profile, ctx.args.batch_size)
+    config = our_config(label, pattern, profile, ctx.args.batch_size)
     _, ids = ctx.calibration(seed)
     model, tok = load_model(str(ctx.model_dir))
     t0, c0 = time.perf_counter(), cpu_seconds()
-    report = prune_model(model, ids, pruner, spec, progress=True, **engine)
+    report = leanml.prune(model, ids, config)
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     save_model(model, tok, out)
     profile_info = report["mask"]["profile"]
     return {"seconds": seconds, "cpu_seconds": cpu, "method_config": report["method_config"],
-            "mask_scope": report["mask"]["scope"], "engine": {**report["engine"], "owl": engine["owl"]},
-            "settings": f"leanml prune --method {label.partition(':')[0]} defaults",
+            "mask_scope": report["mask"]["scope"],
+            "engine": {**report["engine"], "owl": {"m": config.owl.m, "lam": config.owl.lam}},
+            "settings": f"leanml prune --method {config.method} defaults",
             "profile_info": {k: v for k, v in profile_info.items() if k != "name"} or None,
             "engine_prune_seconds": report["prune_seconds"],
             # the method's own work (statistics passes, solves, the pruned layer's forward) and the rest
@@ -436,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     for m in methods:
         if m not in ("dense", *H.PEERS):
             try:
-                our_settings(m, "50%", "uniform", args.batch_size)
+                our_config(m, "50%", "uniform", args.batch_size)
             except LeanmlError as exc:
                 ap.error(str(exc))
     torch.set_num_threads(args.threads)

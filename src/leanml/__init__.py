@@ -33,3 +33,19 @@ def _installed_torch() -> str | None:
 
 
 check_torch_version(_installed_torch())
+
+# ``leanml.prune(model, calibration, config)``: the pruning package is callable (see leanml/prune/__init__.py);
+# importing it here costs nothing (it imports torch only when called)
+from leanml import prune  # noqa: E402
+
+
+def __getattr__(name: str) -> object:
+    """``leanml.PruneConfig``: the pruning options, imported on first use."""
+    if name == "PruneConfig":
+        from leanml.prune.config import PruneConfig
+
+        return PruneConfig
+    raise AttributeError(f"module 'leanml' has no attribute {name!r}")
+
+
+__all__ = ["PruneConfig", "TORCH_FLOOR", "TorchVersionError", "check_torch_version", "prune"]

@@ -200,24 +200,36 @@ def test_timing_targets_compare_common_seeds_only():
 
 def test_our_rows_run_with_the_cli_defaults():
     """Our rows take `leanml prune --method X`'s settings; FISTA rows need no option to run at its defaults."""
+    import argparse
+
+    from leanml.prune.cli import prune_job, register
     from leanml.prune.methods.baselines import SparseGPTPruner, WandaPruner
     from leanml.prune.methods.fista import FistaPruner
     from leanml.utils import LeanmlError
 
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+
+    def cli(*argv: str):
+        return prune_job(sub.choices["prune"].parse_args(["--out", "o", *argv])).config
+
     bp = load_bench_prune()
-    pruner, spec, engine = bp.our_settings("fista", "50%", "uniform", None)
-    assert pruner.config() == FistaPruner().config() and spec.scope is None and spec.sparsity == 0.5
-    assert pruner.resolve_spec(spec).scope == "layer" and pruner.resolve_intra_layer(engine["intra_layer"]) is True
-    assert engine == {"sequential": True, "intra_layer": None, "batch_size": 4, "sparsity_profile": "uniform",
-                      "owl": {"m": 5.0, "lam": 0.08}}
-    assert bp.our_settings("fista:dense", "2:4", "uniform", 8)[0].config()["warm_start"] == "dense"
-    pruner, spec, engine = bp.our_settings("sparsegpt", "4:8", "uniform", 8)
-    assert isinstance(pruner, SparseGPTPruner) and spec.pattern == (4, 8) and engine["batch_size"] == 8
-    pruner, spec, engine = bp.our_settings("wanda", "70%", "owl", None)
-    assert isinstance(pruner, WandaPruner) and pruner.resolve_intra_layer(None) is False
-    assert engine["sparsity_profile"] == "owl"
+    config = bp.our_config("fista", "50%", "uniform", None)
+    assert config == cli("--method", "fista")  # the same config as the command line's, field by field
+    assert config.pruner().config() == FistaPruner().config() and config.scope is None and config.sparsity == 0.5
+    assert config.spec.scope == "layer" and config.intra_layer_on is True
+    assert config.engine_kwargs() == {"sequential": True, "intra_layer": None, "batch_size": 4,
+                                      "sparsity_profile": "uniform", "owl": {"m": 5.0, "lam": 0.08},
+                                      "stream_device": "auto", "checkpoint_interval": 0.0}
+    assert bp.our_config("fista:dense", "2:4", "uniform", 8).pruner().config()["warm_start"] == "dense"
+    config = bp.our_config("sparsegpt", "4:8", "uniform", 8)
+    assert config == cli("--method", "sparsegpt", "--pattern", "4:8", "--batch-size", "8")
+    assert isinstance(config.pruner(), SparseGPTPruner) and config.spec.pattern == (4, 8) and config.batch_size == 8
+    config = bp.our_config("wanda", "70%", "owl", None)
+    assert isinstance(config.pruner(), WandaPruner) and config.intra_layer_on is False
+    assert config.sparsity_profile == "owl"
     with pytest.raises(LeanmlError, match="no warm start"):
-        bp.our_settings("wanda:dense", "50%", "uniform", None)
+        bp.our_config("wanda:dense", "50%", "uniform", None)
     with pytest.raises(SystemExit):  # unknown methods are refused before any row runs
         bp.main(["--methods", "dense,nosuch", "--results", "/nonexistent/prune.json"])
 

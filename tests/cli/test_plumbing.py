@@ -138,6 +138,6 @@ def test_interrupted_line_names_the_resume_command_only_when_a_checkpoint_exists
 def test_a_path_of_a_file_for_the_output_parent(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(LeanmlError, match="--json"):
-        from leanml.prune.cli import check_json_out
+        from leanml.eval.job import check_json_out
 
         check_json_out(str(tmp_path / "f" / "x.json"))

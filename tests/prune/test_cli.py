@@ -209,3 +209,15 @@ def test_torchrun_ranks_get_the_checkpoint_folder_and_the_engine_options(tiny_mo
                  "--stream-device", "cpu", "--checkpoint-interval", "30", "--out", str(out)]) == 0
     assert seen["checkpoint_dir"] == tmp_path / "p.ckpt"
     assert seen["stream_device"] == "cpu" and seen["checkpoint_interval"] == 30.0
+
+
+@pytest.mark.parametrize("pattern,structure", [("4:8", "4:8"), ("2:4", "2:4"), (None, "unstructured")])
+def test_compressed_models_record_their_mask_structure(tiny_model_dir, tmp_path, pattern, structure):
+    """The compressed format's config names the N:M structure of the mask (not only 2:4)."""
+    from leanml.models.compressed import CONFIG_KEY
+
+    out = tmp_path / "nm"
+    extra = ["--pattern", pattern] if pattern else []
+    assert main(["prune", "--model", str(tiny_model_dir), "--method", "magnitude", *extra, "--save-format",
+                 "compressed", "--nsamples", "2", "--seqlen", "32", "--no-eval", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())[CONFIG_KEY]["sparsity_structure"] == structure

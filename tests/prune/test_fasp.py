@@ -10,12 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from builders import tiny_llama_untied, tiny_opt_biased
+from leanml.config import ConfigError, cli_message, flags_of
 from leanml.models.layout import get_adapter
 from leanml.models.surgery import count_parameters, live_units
 from leanml.prune.base import GroupStats
 from leanml.prune.cores import fasp as core
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods.fasp import (
+    FaspOptions,
     FaspPruner,
     FlapPruner,
     MagnitudeStructuredPruner,
@@ -343,12 +345,13 @@ def test_bad_inputs_are_one_line_errors():
         FaspPruner().prune_group(group, stats, MaskSpec(sparsity=0.2))
     with pytest.raises(LeanmlError, match="means"):
         FlapPruner(alloc="uniform").prune_group(group, stats, MaskSpec(sparsity=0.2))
-    with pytest.raises(LeanmlError, match="--fasp-alloc"):
-        FaspPruner(alloc="global")
-    with pytest.raises(LeanmlError, match="--fasp-groups"):
-        FaspPruner(pairs="mlp", groups=1)
-    with pytest.raises(LeanmlError, match="--fasp-pairs"):
-        FaspPruner(pairs="heads")
+    # the library names the option's field; the command line shows its flag
+    for make, flag in [(lambda: FaspPruner(alloc="global"), "--fasp-alloc"),
+                       (lambda: FaspPruner(pairs="mlp", groups=1), "--fasp-groups"),
+                       (lambda: FaspPruner(pairs="heads"), "--fasp-pairs")]:
+        with pytest.raises(ConfigError) as exc:
+            make()
+        assert flag in cli_message(exc.value, flags_of(FaspOptions, FaspOptions.prefix))
     from transformers import BloomConfig, BloomForCausalLM
 
     bloom = get_adapter(BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64)))
@@ -357,16 +360,23 @@ def test_bad_inputs_are_one_line_errors():
 
 
 def test_cli_options_are_added_once_and_parsed():
-    parser = argparse.ArgumentParser()
-    for cls in METHODS:
-        cls.add_args(parser)
-    args = parser.parse_args(["--fasp-pairs", "mlp", "--fasp-damp", "0.1", "--fasp-target", "dense",
-                              "--fasp-alloc", "uniform", "--fasp-plan-samples", "3"])
-    p = FaspPruner.from_args(args)
-    assert p.pairs == ("mlp",) and p.damp == 0.1 and p.needs_dense is True
-    assert p.alloc == "uniform" and p.plan_samples == 3 and p.groups is None
-    q = WandaStructuredPruner.from_args(parser.parse_args(["--fasp-groups", "1"]))
-    assert q.alloc == "score" and q.groups == 1 and q.config()["groups"] == 1
+    from leanml.prune.cli import prune_job, register
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)  # every method's options on one parser: a flag added twice would raise here
+    parser = sub.choices["prune"]
+
+    def pruner(method: str, *argv: str):
+        return prune_job(parser.parse_args(["--out", "o", "--method", method, *argv])).config.pruner()
+
+    argv = ["--fasp-pairs", "mlp", "--fasp-damp", "0.1", "--fasp-target", "dense", "--fasp-alloc", "uniform",
+            "--fasp-plan-samples", "3"]
+    p = pruner("fasp", *argv)
+    assert p.options.pair_names == ("mlp",) and p.options.damp == 0.1 and p.needs_dense is True
+    assert p.options.alloc == "uniform" and p.options.plan_samples == 3 and p.options.groups is None
+    q = pruner("wanda-sp", "--fasp-groups", "1")
+    assert q.options.alloc == "score" and q.options.groups == 1 and q.config()["groups"] == 1
     assert FaspPruner.needs_dense is False and FaspPruner().needs_dense is False  # class default untouched
-    assert FlapPruner.from_args(args).pairs == ("mlp",)
+    assert pruner("flap", *argv[:2]).options.pair_names == ("mlp",)
+    assert not pruner("flap", "--fasp-no-shrink").options.shrink and pruner("flap").options.shrink
     assert p.config()["target"] == "dense"

@@ -60,9 +60,9 @@ def _sparse_kernels(model: Any, spec: str) -> dict[str, Any] | None:
 
 
 def run_speed(args: argparse.Namespace) -> int:
+    from leanml.eval.job import check_json_out
     from leanml.eval.speed import dir_size_bytes, measure_speeds
     from leanml.models import BUNDLED, bundled_dir, check_dtype, count_parameters, load_model, parse_dtype
-    from leanml.prune.cli import check_json_out
     from leanml.utils import parse_device
 
     device = parse_device(args.device)

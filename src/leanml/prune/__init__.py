@@ -1,1 +1,52 @@
-"""Post-training LLM pruning: a layer-wise engine, masks, and pruning methods."""
+"""Post-training LLM pruning: a layer-wise engine, masks, and pruning methods.
+
+The entry point is the package itself, callable as ``leanml.prune(model, calibration, config)``
+(also importable as :func:`prune`)::
+
+    import leanml
+    from leanml.prune.config import PruneConfig
+
+    report = leanml.prune(model, calib_ids, PruneConfig(method="wanda", sparsity=0.5))
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from typing import Any
+
+
+def prune(model: Any, calibration: Any, config: Any = None, *, adapter: Any = None,
+          checkpoint_dir: str | os.PathLike | None = None, fingerprint: dict[str, Any] | None = None,
+          progress: bool = True) -> dict[str, Any]:
+    """Prune ``model`` in place with ``config`` (a :class:`~leanml.prune.config.PruneConfig`; None: its
+    defaults) on ``calibration`` (``(nsamples, seqlen)`` token ids); return the engine's report.
+
+    ``checkpoint_dir``: keep each finished layer there and resume from it (the checkpoint must match
+    ``fingerprint`` and the config). Under ``torchrun`` (``WORLD_SIZE`` > 1) the layers are split over the
+    ranks (:func:`leanml.prune.parallel.prune_distributed`); the other ranks return ``None``.
+    """
+    from leanml.prune.config import PruneConfig
+    from leanml.utils import parse_device
+
+    config = PruneConfig() if config is None else config
+    kwargs = dict(config.engine_kwargs(), adapter=adapter, device=parse_device(config.device),
+                  checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, progress=progress)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from leanml.prune.parallel import prune_distributed
+
+        return prune_distributed(model, calibration, config.pruner(), config.spec, **kwargs)
+    from leanml.prune.engine import prune_model
+
+    return prune_model(model, calibration, config.pruner(), config.spec, **kwargs)
+
+
+class _Package(types.ModuleType):
+    """This package, callable: ``leanml.prune(...)`` is :func:`prune`."""
+
+    def __call__(self, model: Any, calibration: Any, config: Any = None, **kwargs: Any) -> dict[str, Any]:
+        return prune(model, calibration, config, **kwargs)
+
+
+sys.modules[__name__].__class__ = _Package

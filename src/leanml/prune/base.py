@@ -28,9 +28,8 @@ so for a dense weight W and a candidate W*, the mean squared output error agains
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -39,7 +38,7 @@ from torch import nn
 from leanml.models.layout import Group, StructUnits
 from leanml.prune.masks import MaskSpec
 
-__all__ = ["Group", "GroupStats", "LinearSpecs", "Pruner", "StructUnits", "linear_spec", "output_error"]
+__all__ = ["Group", "GroupStats", "LinearSpecs", "NoOptions", "Pruner", "StructUnits", "linear_spec", "output_error"]
 
 #: what :meth:`Pruner.prune_group` receives: one spec for the group, or one per linear name
 LinearSpecs = MaskSpec | Mapping[str, MaskSpec]
@@ -102,6 +101,13 @@ def output_error(W: torch.Tensor, W_new: torch.Tensor, stats: GroupStats, name: 
     return float(t1 - 2 * t2 + t3)
 
 
+@dataclass(frozen=True)
+class NoOptions:
+    """A method without options."""
+
+    prefix: ClassVar[str] = ""
+
+
 class Pruner:
     """Base class of pruning methods used by the engine.
 
@@ -110,8 +116,9 @@ class Pruner:
     the declared structured pairs and may shrink the model in :meth:`finalize`), ``default_scope``
     (the unstructured mask scope when the caller leaves it open) and ``default_intra_layer``
     (whether later groups of a layer see the already pruned earlier groups); implement
-    :meth:`prune_group`, and may add CLI options through :meth:`add_args` / :meth:`from_args` (prefix
-    option names with the method name).
+    :meth:`prune_group`. A method's options are one frozen dataclass, ``Options``, declared with
+    :func:`leanml.config.option` and checked in its ``__post_init__``; its class variable ``prefix`` (e.g.
+    ``"fista-"``) prefixes the generated flags (``--fista-iters``). The pruner holds it as ``options``.
     """
 
     name: ClassVar[str] = "base"
@@ -124,29 +131,38 @@ class Pruner:
     accepts_cross: ClassVar[bool] = False
     default_scope: ClassVar[str] = "row"
     default_intra_layer: ClassVar[bool] = True
+    #: the options dataclass of this method
+    Options: ClassVar[type] = NoOptions
+    #: this pruner's options (set by ``__init__``; a subclass that sets nothing has none)
+    options: Any = NoOptions()
 
-    @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Add method-specific CLI options (names prefixed with the method, e.g. ``--fista-iters``)."""
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Pruner:
-        return cls()
+    def __init__(self, options: Any = None, /, **changes: Any) -> None:
+        """``options``: an ``Options`` object (None: the defaults); ``changes`` set single fields
+        (``FistaPruner(iters=5)`` is ``FistaPruner(FistaOptions(iters=5))``)."""
+        if options is None:
+            options = self.Options(**changes)
+        elif not isinstance(options, self.Options):
+            raise TypeError(f"{type(self).__name__} takes {self.Options.__name__}, got {type(options).__name__}")
+        elif changes:
+            options = replace(options, **changes)
+        self.options = options
 
     def config(self) -> dict[str, Any]:
         """Method options, recorded in the report."""
-        return {}
+        return asdict(self.options)
 
-    def resolve_spec(self, spec: MaskSpec) -> MaskSpec:
+    @classmethod
+    def resolve_spec(cls, spec: MaskSpec) -> MaskSpec:
         """``spec`` with an open scope (``None``) set to this method's default: the one place where a
         mask scope is chosen, for the Python API and the CLI alike."""
         if spec.scope is None:
-            return replace(spec, scope=self.default_scope)
+            return replace(spec, scope=cls.default_scope)
         return spec
 
-    def resolve_intra_layer(self, intra_layer: bool | None) -> bool:
+    @classmethod
+    def resolve_intra_layer(cls, intra_layer: bool | None) -> bool:
         """``intra_layer`` when given, else this method's default."""
-        return self.default_intra_layer if intra_layer is None else bool(intra_layer)
+        return cls.default_intra_layer if intra_layer is None else bool(intra_layer)
 
     def check_layer(self, groups: list[Group], spec: MaskSpec) -> None:
         """Raise :class:`~leanml.utils.LeanmlError` if this method cannot prune a layer with these groups

@@ -20,6 +20,7 @@ METHODS: dict[str, str] = {
     "magnitude-sp": "leanml.prune.methods.fasp:MagnitudeStructuredPruner",
     "wanda-sp": "leanml.prune.methods.fasp:WandaStructuredPruner",
     "flap": "leanml.prune.methods.fasp:FlapPruner",
+    "taylor": "leanml.prune.methods.taylor:TaylorPruner",
 }
 
 

@@ -6,17 +6,17 @@ Their math is in :mod:`leanml.prune.cores.magnitude`, :mod:`leanml.prune.cores.w
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from leanml.config import option, require
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
 from leanml.prune.cores.magnitude import magnitude_prune
 from leanml.prune.cores.sparsegpt import hinv_upper, sparsegpt_prune_many
 from leanml.prune.cores.wanda import wanda_prune
 from leanml.prune.masks import MaskSpec
-from leanml.utils import LeanmlError
 
 
 class _UnstructuredPruner(Pruner):
@@ -63,37 +63,34 @@ class WandaPruner(_UnstructuredPruner):
         return wanda_prune(W, stats.sq_norms, spec)
 
 
+@dataclass(frozen=True)
+class SparseGPTOptions:
+    """sparsegpt"""
+
+    prefix: ClassVar[str] = "sparsegpt-"
+
+    damp: float = option(0.01, "damping, fraction of mean diag(H)")
+    blocksize: int = option(128, "columns per lazy-update block")
+
+    def __post_init__(self) -> None:
+        require(self, self.damp >= 0, "damp", f"must be >= 0, got {self.damp}")
+        require(self, self.blocksize >= 1, "blocksize", f"must be >= 1, got {self.blocksize}")
+
+
 class SparseGPTPruner(_UnstructuredPruner):
+    """SparseGPT: OBS with the Cholesky factor of ``H^-1`` (options :class:`SparseGPTOptions`)."""
+
     name = "sparsegpt"
     default_scope = "layer"
-
-    def __init__(self, damp: float = 0.01, blocksize: int = 128) -> None:
-        if damp < 0:
-            raise LeanmlError(f"--sparsegpt-damp must be >= 0, got {damp}")
-        if blocksize < 1:
-            raise LeanmlError(f"--sparsegpt-blocksize must be >= 1, got {blocksize}")
-        self.damp = damp
-        self.blocksize = blocksize
-
-    @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("sparsegpt")
-        g.add_argument("--sparsegpt-damp", type=float, default=0.01, help="damping, fraction of mean diag(H)")
-        g.add_argument("--sparsegpt-blocksize", type=int, default=128, help="columns per lazy-update block")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> SparseGPTPruner:
-        return cls(damp=args.sparsegpt_damp, blocksize=args.sparsegpt_blocksize)
-
-    def config(self) -> dict[str, Any]:
-        return {"damp": self.damp, "blocksize": self.blocksize}
+    Options = SparseGPTOptions
 
     def prune_group(self, group: Group, stats: GroupStats | None, spec: LinearSpecs) -> dict[str, dict[str, Any]]:
         """All linears of the group in one OBS sweep (they share ``H`` and its factor)."""
         names = list(group.linears)
-        U = hinv_upper(stats.H, self.damp)[0]
+        o = self.options
+        U = hinv_upper(stats.H, o.damp)[0]
         new = sparsegpt_prune_many([group.linears[n].weight.data for n in names], stats.H,
-                                   [linear_spec(spec, n) for n in names], self.damp, self.blocksize, U=U)
+                                   [linear_spec(spec, n) for n in names], o.damp, o.blocksize, U=U)
         for n, W in zip(names, new):
             group.linears[n].weight.data.copy_(W)
         return {}

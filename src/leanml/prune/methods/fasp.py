@@ -32,12 +32,13 @@ GPT-NeoX) and models with one key/value group are refused when attention is amon
 
 from __future__ import annotations
 
-import argparse
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
+from leanml.config import option, require
 from leanml.models import surgery
 from leanml.models.layout import DecoderAdapter
 from leanml.prune.base import Group, GroupStats, Pruner
@@ -49,12 +50,56 @@ PAIRS = {"attention": "attn_out", "mlp": "mlp_out"}
 ALLOCS = ("score", "uniform")
 
 
-def _parse_pairs(text: str) -> tuple[str, ...]:
-    names = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in names if p not in PAIRS]
-    if bad or not names:
-        raise LeanmlError(f"--fasp-pairs must list some of {', '.join(PAIRS)} (comma separated), got {text!r}")
-    return names
+@dataclass(frozen=True)
+class StructuredOptions:
+    """structured pair pruning (fasp, wanda-sp, magnitude-sp, flap)"""
+
+    prefix: ClassVar[str] = "fasp-"
+
+    pairs: str = option("attention,mlp", "pairs to prune: attention (whole key/value groups), mlp, or both "
+                                         "(comma separated)")
+    alloc: Literal["score", "uniform"] = option(
+        "score", "score: --sparsity is the fraction of all parameters removed, split between attention groups and "
+        "MLP units by score; uniform: every pair of every layer loses the fraction --sparsity of its units")
+    groups: int | None = option(None, "with --fasp-alloc score: remove exactly this many key/value groups per layer "
+                                      "(default: chosen by score)", show_default=False)
+    plan_samples: int = option(8, "with --fasp-alloc score: calibration windows the allocation's dense pre-pass "
+                                  "reads")
+    multiple: int = option(1, "round the kept units per layer to a multiple of this")
+    shrink: bool = option(True, "remove pruned units physically (smaller MLPs and attention); --fasp-no-shrink "
+                                "keeps them as zeros", negative="--fasp-no-shrink")
+
+    def __post_init__(self) -> None:
+        require(self, bool(self.pair_names) and all(p in PAIRS for p in self.pair_names), "pairs",
+                f"must list some of {', '.join(PAIRS)} (comma separated), got {self.pairs!r}")
+        require(self, self.multiple >= 1, "multiple", f"must be >= 1, got {self.multiple}")
+        require(self, self.alloc in ALLOCS, "alloc", f"must be one of {', '.join(ALLOCS)}, got {self.alloc!r}")
+        require(self, self.groups is None or (self.alloc == "score" and "attention" in self.pair_names
+                                              and self.groups >= 0), ("groups", "alloc", "pairs"),
+                f"groups needs alloc score with attention among pairs and a count >= 0, got {self.groups}")
+        require(self, self.plan_samples >= 1, "plan_samples", f"must be >= 1, got {self.plan_samples}")
+
+    @property
+    def pair_names(self) -> tuple[str, ...]:
+        """The pairs as a tuple (``("attention", "mlp")``)."""
+        return tuple(p.strip() for p in self.pairs.split(",") if p.strip())
+
+
+@dataclass(frozen=True)
+class FaspOptions(StructuredOptions):
+    """structured pair pruning (fasp, wanda-sp, magnitude-sp, flap; --fasp-damp and --fasp-target: fasp only)"""
+
+    damp: float = option(0.01, "fasp: least-squares damping towards the dense weights, relative to each feature's "
+                               "diag(H)")
+    target: Literal["pruned", "dense"] = option(
+        "pruned", "fasp: refit against the pruned-path input (W H[:,S] (H[S,S]+dI)^-1) or against the dense "
+        "model's input (W G[:,S] ...; needs the dense statistics, slower)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self, self.damp >= 0, "damp", f"must be >= 0, got {self.damp}")
+        require(self, self.target in ("dense", "pruned"), "target",
+                f"must be 'dense' or 'pruned', got {self.target!r}")
 
 
 class StructuredPairPruner(Pruner):
@@ -68,86 +113,14 @@ class StructuredPairPruner(Pruner):
     #: whether the allocation pre-pass needs calibration data (magnitude-sp reads weights only)
     plan_needs_data: ClassVar[bool] = True
 
-    def __init__(
-        self,
-        pairs: tuple[str, ...] | str = ("attention", "mlp"),
-        multiple: int = 1,
-        shrink: bool = True,
-        alloc: str = "score",
-        groups: int | None = None,
-        plan_samples: int = 8,
-    ) -> None:
-        self.pairs = _parse_pairs(pairs) if isinstance(pairs, str) else tuple(pairs)
-        if any(p not in PAIRS for p in self.pairs):
-            raise LeanmlError(f"unknown pair in {self.pairs}; choose from {', '.join(PAIRS)}")
-        if multiple < 1:
-            raise LeanmlError(f"--fasp-multiple must be >= 1, got {multiple}")
-        self.group_names = frozenset(PAIRS[p] for p in self.pairs)  # the engine groups this method prunes
-        if alloc not in ALLOCS:
-            raise LeanmlError(f"--fasp-alloc must be one of {', '.join(ALLOCS)}, got {alloc!r}")
-        if groups is not None and (alloc != "score" or "attention" not in self.pairs or groups < 0):
-            raise LeanmlError("--fasp-groups needs --fasp-alloc score with attention among --fasp-pairs and a count "
-                              f">= 0, got {groups}")
-        self.multiple = int(multiple)
-        self.shrink = bool(shrink)
-        self.alloc = alloc
-        self.groups = None if groups is None else int(groups)
-        if plan_samples < 1:
-            raise LeanmlError(f"--fasp-plan-samples must be >= 1, got {plan_samples}")
-        self.plan_samples = int(plan_samples)
+    Options: ClassVar[type] = StructuredOptions
+
+    def __init__(self, options: Any = None, /, **changes: Any) -> None:
+        super().__init__(options, **changes)
+        self.group_names = frozenset(PAIRS[p] for p in self.options.pair_names)  # the groups this method prunes
         self._bias_params_added = 0  # biases created by bias compensation, for the params_before count
         #: score allocation: units removed per layer by group name ("attn_out", "mlp_out"), and its record
         self.plan: dict[str, Any] | None = None
-
-    # ---- CLI -------------------------------------------------------------------------------------
-    @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Options shared by ``fasp``, ``wanda-sp``, ``magnitude-sp`` and ``flap`` (added once)."""
-        if "--fasp-pairs" in parser._option_string_actions:  # noqa: SLF001 - shared by four methods
-            return
-        g = parser.add_argument_group("structured pair pruning (fasp, wanda-sp, magnitude-sp, flap)")
-        g.add_argument("--fasp-pairs", default="attention,mlp",
-                       help="pairs to prune: attention (whole key/value groups), mlp, or both "
-                            "(default: attention,mlp)")
-        g.add_argument("--fasp-alloc", choices=ALLOCS, default="score",
-                       help="score: --sparsity is the fraction of all parameters removed, split between "
-                            "attention groups and MLP units by score (default); uniform: every pair of "
-                            "every layer loses the fraction --sparsity of its units")
-        g.add_argument("--fasp-groups", type=int, default=None,
-                       help="with --fasp-alloc score: remove exactly this many key/value groups per layer "
-                            "(default: chosen by score)")
-        g.add_argument("--fasp-plan-samples", type=int, default=8,
-                       help="with --fasp-alloc score: calibration windows the allocation's dense pre-pass "
-                            "reads (default: 8)")
-        g.add_argument("--fasp-multiple", type=int, default=1,
-                       help="round the kept units per layer to a multiple of this (default: 1)")
-        g.add_argument("--fasp-no-shrink", action="store_true",
-                       help="keep pruned units as zeros instead of physically smaller MLPs and attention")
-        g.add_argument("--fasp-damp", type=float, default=0.01,
-                       help="fasp: least-squares damping towards the dense weights, relative to each "
-                            "feature's diag(H) (default: 0.01)")
-        g.add_argument("--fasp-target", choices=("pruned", "dense"), default="pruned",
-                       help="fasp: refit against the pruned-path input (W H[:,S] (H[S,S]+dI)^-1; default) or "
-                            "against the dense model's input (W G[:,S] ...; needs the dense statistics, slower)")
-
-    @classmethod
-    def _common(cls, args: argparse.Namespace) -> dict[str, Any]:
-        return {
-            "pairs": getattr(args, "fasp_pairs", "attention,mlp"),
-            "multiple": getattr(args, "fasp_multiple", 1),
-            "shrink": not getattr(args, "fasp_no_shrink", False),
-            "alloc": getattr(args, "fasp_alloc", "score"),
-            "groups": getattr(args, "fasp_groups", None),
-            "plan_samples": getattr(args, "fasp_plan_samples", 8),
-        }
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Pruner:
-        return cls(**cls._common(args))
-
-    def config(self) -> dict[str, Any]:
-        return {"pairs": list(self.pairs), "multiple": self.multiple, "shrink": self.shrink, "alloc": self.alloc,
-                "groups": self.groups, "plan_samples": self.plan_samples}
 
     # ---- method-specific parts -------------------------------------------------------------------
     def unit_scores(
@@ -175,8 +148,8 @@ class StructuredPairPruner(Pruner):
         for g in pairs:
             if g.fixed_reason is not None:
                 raise LeanmlError(f"{g.fixed_reason}; use --fasp-pairs mlp")
-            if self.alloc == "uniform":
-                core.num_kept(g.units.n_units, spec.sparsity, self.multiple)
+            if self.options.alloc == "uniform":
+                core.num_kept(g.units.n_units, spec.sparsity, self.options.multiple)
             elif not 0.0 <= spec.sparsity < 1.0:
                 raise LeanmlError(f"structured sparsity must be in [0, 1), got {spec.sparsity}; e.g. --sparsity 0.3")
 
@@ -204,7 +177,7 @@ class StructuredPairPruner(Pruner):
         model layer by layer on the first ``plan_samples`` calibration windows, score every attention group and MLP unit with
         :meth:`unit_scores` on the dense inputs, and choose the units removed per layer
         (:func:`leanml.prune.cores.fasp.allocate`). An infeasible budget fails before the pass."""
-        if self.alloc != "score" or spec is None:
+        if self.options.alloc != "score" or spec is None:
             return {}
         layers = adapter.layers()
         pairs0 = {g.name: g for g in adapter.pairs(layers[0]) if g.units is not None and g.name in self.group_names}
@@ -215,11 +188,11 @@ class StructuredPairPruner(Pruner):
         # feasibility from the shapes alone, before any calibration pass
         dummy = {name: torch.zeros(len(layers), n) for name, n in n_units.items()}
         core.allocate(dummy.get("attn_out"), dummy.get("mlp_out"), costs.get("attn_out", 0),
-                      costs.get("mlp_out", 0), budget, self.multiple, self.groups)
-        scores = self._dense_scores(model, adapter, calib_ids[: self.plan_samples], batch_size, device, progress)
+                      costs.get("mlp_out", 0), budget, self.options.multiple, self.options.groups)
+        scores = self._dense_scores(model, adapter, calib_ids[: self.options.plan_samples], batch_size, device, progress)
         att, mlp = core.normalize_layer_scores(scores.get("attn_out"), scores.get("mlp_out"))
         choice = core.allocate(att, mlp, costs.get("attn_out", 0), costs.get("mlp_out", 0), budget,
-                               self.multiple, self.groups)
+                               self.options.multiple, self.options.groups)
         removed = {"attn_out": int(choice["groups_removed"]), "mlp_out": int(choice["units_removed"])}
         self.plan = {
             "removed": {k: v for k, v in removed.items() if k in pairs0},
@@ -280,8 +253,8 @@ class StructuredPairPruner(Pruner):
     def keep_count(self, group: Group, spec: MaskSpec) -> int:
         """Units of ``group`` this layer keeps."""
         n_units = group.units.n_units  # type: ignore[union-attr]
-        if self.alloc == "uniform":
-            return core.num_kept(n_units, spec.sparsity, self.multiple)
+        if self.options.alloc == "uniform":
+            return core.num_kept(n_units, spec.sparsity, self.options.multiple)
         if self.plan is None:
             raise LeanmlError(f"{self.name} with --fasp-alloc score needs its allocation pre-pass (prepare) before "
                               "pruning; run it through leanml.prune.engine.prune_model or use --fasp-alloc uniform")
@@ -354,7 +327,7 @@ class StructuredPairPruner(Pruner):
         flags = surgery.ensure_bias_format(model, adapter)
         mlp: dict[str, Any] = {"intermediate_size": None, "live_units": []}
         att: dict[str, Any] = {"num_key_value_heads": None, "num_attention_heads": None, "live_groups": []}
-        if self.shrink:
+        if self.options.shrink:
             att = surgery.shrink_attention(model, adapter)
             mlp = surgery.shrink_mlp(model, adapter)
         after = surgery.count_parameters(model)
@@ -405,25 +378,12 @@ class FaspPruner(StructuredPairPruner):
 
     name: ClassVar[str] = "fasp"
 
-    def __init__(self, damp: float = 0.01, target: str = "pruned", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if not damp >= 0:
-            raise LeanmlError(f"--fasp-damp must be >= 0, got {damp}")
-        if target not in ("dense", "pruned"):
-            raise LeanmlError(f"--fasp-target must be 'dense' or 'pruned', got {target!r}")
-        self.damp = float(damp)
-        self.target = target
+    Options: ClassVar[type] = FaspOptions
+
+    def __init__(self, options: Any = None, /, **changes: Any) -> None:
+        super().__init__(options, **changes)
         # the dense statistics (G) are only needed when refitting against the dense model
-        self.needs_dense = target == "dense"  # type: ignore[misc]
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Pruner:
-        return cls(
-            damp=getattr(args, "fasp_damp", 0.01), target=getattr(args, "fasp_target", "pruned"), **cls._common(args)
-        )
-
-    def config(self) -> dict[str, Any]:
-        return dict(super().config(), damp=self.damp, target=self.target)
+        self.needs_dense = self.options.target == "dense"  # type: ignore[misc]
 
     def unit_scores(
         self, W: torch.Tensor, sq_norms: torch.Tensor, mean: torch.Tensor | None, columns: torch.Tensor
@@ -433,8 +393,8 @@ class FaspPruner(StructuredPairPruner):
     def update(
         self, W: torch.Tensor, stats: GroupStats, keep_cols: torch.Tensor, prune_cols: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        G = stats.G if self.target == "dense" else None
-        return core.restore_least_squares(W, stats.H, keep_cols, G=G, damp=self.damp), None
+        G = stats.G if self.options.target == "dense" else None
+        return core.restore_least_squares(W, stats.H, keep_cols, G=G, damp=self.options.damp), None
 
 
 class WandaStructuredPruner(StructuredPairPruner):

@@ -1,0 +1,84 @@
+"""Perplexity of a model on a corpus, and the checks every command that evaluates shares: the sequence
+length against the model's limit and a JSON output path. ``leanml eval`` is :func:`evaluate_job`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from leanml.config import ConfigError
+from leanml.eval.config import EvalJob
+from leanml.utils import LeanmlError, check_writable, clean_stale
+
+
+def check_seqlen(model: nn.Module, seqlen: int, owner: Any = None, name: str = "seqlen") -> None:
+    """Refuse a window longer than the model's ``max_position_embeddings``. The message names ``name``;
+    with ``owner`` (the options object holding it) the command line shows the flag that set it."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and seqlen > limit:
+        raise ConfigError(f"{name} {seqlen} is above the model's maximum of {limit} tokens",
+                          None if owner is None else type(owner), (name,))
+
+
+def check_json_out(path: str | None, flag: str = "--json") -> Path | None:
+    """Refuse, before any work, a JSON output path that is a folder or cannot be written."""
+    if path is None:
+        return None
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise LeanmlError(f"{flag} {out} is a folder; give a file path, e.g. {flag} {out / 'eval.json'}")
+    check_writable(out.parent, flag)
+    clean_stale(out)  # a temporary file a killed run left beside it
+    return out
+
+
+def evaluate_windows(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device | str,
+                     progress: bool = True) -> dict[str, Any]:
+    """Perplexity of ``model`` on ``windows`` (``(n, seqlen)`` ids) as a report record; a model whose weights
+    are not on ``device`` runs layer by layer."""
+    from leanml.eval.perplexity import on_device, perplexity
+
+    layerwise = not on_device(model, torch.device(device))
+    t0 = time.perf_counter()
+    ppl = perplexity(model, windows, batch_size=batch_size, device=device, progress=progress, layerwise=layerwise)
+    return {"ppl": ppl, "windows": int(windows.shape[0]), "seqlen": int(windows.shape[1]),
+            "seconds": time.perf_counter() - t0, "device": str(device), "layerwise": layerwise}
+
+
+def evaluate_text(model: nn.Module, tokenizer: Any, data: str, seqlen: int, max_windows: int | None,
+                  batch_size: int, device: torch.device | str) -> dict[str, Any]:
+    """Perplexity on the test split of corpus ``data`` (its first ``max_windows`` windows, or all)."""
+    from leanml.data.text import load_text, token_windows
+
+    windows = token_windows(tokenizer, load_text(data, "test"), seqlen)
+    if max_windows is not None:
+        windows = windows[:max_windows]
+    return {**evaluate_windows(model, windows, batch_size, device), "data": data, "split": "test"}
+
+
+def evaluate_job(job: EvalJob) -> dict[str, Any]:
+    """``leanml eval``: every input checked before the model is loaded, then the perplexity record (written
+    to ``job.json`` when given)."""
+    from leanml.data.text import check_corpus
+    from leanml.models import check_dtype, load_model, parse_dtype
+    from leanml.models.check import check_model_input
+    from leanml.utils import apply_threads, machine_info, parse_device, write_json
+
+    json_out = check_json_out(job.json)
+    threads = apply_threads(job.threads)
+    device = parse_device(job.device)
+    check_dtype(parse_dtype(job.dtype), device)
+    check_model_input(job.model, job.seqlen)
+    check_corpus(job.data, "test", "--data")
+    model, tokenizer = load_model(job.model, dtype=parse_dtype(job.dtype))  # stays on the CPU; layers visit
+    check_seqlen(model, job.seqlen, job)
+    result = evaluate_text(model, tokenizer, job.data, job.seqlen, job.max_windows, job.batch_size, device)
+    result.update({"model": job.model, "dtype": job.dtype, "threads": threads, "machine": machine_info()})
+    if json_out is not None:
+        write_json(json_out, result)
+        result["json"] = str(json_out)
+    return result

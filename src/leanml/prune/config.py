@@ -1,0 +1,185 @@
+"""The options of a pruning run, each declared once (see :mod:`leanml.config`).
+
+:class:`PruneConfig` is what :func:`leanml.prune` takes: the mask (sparsity or N:M pattern, scope), the
+method and its options object (one dataclass per method, beside its pruner in ``prune/methods/``), the
+per-layer sparsity profile, the calibration windows and how the engine walks the model. It checks itself
+once, when made; everything derived from it (the resolved mask, the pruner) comes from its methods.
+:class:`PruneJob` adds what ``leanml prune`` does around the library call: which model to load, where to
+save it, whether to evaluate and to stream. The command line is generated from both.
+
+Example::
+
+    from leanml.prune.config import PruneConfig
+    from leanml.prune.methods.fista import FistaOptions
+
+    config = PruneConfig(method="fista", pattern="2:4", options=FistaOptions(iters=10))
+    report = leanml.prune(model, calib_ids, config)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from leanml.config import ConfigError, option, require
+from leanml.eval.config import Compute, ModelInput
+from leanml.prune.masks import MaskSpec, parse_pattern
+from leanml.prune.methods import available, pruner_class
+from leanml.utils import LeanmlError
+
+__all__ = ["OwlOptions", "PruneConfig", "PruneJob"]
+
+
+@dataclass(frozen=True)
+class OwlOptions:
+    """Outlier-weighted layer sparsities (Yin et al. 2024; :mod:`leanml.prune.owl`)."""
+
+    m: float = option(5.0, "owl: outlier threshold M on |W|*||X||")
+    lam: float = option(0.08, "owl: largest deviation of a layer's sparsity from the target", flag="--owl-lambda")
+
+    def __post_init__(self) -> None:
+        require(self, self.m > 0, "m", f"must be > 0, got {self.m}")
+        require(self, 0 <= self.lam <= 1, "lam", f"must be in [0, 1], got {self.lam}")
+
+
+@dataclass(frozen=True)
+class PruneConfig(Compute):
+    """One pruning run of the layer-wise engine (the model and calibration ids are given apart)."""
+
+    method: str = option("sparsegpt", "pruning method", choices=tuple(available()))
+    sparsity: float = option(0.5, "fraction of weights to remove, in (0, 1)")
+    pattern: str | None = option(None, "N:M semi-structured pattern, e.g. 2:4 (overrides --sparsity)")
+    scope: Literal["row", "layer"] | None = option(
+        None, "unstructured mask: same count per output row, or one threshold per matrix (default: the method's)")
+    sparsity_profile: str | tuple[float, ...] = option(
+        "uniform", "per-layer sparsity of unstructured methods: uniform, or owl (outlier-weighted, Yin et al. "
+        "2024; the total stays exact); from Python also one sparsity per decoder layer", choices=("uniform", "owl"))
+    owl: OwlOptions = option(default_factory=OwlOptions, prefix="owl-")
+    calib: str = option("shakespeare", "calibration corpus (shakespeare, a .txt, wikitext2, c4, ptb)")
+    nsamples: int = option(64, "calibration windows")
+    calib_samples: float = option(
+        0.0, "share F in [0, 1] of the calibration windows sampled from the model itself (temperature 1, from its "
+        "BOS token; self-generated calibration beside --calib)", metavar="F")
+    seed: int = option(0, "calibration sampling seed")
+    mode: Literal["sequential", "dense"] = option(
+        "sequential", "sequential: pruned outputs feed the next layer; dense: every layer sees dense inputs")
+    intra_layer: bool | None = option(
+        None, "intra-layer cumulative error correction: later groups of a layer see the pruned earlier ones "
+        "(default: the method's; on for fista and structured methods; --no-intra-layer gathers a layer's "
+        "statistics in one pass of the dense layer, the default of magnitude, wanda, sparsegpt)")
+    stream_device: Literal["auto", "device", "cpu"] = option(
+        "auto", "where activations live between layers: auto (on the GPU while its free memory allows, else "
+        "pinned host memory), device, or cpu")
+    checkpoint_interval: float = option(
+        0.0, "write the activation streams for --resume at most every SECONDS (0: after every layer); finished "
+        "layers are always written; all writes run in the background", metavar="SECONDS")
+    options: Any = option(None, "the method's options object (None: its defaults)", cli=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        cls = pruner_class(self.method)
+        require(self, 0 < self.sparsity < 1, "sparsity", f"must be in (0, 1), got {self.sparsity}")
+        require(self, self.options is None or isinstance(self.options, cls.Options), "options",
+                f"{self.method} takes {cls.Options.__name__}, got {type(self.options).__name__}")
+        require(self, self.nsamples >= 1, "nsamples", f"must be at least 1, got {self.nsamples}")
+        require(self, 0 <= self.calib_samples <= 1, "calib_samples",
+                f"is a share of the calibration windows in [0, 1], got {self.calib_samples}")
+        require(self, self.checkpoint_interval >= 0, "checkpoint_interval",
+                f"must be >= 0, got {self.checkpoint_interval}")
+        spec = self.spec
+        require(self, not (cls.structured and spec.pattern is not None), "pattern",
+                f"{self.method} removes whole units and takes no N:M mask: drop pattern")
+        require(self, spec.pattern is None or cls.supports_pattern, "pattern",
+                f"{self.method} does not support N:M masks: drop pattern")
+        profile = self.sparsity_profile
+        if isinstance(profile, str):
+            require(self, profile in ("uniform", "owl"), "sparsity_profile",
+                    f"{profile!r} is unknown; choose uniform or owl (or one sparsity per layer)")
+        else:
+            require(self, len(profile) > 0 and all(0.0 < float(s) < 1.0 for s in profile), "sparsity_profile",
+                    "needs one sparsity in (0, 1) per decoder layer")
+        if profile != "uniform":
+            what = f"the {self.pattern} pattern" if spec.pattern is not None else f"structured {self.method}"
+            require(self, spec.pattern is None and not cls.structured, "sparsity_profile",
+                    f"sparsity_profile {self.profile_name} sets unstructured per-layer sparsities; it does not "
+                    f"apply to {what}: "
+                    "drop sparsity_profile")
+
+    @functools.cached_property
+    def spec(self) -> MaskSpec:
+        """The mask, its open scope resolved to the method's default (the one place a scope is chosen)."""
+        try:
+            spec = MaskSpec(self.sparsity, parse_pattern(self.pattern), self.scope)
+        except LeanmlError as exc:
+            raise ConfigError(str(exc), type(self)) from None  # names the pattern as the user wrote it
+        return pruner_class(self.method).resolve_spec(spec)
+
+    @property
+    def profile_name(self) -> str:
+        """``uniform``, ``owl`` or ``custom`` (one sparsity per layer)."""
+        return self.sparsity_profile if isinstance(self.sparsity_profile, str) else "custom"
+
+    @property
+    def intra_layer_on(self) -> bool:
+        """Intra-layer correction as asked, else the method's default."""
+        return pruner_class(self.method).resolve_intra_layer(self.intra_layer)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The walk's settings as :func:`leanml.prune.engine.prune_model` takes them."""
+        return {"sequential": self.mode == "sequential", "intra_layer": self.intra_layer,
+                "batch_size": self.batch_size, "sparsity_profile": self.sparsity_profile,
+                "owl": {"m": self.owl.m, "lam": self.owl.lam}, "stream_device": self.stream_device,
+                "checkpoint_interval": self.checkpoint_interval}
+
+    def method_options(self) -> Any:
+        """The method's options: the given object, or the method's defaults."""
+        return self.options if self.options is not None else pruner_class(self.method).Options()
+
+    def pruner(self) -> Any:
+        """A fresh pruner of ``method`` with these options."""
+        return pruner_class(self.method)(self.method_options())
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruneJob(ModelInput):
+    """``leanml prune``: load ``model``, calibrate, prune with ``config``, evaluate, save to ``out``."""
+
+    out: str = option(help="output directory (appears only when complete)")
+    overwrite: bool = option(False, "replace an existing output directory")
+    resume: bool = option(False, "continue from the per-layer checkpoint of an interrupted run")
+    save_format: Literal["safetensors", "compressed"] = option(
+        "safetensors", "safetensors (plain from_pretrained loads it) or compressed (sparse-bitmask layout that "
+        "leanml reloads: a 50% model is 0.63x the dense directory; python -m leanml.models.compressed writes "
+        "the dense copy other tools read)")
+    eval: bool = option(True, "perplexity before and after (--no-eval skips it)")
+    eval_data: str = option("shakespeare", "corpus whose test split gives perplexity")
+    eval_windows: int | None = option(None, "evaluate on the first N test windows (default all)",
+                                      show_default=False)
+    stream: bool = option(False, "never hold the whole model: read each layer from the safetensors shards, write "
+                                 "it pruned, free it (models bigger than memory; no perplexity)")
+    max_memory: str | None = option(None, "with --stream (implies it): host-memory cap, e.g. 1.2GB; activations "
+                                          "spill to disk above it", metavar="SIZE", show_default=False)
+    config: PruneConfig = option(default_factory=PruneConfig, prefix="")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self, self.eval_windows is None or self.eval_windows >= 1, "eval_windows",
+                f"must be at least 1, got {self.eval_windows}")
+        if self.streamed:
+            require(self, not self.config.calib_samples, ("calib_samples", "stream"),
+                    "calib_samples samples from the whole model, which stream never holds; drop one of them")
+            require(self, self.save_format == "safetensors", ("stream", "save_format"),
+                    "stream writes safetensors shards; drop save_format compressed")
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the run reads the model layer by layer from its shards (``stream`` or a memory cap)."""
+        return self.stream or self.max_memory is not None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint must match besides the engine's own settings."""
+        c = self.config
+        extra = {"stream": True} if self.streamed else {"calib_samples": c.calib_samples}
+        return {"model": self.model, "calib": c.calib, "seed": c.seed, "seqlen": c.seqlen, "dtype": self.dtype,
+                **extra}
