@@ -21,6 +21,8 @@ from leanml.features import (
     Extractor,
     FeatureBatch,
     Hash,
+    PipelineOptions,
+    TrainOptions,
     graph,
     run_pipelined,
 )
@@ -63,7 +65,7 @@ def test_assign_output_feeds_a_featurebox_graph_that_trains(tmp_path, capsys) ->
               [Hash(input="user_id", output="user", buckets=101),
                ContentIdLookup(input="ad_id", output="ad_visual", table="visual", k=4, m=2, offset=True)],
               label="click", sparse=["user"], sequence=["ad_visual"], tables={"visual": "visual_ids.parquet"})
-    ecfg = ExtractConfig.build(g, [data_dir / "log.tsv"], batch_rows=256)
+    ecfg = ExtractConfig.build(g, [data_dir / "log.tsv"], PipelineOptions(batch_rows=256))
 
     batch = FeatureBatch.concat(list(Extractor(ecfg)))
     got = batch.seqs[0].numpy()
@@ -73,7 +75,7 @@ def test_assign_output_feeds_a_featurebox_graph_that_trains(tmp_path, capsys) ->
     assert got[-1].tolist() == [4, 9]  # the ad without IDs gets each position's unknown row
 
     torch.manual_seed(0)
-    _, rep = run_pipelined(ecfg, epochs=3, lr=1e-2, dim=8, hidden=(16,), device="cpu")
+    _, rep = run_pipelined(ecfg, TrainOptions(epochs=3, lr=1e-2, dim=8, hidden=(16,)), device="cpu")
     losses = [t["loss"] for t in rep["train"]]
     assert rep["rows"] == 3 * len(ads) and all(np.isfinite(losses))
     assert losses[-1] < losses[0]

@@ -76,8 +76,8 @@ class CTRConfig:
                 f"unknown CTR model {self.model!r}; choose one of {', '.join(sorted(MODELS))}")
         require(self, _canonical(self.features) is not None, "features", _bad_features(self.features))
         require(self, self.epochs >= 1, "epochs", f"must be at least 1, got {self.epochs}")
-        require(self, self.embed_dim >= 1 and self.batch_size >= 1, ("embed_dim", "batch_size"),
-                f"embed_dim={self.embed_dim} and batch_size={self.batch_size} must be >= 1")
+        require(self, self.embed_dim >= 1, "embed_dim", f"must be >= 1, got {self.embed_dim}")
+        require(self, self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         require(self, self.lr is None or (self.lr > 0 and math.isfinite(self.lr)), "lr",
                 f"must be > 0, got {self.lr}")
         require(self, self.visual_fields in VISUAL_FIELDS, "visual_fields",
