@@ -119,7 +119,7 @@ def train_job(job: TrainJob, progress: bool = True) -> tuple[dict[str, Any], Pat
     quarantine = _quarantine_path(job.inputs, report_path.with_name(report_path.stem + ".quarantine.jsonl"))
     test_logs = job.test_log
     if job.features:
-        rows_estimate = check_features_dir(job.features)
+        rows_estimate = check_features_dir(job.features, _flag(TrainJob, "features"))
         if test_logs:
             check_logs(test_logs, load_graph(job.inputs.graph).schema, what=_flag(TrainJob, "test_log"))
         cfg = None

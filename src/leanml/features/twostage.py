@@ -131,12 +131,12 @@ def _extract(cfg: ExtractConfig, out: str | Path, overwrite: bool, progress: boo
     return report
 
 
-def check_features_dir(features_dir: str | Path) -> int:
+def check_features_dir(features_dir: str | Path, what: str = "features_dir") -> int:
     """Raise unless ``features_dir`` holds readable ``part-*.parquet`` files from :func:`extract_to_parquet`
-    with rows; returns their row count."""
+    with rows; returns their row count. ``what`` names the parameter (or flag) that gave the folder."""
     d = Path(features_dir)
     if not d.is_dir():
-        raise LeanmlError(f"--features {d} is not a folder; pass the --out folder of `leanml features extract`")
+        raise LeanmlError(f"{what} {d} is not a folder; pass the output folder of `leanml features extract`")
     files = sorted(d.glob("part-*.parquet"))
     if not files:
         raise LeanmlError(f"no part-*.parquet files in {d}; run `leanml features extract` first")
