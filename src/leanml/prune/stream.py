@@ -183,7 +183,8 @@ def prune_streamed(
                           "drop --stream or use --sparsity-profile uniform")
     t0 = time.perf_counter()
     io0 = io_bytes()
-    bound_allocator()
+    if max_memory is not None:  # only a cap is worth the allocator's cost (see bound_allocator)
+        bound_allocator()
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -247,6 +248,7 @@ def prune_streamed(
     io1 = io_bytes()
     report["stream"] = {
         "max_memory_bytes": max_memory,
+        "allocator": "bounded" if max_memory is not None else "default",
         "floor": floor,
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
