@@ -324,7 +324,7 @@ def part_memory(S: Sizes, device: str, assets: Path | None, emit: Emitter, args:
     import torch
 
     from leanml.memory import Budget
-    from leanml.memory.api import DEFAULT_COMPILE_BUDGETS
+    from leanml.memory.compiled import DEFAULT_COMPILE_BUDGETS
     from leanml.memory.runner import StrategyRunner, lm_unoptimized_peak
     from leanml.memory.train import TrainConfig
 

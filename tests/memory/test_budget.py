@@ -94,8 +94,8 @@ def test_meter_sees_keyword_inputs_of_a_recomputed_module() -> None:
 def test_hf_attention_recompute_measured_as_modelled() -> None:
     """Recomputing Hugging Face attention (called with keyword inputs): the measured peak matches the
     planner's model within 10%."""
-    from leanml.memory.api import build_problem
-    from leanml.memory.planner import evaluate
+    from leanml.memory.plan_types import evaluate
+    from leanml.memory.problem import build_problem
 
     model = tiny_llama()
     model.config.use_cache = False

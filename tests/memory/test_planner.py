@@ -6,16 +6,10 @@ import time
 
 import pytest
 
-from leanml.memory.planner import (
-    LayerSpec,
-    Option,
-    Problem,
-    evaluate,
-    greedy_plan,
-    min_peak,
-    min_peak_plan,
-    solve_plan,
-)
+from leanml.memory.greedy import greedy_plan
+from leanml.memory.milp import min_peak
+from leanml.memory.plan_types import LayerSpec, Option, PlanInfeasible, Problem, evaluate
+from leanml.memory.planner import min_peak_plan, solve_plan
 
 
 def _random_problem(rng: random.Random, n_layers: int, n_groups: int, n_opts: int, post: bool = True,
@@ -140,8 +134,6 @@ def _greedy_trap() -> Problem:
 
 
 def test_refusal_names_budget_smallest_peak_and_reason() -> None:
-    from leanml.memory.planner import PlanInfeasible
-
     problem = _greedy_trap()
     assert min_peak(problem) == pytest.approx(60.0)
     with pytest.raises(PlanInfeasible) as err:
@@ -155,8 +147,6 @@ def test_refusal_names_budget_smallest_peak_and_reason() -> None:
 def test_greedy_that_gets_stuck_says_so() -> None:
     """Above the smallest peak the greedy search can still fail; its message must not claim the budget is
     below the smallest peak (the contradiction 'no plan fits 80; the smallest feasible peak is 60')."""
-    from leanml.memory.planner import PlanInfeasible
-
     with pytest.raises(PlanInfeasible, match=r"greedy search stopped at a peak of 100 bytes") as err:
         greedy_plan(_greedy_trap(), 80.0)
     assert err.value.floor == pytest.approx(60.0) and "below" not in err.value.reason
@@ -169,16 +159,16 @@ def test_solver_failure_above_the_floor_uses_the_smallest_plan(monkeypatch: pyte
     used instead of a refusal."""
     import types
 
-    from leanml.memory import planner
+    from leanml.memory import milp, planner
 
-    real = planner._solve_milp
+    real = milp.solve_milp
 
     def failing(problem, budget, time_limit, relax=False):  # noqa: ANN001, ANN202
         b, _ = real(problem, budget, time_limit, relax)
         return b, types.SimpleNamespace(x=None, status=status, message="stand-in failure", fun=None)
 
-    monkeypatch.setattr(planner, "_solve_milp", failing)
+    monkeypatch.setattr(planner, "solve_milp", failing)
     sol = solve_plan(_greedy_trap(), 80.0)
     assert sol.status == "smallest" and sol.peak == pytest.approx(60.0) and sol.choices == [[1, 1]]
-    with pytest.raises(planner.PlanInfeasible, match=r"no plan fits 50 bytes: the budget is 10 bytes below"):
+    with pytest.raises(PlanInfeasible, match=r"no plan fits 50 bytes: the budget is 10 bytes below"):
         solve_plan(_greedy_trap(), 50.0)

@@ -5,15 +5,17 @@ import statistics
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from leanml.memory.profiler import (
+from leanml.memory.costs import (
     CompiledStat,
     CompressStat,
     GroupStats,
     Profile,
+    copy_unmeasured,
+    copy_unmeasured_compiled,
     layer_classes,
     pool_timings,
-    profile_step,
 )
+from leanml.memory.profiler import profile_step
 from leanml.memory.structure import GroupKey, find_blocks
 
 from .test_runtime import IDS
@@ -87,3 +89,23 @@ def test_pooling_a_real_profile() -> None:
             assert all(pooled.groups[GroupKey(i, child)].fwd_s == want for i in cls)
             assert all(pooled.groups[GroupKey(i, child)].bytes == prof.groups[GroupKey(i, child)].bytes for i in cls)
     assert pooled.peak_bytes == prof.peak_bytes
+
+
+def test_unmeasured_layers_copy_the_nearest_measured_one_scaled_by_bytes() -> None:
+    """Layer 1 (not measured, twice layer 0's bytes) and layer 3 (nearest: layer 2) copy compressor and
+    compiled stats scaled by bytes; errors and the largest output stay as measured."""
+    groups = {}
+    for i, b in enumerate([100, 200, 400, 400]):
+        g = GroupStats(i, "mlp", "mlp", bytes=b, outlier_ratio=float(i + 1))
+        if i in (0, 2):
+            g.compress = {"bf16": CompressStat(b // 2, 0.01 * (i + 1), 0.02 * (i + 1), 0.001 * (i + 1), b)}
+        groups[g.key] = g
+    copy_unmeasured(groups, {0, 2})
+    assert groups[GroupKey(1, "mlp")].compress["bf16"] == CompressStat(100, 0.02, 0.04, 0.001, 100)
+    assert groups[GroupKey(1, "mlp")].outlier_ratio == 1.0
+    assert groups[GroupKey(3, "mlp")].compress["bf16"] == CompressStat(200, 0.03, 0.06, 0.003, 400)
+    compiled = {0: [CompiledStat(0.5, 80, 40, -0.1, 2.0, {"bf16": CompressStat(40, 0.01, 0.01, 0.002, 40)})]}
+    eager = [1.0, 0.0, 0.0, 0.0]
+    copy_unmeasured_compiled(compiled, eager, 4, groups)
+    assert eager == [1.0, 2.0, 4.0, 4.0]
+    assert compiled[2] == [CompiledStat(0.5, 320, 40, -0.4, 0.0, {"bf16": CompressStat(160, 0.04, 0.04, 0.002, 40)})]

@@ -114,7 +114,7 @@ def test_out_of_memory_in_a_step_is_one_line_naming_the_fix(monkeypatch: pytest.
 def test_out_of_memory_while_planning(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_llama()
     adacc = Adacc(model, budget=0.5)
-    monkeypatch.setattr("leanml.memory.api.profile_step", _oom)
+    monkeypatch.setattr("leanml.memory.adacc.profile_step", _oom)
     with pytest.raises(LeanmlError, match=r"ran out of memory while Adacc profiled and planned .*smaller batch") as err:
         adacc.prepare(input_ids=IDS, labels=IDS)
     assert "\n" not in str(err.value) and adacc._applied is None

@@ -27,6 +27,8 @@ from leanml.utils import LeanmlError
 
 log = logging.getLogger(__name__)
 
+#: the compiler budgets that ``compile_blocks=True`` stands for (each layer may run compiled at one of them)
+DEFAULT_COMPILE_BUDGETS = (1.0, 0.5, 0.0)
 _BACKENDS: dict[float, Callable] = {}
 
 

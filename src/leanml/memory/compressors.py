@@ -47,11 +47,6 @@ class Packed:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def tensor_nbytes(t: torch.Tensor) -> int:
-    """Bytes of a tensor's own elements (not of its whole storage)."""
-    return t.numel() * t.element_size()
-
-
 def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
     """``||x - y|| / ||x||`` in float64 (0 for an all-zero ``x`` reconstructed exactly)."""
     x64, y64 = x.detach().double(), y.detach().double()

@@ -7,9 +7,9 @@ Example::
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[AdaccCallback(budget=0.5)])
     trainer.train()           # plans on the first training batch, keeps the budget every step
 
-The callback creates an :class:`~leanml.memory.api.Adacc` on the model when training begins (it plans
+The callback creates an :class:`~leanml.memory.adacc.Adacc` on the model when training begins (it plans
 lazily, on the first training forward, from the batch the Trainer passes), calls
-:meth:`~leanml.memory.api.Adacc.step` after every optimizer step, adds the measured peak and
+:meth:`~leanml.memory.adacc.Adacc.step` after every optimizer step, adds the measured peak and
 re-planning time to the Trainer's logs, and writes ``adacc.json`` (the Adacc report) into
 ``args.output_dir`` when training ends. The model must compute its loss (batches carry ``labels``),
 or pass ``loss_fn=`` as for ``Adacc``. Do not combine with ``torch_compile=True`` (use
@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from leanml.memory.api import Adacc
+from leanml.memory.adacc import Adacc
 from leanml.memory.budget import Budget, BudgetLike
 from leanml.utils import write_json
 
@@ -33,7 +33,7 @@ MIB = 2**20
 class AdaccCallback(TrainerCallback):
     """Keeps a ``Trainer``'s activation memory under ``budget`` with Adacc. ``report_name``: file written
     into ``args.output_dir`` at the end of training (None: none). Other keyword arguments go to
-    :class:`~leanml.memory.api.Adacc`."""
+    :class:`~leanml.memory.adacc.Adacc`."""
 
     def __init__(self, budget: BudgetLike = 0.5, report_name: str | None = "adacc.json", **adacc_kwargs: Any) -> None:
         self.budget = Budget.parse(budget)

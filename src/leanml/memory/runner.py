@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from leanml.memory.api import OOM_ERRORS, Adacc, default_loss, out_of_memory
+from leanml.memory.adacc import Adacc, default_loss
 from leanml.memory.budget import Budget
 from leanml.memory.compiled import budget_backend
+from leanml.memory.devices import OOM_ERRORS, out_of_memory
 from leanml.memory.meter import ActivationMeter, AllocatorPeak, param_tensors
 from leanml.memory.profiler import unoptimized_peak
 from leanml.memory.runtime import apply_strategy, disable_kv_cache

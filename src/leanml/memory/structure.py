@@ -36,11 +36,6 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def block_children(block: nn.Module) -> list[str]:
-    """Names of the direct children of a block that may form groups."""
-    return [name for name, _ in block.named_children()]
-
-
 def kind_of(name: str) -> str:
     """Coarse kind of a group from its name: attention, mlp, norm, act, residual or other."""
     low = name.lower()

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from leanml.config import option, require
-from leanml.memory.api import DEFAULT_COMPILE_BUDGETS
 from leanml.memory.budget import DEFAULT_BUDGET, Budget
+from leanml.memory.compiled import DEFAULT_COMPILE_BUDGETS
 from leanml.memory.runner import StrategyRunner
 from leanml.utils import EtaBar, LeanmlError
 

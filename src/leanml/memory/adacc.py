@@ -26,190 +26,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from leanml.memory.budget import Budget, BudgetLike
+from leanml.memory.calibrate import MIB, Calibration
 from leanml.memory.compiled import (
+    DEFAULT_COMPILE_BUDGETS,
     CompiledLoss,
     compile_loss_function,
-    compiled_option_name,
     supported_budgets,
 )
 from leanml.memory.compressors import FLOAT_COMPRESSORS
+from leanml.memory.costs import Profile, pool_timings
+from leanml.memory.devices import OOM_ERRORS, max_over_ranks, out_of_memory
 from leanml.memory.meter import ActivationMeter, param_tensors
-from leanml.memory.planner import (
-    LayerSpec,
-    Option,
-    PlanInfeasible,
-    Problem,
-    Solution,
-    min_peak,
-    min_peak_plan,
-    solve_plan,
-)
+from leanml.memory.milp import min_peak
 from leanml.memory.policy import DriftMonitor, DriftThresholds
-from leanml.memory.profiler import Profile, pool_timings, profile_step
-from leanml.memory.runtime import BITPACK, RECOMPUTE, RETAIN, SELECTIVE, AppliedPlan, disable_kv_cache
-from leanml.memory.structure import SELF, GroupKey, find_blocks, tensors_in
+from leanml.memory.problem import build_problem
+from leanml.memory.profiler import profile_step
+from leanml.memory.records import PlanRecord, ShapePlan
+from leanml.memory.runtime import AppliedPlan, disable_kv_cache
+from leanml.memory.structure import find_blocks, tensors_in
 from leanml.memory.timing import DeviceTimer
 from leanml.utils import LeanmlError
 
 log = logging.getLogger(__name__)
-
-MIB = 2**20
-DEFAULT_COMPILE_BUDGETS = (1.0, 0.5, 0.0)
-# the device allocator's out-of-memory errors (torch.OutOfMemoryError is newer than torch.cuda's)
-OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
-    {e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
-     if isinstance(e, type)})
-
-
-def out_of_memory(what: str, exc: BaseException, fix: str) -> LeanmlError:
-    """One-line error for a device out-of-memory ``exc`` raised while doing ``what``, naming ``fix``."""
-    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    first = ". ".join(first.split(". ")[:2])[:160]
-    return LeanmlError(f"the device ran out of memory {what} ({first}); {fix}")
-
-
-def _cap(caps: dict[str, float], name: str, default: float) -> float:
-    return caps.get(name, default)
-
-
-def _compiled_alternatives(profile: Profile, layer: int, max_error: float, caps: dict[str, float]) -> list[Option]:
-    """Whole-layer options of a layer run by compiled kernels: per compile budget, retained or compressed."""
-    stats = profile.compiled.get(layer, [])
-    if not stats:
-        return []
-    full = max(c.bytes for c in stats)
-    opts = []
-    for c in stats:
-        # recomputation inside the compiled backward lives while this layer's backward runs
-        opts.append(Option(compiled_option_name(c.budget), c.bytes, max(0.0, full - c.bytes), c.time_s))
-        for name, st in c.compress.items():
-            if st.error > _cap(caps, name, max_error) or st.payload_bytes >= c.bytes:
-                continue
-            opts.append(Option(compiled_option_name(c.budget, name), st.payload_bytes, full,
-                               c.time_s + st.pack_s + st.unpack_s, st.error))
-    return opts
-
-
-def build_problem(profile: Profile, max_error: float = 0.05, caps: dict[str, float] | None = None,
-                  compress_head: bool = False) -> tuple[Problem, list[list[tuple[GroupKey, list[str]]]], list[str]]:
-    """Planner instance from a profile. Returns the problem, per layer the (group, option names) in the
-    problem's order, and the option names of the ``post`` group. Each layer's whole-layer options are
-    its checkpoint, then (when the profile has them) its compiled variants."""
-    caps = caps or {}
-    layers: list[LayerSpec] = []
-    names: list[list[tuple[GroupKey, list[str]]]] = []
-    for layer in range(profile.n_layers):
-        specs, layer_names = [], []
-        total = 0
-        biggest = 0
-        for g in profile.layer_groups(layer):
-            if g.bytes == 0:
-                continue
-            total += g.bytes
-            biggest = max(biggest, g.max_tensor_bytes)
-            opts = [Option(RETAIN, g.bytes)]
-            if g.child != SELF:
-                opts.append(Option(RECOMPUTE, g.input_bytes, g.bytes + g.max_tensor_bytes, g.fwd_s))
-                sel_keep = g.input_bytes + g.sel_saved_bytes
-                if sel_keep < g.bytes:  # recompute only the pointwise ops, keep matmul/attention outputs
-                    opts.append(Option(SELECTIVE, sel_keep, g.bytes, g.sel_recompute_s))
-            for name, st in g.compress.items():
-                lossy = name != BITPACK
-                if lossy and st.error > _cap(caps, name, max_error):
-                    continue
-                if st.payload_bytes >= g.bytes:
-                    continue
-                opts.append(Option(name, st.payload_bytes, st.max_out_bytes, st.pack_s + st.unpack_s, st.error))
-            specs.append(opts)
-            layer_names.append((g.key, [o.name for o in opts]))
-        ck = None
-        if specs:
-            fwd = sum(g.fwd_s for g in profile.layer_groups(layer)) if profile.layer_fwd_s[layer] == 0 else \
-                profile.layer_fwd_s[layer]
-            ck = Option("checkpoint", profile.layer_input_bytes[layer], total + biggest, fwd)
-        layers.append(LayerSpec(specs, ck, _compiled_alternatives(profile, layer, max_error, caps) if specs else []))
-        names.append(layer_names)
-    pre = profile.groups.get(GroupKey(None, "pre"))
-    post = profile.groups.get(GroupKey(None, "post"))
-    post_opts: list[Option] = []
-    post_names: list[str] = []
-    if post is not None and post.bytes:
-        post_opts.append(Option(RETAIN, post.bytes))
-        post_names.append(RETAIN)
-        if compress_head:
-            for name, st in post.compress.items():
-                if (name == BITPACK or st.error <= _cap(caps, name, max_error)) and st.payload_bytes < post.bytes:
-                    post_opts.append(Option(name, st.payload_bytes, st.max_out_bytes, st.pack_s + st.unpack_s, st.error))
-                    post_names.append(name)
-    return Problem(layers, float(pre.bytes if pre else 0), post_opts), names, post_names
-
-
-@dataclass
-class PlanRecord:
-    """A plan as applied: the solver's answer translated to groups and layers."""
-
-    layer_checkpoint: list[bool]
-    options: dict[GroupKey, str]
-    budget_bytes: float
-    model_budget_bytes: float
-    predicted_peak: float
-    predicted_time_s: float
-    status: str
-    solve_s: float
-    measured_peak: int | None = None
-    layer_modes: list[str] = field(default_factory=list)  # "" (per group), "checkpoint" or "compiled@b[+X]"
-    unoptimized_peak: float = 0.0
-    shape: str = ""
-
-    def summary(self) -> dict[str, int]:
-        """How many groups take each option (whole-layer options counted per layer)."""
-        counts: dict[str, int] = {}
-        whole = {i for i, m in enumerate(self.layer_modes) if m} | {i for i, c in enumerate(self.layer_checkpoint) if c}
-        for key, opt in self.options.items():
-            if key.layer is not None and key.layer in whole:
-                continue
-            counts[opt] = counts.get(opt, 0) + 1
-        counts["checkpoint(layer)"] = sum(self.layer_checkpoint)
-        for m in self.layer_modes:
-            if m and m != "checkpoint":
-                counts[f"{m}(layer)"] = counts.get(f"{m}(layer)", 0) + 1
-        return counts
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "shape": self.shape,
-            "layer_checkpoint": self.layer_checkpoint,
-            "layer_modes": self.layer_modes,
-            "options": {k.label(): v for k, v in self.options.items()},
-            "budget_bytes": self.budget_bytes,
-            "model_budget_bytes": self.model_budget_bytes,
-            "unoptimized_peak": self.unoptimized_peak,
-            "predicted_peak": self.predicted_peak,
-            "predicted_time_s": self.predicted_time_s,
-            "measured_peak": self.measured_peak,
-            "status": self.status,
-            "solve_s": self.solve_s,
-            "summary": self.summary(),
-        }
-
-
-@dataclass
-class _ShapePlan:
-    """What is cached per input shape."""
-
-    profile: Profile
-    record: PlanRecord
-    problem: Problem
-    names: list
-    post_names: list[str]
-    floor: float
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -254,7 +98,7 @@ class Adacc:
     ``profile``: a profile of the same architecture and input shape (``other.profile``, e.g. from an Adacc
     on a model sharing these weights, with the same compressors and ``compile_blocks``) to plan the first
     batch of that shape from instead of profiling again. ``pool_layers``: plan from times pooled over
-    layers that do the same work (median over the measured ones, :func:`~leanml.memory.profiler.pool_timings`)
+    layers that do the same work (median over the measured ones, :func:`~leanml.memory.costs.pool_timings`)
     rather than each layer's own, noisier, timing. ``compile_loss``: run a Hugging Face model's loss
     function (log-softmax and NLL over the vocabulary) as compiled kernels; default: when
     ``compile_blocks`` is on. Its saved bytes are those of the eager loss; only its time drops.
@@ -324,7 +168,7 @@ class Adacc:
         self.replan_s = 0.0  # all time spent profiling, solving and calibrating (initial plan included)
         self.last_step_replan_s = 0.0  # of that, what the most recent training step spent
         self._given_profile = profile
-        self._plans: dict[str, _ShapePlan] = {}
+        self._plans: dict[str, ShapePlan] = {}
         self._sig: str | None = None
         self._applied: AppliedPlan | None = None
         self._inputs: tuple[tuple, dict] | None = None
@@ -391,8 +235,7 @@ class Adacc:
         loss, self._last_loss = self._last_loss, None
         if loss is None or self.plan is None or bool(torch.isfinite(loss).all()):
             return
-        lossy = sorted({o for o in self.plan.options.values() if o not in (RETAIN, RECOMPUTE, SELECTIVE, BITPACK)}
-                       | {m.partition("+")[2] for m in self.plan.layer_modes if "+" in m})
+        lossy = self.plan.lossy()
         if lossy:
             raise LeanmlError(
                 f"the training loss became {loss.flatten()[0].item()} at step {self._steps} under a plan that compresses "
@@ -470,15 +313,8 @@ class Adacc:
         budget = self.budget.to_bytes(profile.peak_bytes)
         problem, names, post_names = build_problem(pool_timings(profile) if self.pool_layers else profile,
                                                    self.max_error, self.error_caps, self.compress_head)
-        floor = min_peak(problem)
-        entry = _ShapePlan(profile, None, problem, names, post_names, floor)  # type: ignore[arg-type]
-        if budget < floor:
-            smallest = max(floor, self._measure_smallest(entry, budget)[0])
-            raise LeanmlError(
-                f"memory budget {budget / MIB:.1f} MiB is below the smallest feasible plan "
-                f"{smallest / MIB:.1f} MiB ({smallest / profile.peak_bytes:.1%} of the unoptimized peak "
-                f"{profile.peak_bytes / MIB:.1f} MiB for inputs [{sig}]); raise the budget to at least that")
-        entry.record = self._calibrated(entry, budget, budget)
+        entry = ShapePlan(profile, None, problem, names, post_names, min_peak(problem))  # type: ignore[arg-type]
+        entry.record = self._calibration().plan(entry, budget)
         self._plans[sig] = entry
         self._sig = sig
         self.profile, self.plan = profile, entry.record
@@ -490,84 +326,14 @@ class Adacc:
                              "profile_peak_bytes": profile.profile_peak_bytes, "seconds": seconds})
         log.info("adacc plan (%s, %.1fs): %s", reason, seconds, entry.record.summary())
 
-    def _calibrated(self, entry: _ShapePlan, budget: float, model_budget: float) -> PlanRecord:
-        """Solve, install and (with ``calibrate``) measure; tighten the planner's budget by any overshoot.
-        Raises when the measured peak stays over ``budget``, naming the smallest budget that holds."""
-        args, kwargs = self._inputs  # type: ignore[misc]
-        record = None
-        attempts = self.max_calibrations if self.calibrate else 1
-        for attempt in range(attempts):
-            try:
-                sol = solve_plan(entry.problem, model_budget, self.time_limit)
-            except PlanInfeasible as exc:
-                self.remove_plan()
-                lowered = "" if record is None else (
-                    f" (the budget lowered by calibration: the previous plan measured "
-                    f"{(record.measured_peak or 0) / MIB:.1f} MiB)")
-                raise LeanmlError(
-                    f"memory budget {budget / MIB:.1f} MiB cannot be planned: the planner's budget "
-                    f"{model_budget / MIB:.1f} MiB{lowered} got no plan because {exc.reason}; the smallest "
-                    f"{'feasible peak is' if exc.proven else 'peak of a plan found is'} {exc.floor / MIB:.1f} MiB; "
-                    f"raise the budget above {max(budget, exc.floor) / MIB:.1f} MiB"
-                    + ("" if exc.proven else f" or give the solver more time (time_limit, now {self.time_limit:g} s)")) from None
-            if sol.status == "greedy":
-                log.warning("planner: MILP time limit reached without a solution, using the greedy plan")
-            sol = _broadcast(sol)
-            record = self._to_record(sol, entry, budget, model_budget)
-            self._install(record, entry.profile)
-            if not self.calibrate:
-                return record
-            record.measured_peak = self.measure(*args, **kwargs)
-            # every rank must take the same decision, or their broadcasts no longer pair up
-            over = _max_over_ranks(record.measured_peak - budget)
-            if over <= 0:
-                return record
-            log.info("plan measured %.1f MiB over budget; tightening the planner's budget", over / MIB)
-            if model_budget <= entry.floor or attempt == attempts - 1:
-                break
-            model_budget = max(entry.floor, model_budget - over - 0.01 * budget)
-        assert record is not None
-        measured = record.measured_peak or 0
-        smallest, fallback = self._measure_smallest(entry, budget, keep=True)
-        if smallest <= budget:  # the plan with the smallest modelled peak holds the budget: run that one
-            log.info("adacc: calibration fell back to the smallest plan (%.1f MiB)", smallest / MIB)
-            return fallback
-        self.remove_plan()
-        raise LeanmlError(
-            f"memory budget {budget / MIB:.1f} MiB cannot be held: after {attempts} calibrations the plan measured "
-            f"{measured / MIB:.1f} MiB; the smallest plan measures {smallest / MIB:.1f} MiB "
-            f"({smallest / entry.profile.peak_bytes:.1%} of the unoptimized peak "
-            f"{entry.profile.peak_bytes / MIB:.1f} MiB); raise the budget to at least that")
+    def _calibration(self) -> Calibration:
+        """How plans are tried: installed on this model, measured on the inputs being planned."""
+        def measure() -> int:
+            args, kwargs = self._inputs  # type: ignore[misc]
+            return self.measure(*args, **kwargs)
 
-    def _measure_smallest(self, entry: _ShapePlan, budget: float, keep: bool = False) -> tuple[float, PlanRecord]:
-        """Measured peak of the plan with the smallest modelled peak, and its record (left installed
-        when ``keep``)."""
-        args, kwargs = self._inputs  # type: ignore[misc]
-        sol = _broadcast(min_peak_plan(entry.problem, max(self.time_limit, 10.0)))
-        record = self._to_record(sol, entry, budget, sol.peak)
-        record.status = "smallest"
-        self._install(record, entry.profile)
-        try:
-            record.measured_peak = int(_max_over_ranks(self.measure(*args, **kwargs)))
-        finally:
-            if not keep:
-                self.remove_plan()
-        return float(record.measured_peak), record
-
-    def _to_record(self, sol: Solution, entry: _ShapePlan, budget: float, model_budget: float) -> PlanRecord:
-        options: dict[GroupKey, str] = {}
-        modes = []
-        for layer, layer_names in enumerate(entry.names):
-            spec = entry.problem.layers[layer]
-            w = sol.whole[layer]
-            modes.append(spec.whole[w].name if w >= 0 else "")
-            for (key, opts), idx in zip(layer_names, sol.choices[layer]):
-                options[key] = RETAIN if w >= 0 else opts[idx]
-        if entry.post_names:
-            options[GroupKey(None, "post")] = entry.post_names[sol.post]
-        return PlanRecord(list(sol.checkpoint), options, budget, model_budget, sol.peak, sol.time, sol.status,
-                          sol.solve_s, layer_modes=modes, unoptimized_peak=entry.profile.peak_bytes,
-                          shape=entry.profile.shape)
+        return Calibration(self._install, self.remove_plan, measure, self.time_limit, self.max_calibrations,
+                           self.calibrate)
 
     def _install(self, record: PlanRecord, profile: Profile) -> None:
         self.remove_plan()
@@ -586,15 +352,7 @@ class Adacc:
 
     def _reset_monitor(self) -> None:
         assert self.profile is not None and self.plan is not None
-        errs, caps, outl = {}, {}, {}
-        for key, opt in self.plan.options.items():
-            g = self.profile.groups.get(key)
-            if g is None or opt in (RETAIN, RECOMPUTE, SELECTIVE, BITPACK) or opt not in g.compress:
-                continue
-            errs[key.label()] = g.compress[opt].error
-            caps[key.label()] = _cap(self.error_caps, opt, self.max_error)
-            outl[key.label()] = g.outlier_ratio
-        self.monitor.reset(errs, caps, outl)
+        self.monitor.reset(*self.plan.drift_references(self.profile, self.error_caps, self.max_error))
 
     # ------------------------------------------------------------------ measuring
     def measure(self, *args: Any, **kwargs: Any) -> int:
@@ -628,7 +386,7 @@ class Adacc:
         peak = self._close_step_meter()
         self._check_loss()
         if peak is not None and self.plan is not None:
-            over = _max_over_ranks(peak - self.plan.budget_bytes)
+            over = max_over_ranks(peak - self.plan.budget_bytes)
             if over > 0:
                 reasons.append(f"step peak {peak / MIB:.1f} MiB over the budget {self.plan.budget_bytes / MIB:.1f} MiB")
                 self._tighten(over)
@@ -645,7 +403,7 @@ class Adacc:
         elif checked:
             drift = self.monitor.check({}, {})
         # checks fall on the same steps on every rank; re-planning (a collective) must too
-        if checked and _max_over_ranks(float(bool(drift))) > 0 and not drift:
+        if checked and max_over_ranks(float(bool(drift))) > 0 and not drift:
             drift = ["drift on another rank"]
         if checked and not sampled and hooks is not None and not drift:
             hooks.sample = True  # sample the next step's compressed tensors
@@ -685,16 +443,7 @@ class Adacc:
         assert self.plan is not None and self._sig is not None
         t0 = self.timer.now()
         entry = self._plans[self._sig]
-        budget = self.plan.budget_bytes
-        if self.plan.model_budget_bytes <= entry.floor * (1 + 1e-9):
-            self.remove_plan()
-            raise LeanmlError(
-                f"memory budget {budget / MIB:.1f} MiB cannot be held: a training step measured "
-                f"{(budget + over) / MIB:.1f} MiB under the smallest plan; raise the budget to at least that")
-        model_budget = max(entry.floor, self.plan.model_budget_bytes - over - 0.01 * budget)
-        sol = _broadcast(solve_plan(entry.problem, model_budget, self.time_limit))
-        record = self._to_record(sol, entry, budget, model_budget)
-        self._install(record, entry.profile)
+        record = self._calibration().tightened(entry, self.plan, over)
         entry.record = self.plan = record
         self._reset_monitor()
         seconds = self.timer.now() - t0
@@ -737,22 +486,3 @@ class Adacc:
             "history": self.history,
             "profile": self.profile.to_json() if self.profile else None,
         }
-
-
-def _max_over_ranks(value: float) -> float:
-    """Under torch.distributed, the largest ``value`` over all ranks; else ``value``."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
-        t = torch.tensor([float(value)], dtype=torch.float64, device="cuda" if nccl else "cpu")
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return float(t.item())
-    return value
-
-
-def _broadcast(sol: Solution) -> Solution:
-    """Under torch.distributed, every rank takes rank 0's plan."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        box = [sol]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-    return sol
