@@ -99,3 +99,23 @@ def test_the_command_line_shows_flags_for_a_refused_field() -> None:
         prune_job(args)
     assert cli_message(exc.value, parser_flags(parser)) == (
         "--fista-lambda 0 cannot be tuned by bisection; give a positive value or --fista-rounds 1")
+
+
+def test_the_docs_list_every_flag_with_its_field_and_default() -> None:
+    """docs/prune.md and docs/fasp.md carry one table row per generated flag: flag, field, default."""
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    rows = {}
+    for page in ("prune.md", "fasp.md"):
+        for line in (docs / page).read_text().splitlines():
+            m = re.match(r"\| `(--[\w-]+)`(?: / `--[\w-]+`)? \| `([\w.]+)` \| (.*?) \|", line)
+            if m:
+                rows[m.group(1)] = (m.group(2).split(".")[-1], m.group(3))
+    for name, parser in _parsers().items():
+        for f in parser_flags(parser):
+            assert f.flag in rows, f"{name}: {f.flag} has no row in the docs' option tables"
+            field = next(x for x in dataclasses.fields(f.owner) if x.name == f.field)
+            shown = "required" if field.default is dataclasses.MISSING else f"`{field.default}`"
+            assert rows[f.flag] == (f.field, shown), (f.flag, rows[f.flag])

@@ -32,7 +32,8 @@ def prune(model: Any, calibration: Any, config: Any = None, *, adapter: Any = No
 
     config = PruneConfig() if config is None else config
     kwargs = dict(config.engine_kwargs(), adapter=adapter, device=parse_device(config.device),
-                  checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, progress=progress)
+                  checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, progress=progress,
+                  checked=True)  # the config checked its mask and profile when it was made
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from leanml.prune.parallel import prune_distributed
 

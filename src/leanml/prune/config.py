@@ -33,7 +33,7 @@ __all__ = ["OwlOptions", "PruneConfig", "PruneJob"]
 
 @dataclass(frozen=True)
 class OwlOptions:
-    """Outlier-weighted layer sparsities (Yin et al. 2024; :mod:`leanml.prune.owl`)."""
+    """Outlier-weighted layer sparsities (Yin et al. 2024; :mod:`leanml.prune.engine.allocation`)."""
 
     m: float = option(5.0, "owl: outlier threshold M on |W|*||X||")
     lam: float = option(0.08, "owl: largest deviation of a layer's sparsity from the target", flag="--owl-lambda")

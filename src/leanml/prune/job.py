@@ -206,7 +206,7 @@ def run_streamed(job: PruneJob, device: torch.device, out: Path, ckpt: Path) -> 
     with atomic_dir(out, overwrite=job.overwrite) as tmp:
         report = prune_streamed(src, tmp, calib, c.pruner(), c.spec, dtype=parse_dtype(job.dtype),
                                 max_memory=max_memory, device=device, checkpoint_dir=ckpt,
-                                fingerprint=job.fingerprint(), **settings)
+                                fingerprint=job.fingerprint(), checked=True, **settings)
         tokenizer.save_pretrained(tmp)
         report.update({"config": as_dict(job),
                        "calibration": {"corpus": c.calib, "nsamples": c.nsamples, "seqlen": c.seqlen, "seed": c.seed},

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanml.eval.perplexity import perplexity
+from leanml.eval.job import evaluate_windows
 from leanml.memory.runner import StrategyRunner
 from leanml.memory.train import batches
 from leanml.recover.config import RecoverConfig, lr_factor
@@ -69,13 +69,7 @@ PEAK_DEFINITION = ("saved-activation bytes of one training step (teacher targets
 def evaluate(model: nn.Module, eval_sets: dict[str, torch.Tensor], batch_size: int, device: torch.device,
              progress: bool = True) -> dict[str, dict[str, Any]]:
     """Perplexity (SparseGPT protocol) on each named set of windows."""
-    out = {}
-    for name, windows in eval_sets.items():
-        t0 = time.perf_counter()
-        ppl = perplexity(model, windows, batch_size=batch_size, device=device, progress=progress)
-        out[name] = {"ppl": ppl, "windows": int(windows.shape[0]), "seqlen": int(windows.shape[1]),
-                     "seconds": time.perf_counter() - t0}
-    return out
+    return {name: evaluate_windows(model, windows, batch_size, device, progress) for name, windows in eval_sets.items()}
 
 
 def _max_rss_bytes() -> int:

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from leanml.config import option, require
+from leanml.eval.job import check_seqlen
 from leanml.recover.config import RecoverConfig
 from leanml.recover.source import parse_nm
-from leanml.utils import LeanmlError
+from leanml.utils import LeanmlError, parse_device
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -77,20 +78,6 @@ class RecoverJob:
         return [c.strip() for c in self.eval_data.split(",") if c.strip()] if self.evaluate else []
 
 
-def _device(arg: str | None):  # noqa: ANN202
-    from leanml.utils import parse_device
-
-    return parse_device(arg)
-
-
-def _check_seqlen(model: Any, seqlen: int, flag: str) -> None:
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if seqlen < 2:
-        raise LeanmlError(f"{flag} must be at least 2, got {seqlen}")
-    if limit is not None and seqlen > limit:
-        raise LeanmlError(f"{flag} {seqlen} is above the model's maximum of {limit} tokens")
-
-
 def input_dtype(spec: str) -> str:
     """The dtype a model directory was saved in (its config.json), else float32."""
     from leanml.models import DTYPES
@@ -124,7 +111,7 @@ def run_recover_job(job: RecoverJob) -> dict[str, Any]:
         raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; add --resume to continue it, "
                           f"or delete {ckpt} to start over")
     threads = apply_threads(job.threads)
-    device = _device(job.device)
+    device = parse_device(job.device)
     _check_inputs(job)
     clean_stale_in(ckpt)
     # from here on a refused run removes the checkpoint folder it made (teacher samples) before training began
@@ -176,9 +163,9 @@ def _run(job: RecoverJob, out: Path, ckpt: Path, device: Any, threads: int) -> d
     if cfg.keep_masks:
         keeper = MaskKeeper.from_zeros(model)
         mask_info = check_masks(keeper, decl, job.model)
-    _check_seqlen(model, job.seqlen, "--seqlen")
+    check_seqlen(model, job.seqlen, job)
     if job.eval_names:
-        _check_seqlen(model, job.eval_seqlen, "--eval-seqlen")
+        check_seqlen(model, job.eval_seqlen, job, "eval_seqlen")
     teacher = None
     teacher_spec = job.teacher
     if teacher_spec == "source":

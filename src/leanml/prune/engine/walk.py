@@ -88,6 +88,7 @@ def prune_model(
     stream_device: str = "auto",
     checkpoint_interval: float = 0.0,
     layer_store: LayerStore | None = None,
+    checked: bool = False,
 ) -> dict[str, Any]:
     """Prune ``model`` in place, layer by layer; return the report (per-layer and per-linear stats).
 
@@ -114,6 +115,9 @@ def prune_model(
     ``layer_store``: streamed runs (:mod:`leanml.prune.stream`): the model is a meta-device skeleton and
     the store materializes the outer modules around the input capture and each layer for its turn, then
     writes and frees it; ``None``: the weights are in ``model``.
+    ``checked``: ``spec`` is resolved and it and ``sparsity_profile`` are checked already (a
+    :class:`~leanml.prune.config.PruneConfig` checks itself once, when made; :func:`leanml.prune` passes
+    True), so the walk does not check them again.
 
     Timing: every layer record carries ``solver_seconds`` (the method's own work: its statistics
     passes, its solves and the pass of the pruned layer that feeds the next one, read after waiting
@@ -122,10 +126,11 @@ def prune_model(
     """
     if calib_ids.dim() != 2:
         raise LeanmlError(f"calibration ids must be (nsamples, seqlen), got shape {tuple(calib_ids.shape)}")
-    spec = pruner.resolve_spec(spec)
     intra_layer = pruner.resolve_intra_layer(intra_layer)
-    check_spec(pruner, spec)
-    check_profile(sparsity_profile, spec, pruner)
+    if not checked:
+        spec = pruner.resolve_spec(spec)
+        check_spec(pruner, spec)
+        check_profile(sparsity_profile, spec, pruner)
     adapter = adapter or get_adapter(model)
     all_layers = adapter.layers()
     n_layers = len(all_layers)
