@@ -10,17 +10,24 @@ from leanml.config import option, require
 
 
 @dataclass(frozen=True)
-class ModelInput:
-    """Which model to load, in which dtype, with how many torch threads."""
+class Runtime:
+    """The weights' dtype and the torch threads."""
 
-    model: str = option("smollm2-135m", "HF directory, .gguf file, hub id, or smollm2-135m")
     dtype: Literal["float32", "bfloat16", "float16"] = option(
-        "float32", "weight dtype to load (statistics and solves stay float32)")
+        "float32", "weight dtype to load (pruning's statistics and solves stay float32; sparse kernels need "
+                   "bfloat16 or float16)")
     threads: int | None = option(None, "torch threads (default: the cores this process may use); lower it when "
                                        "other jobs share the machine", metavar="N")
 
     def __post_init__(self) -> None:
         require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class ModelInput(Runtime):
+    """Which model to load, in which dtype, with how many torch threads."""
+
+    model: str = option("smollm2-135m", "HF directory, .gguf file, hub id, or smollm2-135m")
 
 
 @dataclass(frozen=True)
@@ -52,3 +59,32 @@ class EvalJob(Compute, ModelInput):
         Compute.__post_init__(self)
         require(self, self.max_windows is None or self.max_windows >= 1, "max_windows",
                 f"must be at least 1, got {self.max_windows}")
+
+
+@dataclass(frozen=True)
+class SpeedJob(Runtime):
+    """``leanml speed``: prefill and decode speed, peak memory and size on disk of one or more models."""
+
+    models: tuple[str, ...] = option(("smollm2-135m",), "one or more HF directories, .gguf files, hub ids, or "
+                                     "smollm2-135m", flag="--model", nargs="+")
+    device: str | None = option(None, "cpu or cuda (default: cuda when present)", show_default=False)
+    prompt_len: int = option(256, "prefill tokens per sequence")
+    gen_len: int = option(32, "decode steps timed (0: skip decode)")
+    gen_prompt_len: int = option(32, "prompt put in the KV cache before decoding")
+    batch_size: int = option(1, "sequences per run")
+    repeats: int = option(5, "timed runs per model (median reported)")
+    warmup: int = option(1, "untimed runs per model first")
+    sparse_kernels: bool = option(False, "run the 2:4-sparse models among --model on semi-structured sparse kernels "
+                                         "(CUDA, bfloat16/float16; on the CPU they stay dense with a warning); the "
+                                         "others run dense")
+    json: str | None = option(None, "where to write the JSON report (default runs/speed-*.json)", metavar="FILE",
+                              show_default=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, low in (("prompt_len", 1), ("gen_len", 0), ("gen_prompt_len", 1), ("batch_size", 1),
+                          ("repeats", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            require(self, value >= low, name, f"must be at least {low}, got {value}")
+        require(self, len(set(self.models)) == len(self.models), "models",
+                "lists the same model twice; list each model once")

@@ -251,3 +251,49 @@ def measure_speed(
     vocab = len(tokenizer) if tokenizer is not None else None
     return measure_speeds({"model": model}, device, prompt_len, gen_len, repeats, batch_size, gen_prompt_len,
                           warmup, threads, seed, progress, vocab)["model"]
+
+
+def sparse_kernels_or_dense(model: nn.Module, spec: str) -> dict[str, Any] | None:
+    """Put a 2:4 model on sparse kernels (its report), leave any other dense (``None``, with a line)."""
+    from leanml.models.sparse import check_24, to_sparse_kernels
+
+    try:
+        check_24(model)
+    except LeanmlError:
+        print(f"{spec}: not 2:4 sparse, runs dense")
+        return None
+    return to_sparse_kernels(model, progress=False)
+
+
+def run_speed_job(job: Any) -> dict[str, Any]:
+    """``leanml speed`` (a :class:`~leanml.eval.config.SpeedJob`): load each model, time them interleaved,
+    write the JSON report (its path under ``"json"``) and return it."""
+    from leanml.eval.job import check_json_out
+    from leanml.models import BUNDLED, bundled_dir, check_dtype, count_parameters, load_model, parse_dtype
+    from leanml.utils import apply_threads, machine_info, parse_device, write_json
+
+    device = parse_device(job.device)
+    dtype = parse_dtype(job.dtype)
+    check_dtype(dtype, device)
+    name = "-".join(Path(s).name for s in job.models)[:80]
+    json_path = check_json_out(job.json) or Path("runs") / f"speed-{name}.json"
+    threads = apply_threads(job.threads)
+    models: dict[str, Any] = {}
+    info: dict[str, dict[str, Any]] = {}
+    for spec in job.models:
+        model, tok = load_model(spec, dtype=dtype, device=device)
+        where = bundled_dir(spec) if spec in BUNDLED else Path(spec).expanduser()
+        info[spec] = {"params": count_parameters(model),
+                      "disk_bytes": dir_size_bytes(where) if where.exists() else None,
+                      "sparse_kernels": sparse_kernels_or_dense(model, spec) if job.sparse_kernels else None}
+        models[spec] = model
+        vocab = len(tok)
+    if job.sparse_kernels and all(i["sparse_kernels"] is None for i in info.values()):
+        raise LeanmlError("--sparse-kernels: no --model is 2:4 sparse; prune one with --pattern 2:4 or drop the flag")
+    results = measure_speeds(models, device=device, prompt_len=job.prompt_len, gen_len=job.gen_len,
+                             repeats=job.repeats, batch_size=job.batch_size, gen_prompt_len=job.gen_prompt_len,
+                             warmup=job.warmup, threads=threads, vocab_size=vocab)
+    report = {"models": [{"model": spec, **info[spec], **results[spec]} for spec in job.models],
+              "dtype": job.dtype, "machine": machine_info()}
+    write_json(json_path, report)
+    return {**report, "json": str(json_path)}
