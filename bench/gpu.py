@@ -435,7 +435,8 @@ def part_ctr(S: Sizes, device: str, assets: Path | None, emit: Emitter, args: ar
 
     import torch
 
-    from leanml.ctr.train import CTRConfig, run_ctr
+    from leanml.ctr.options import CTRConfig
+    from leanml.ctr.train import run_ctr
 
     if assets is not None and (assets / "movielens_ctr.pkl").exists():
         with open(assets / "movielens_ctr.pkl", "rb") as f:
