@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import time
+from dataclasses import dataclass
+from typing import Literal
 
-from leanml.utils import add_threads_arg, apply_threads, cores_available
+from leanml.config import add_options, from_args, option, require
+from leanml.utils import apply_threads, cores_available
 
 # Each module provides ``run_demo(fast: bool) -> None`` and prints its own short table.
 DEMO_PARTS = [
@@ -25,6 +28,18 @@ FULL_BENCH = {
 }
 
 
+@dataclass(frozen=True)
+class DemoJob:
+    """The options of ``leanml demo``."""
+
+    only: Literal["prune", "memory", "ctr", "features"] | None = option(None, "run one part only")
+    threads: int | None = option(None, "torch threads (default: the cores this process may use); lower it when "
+                                       "other jobs share the machine", metavar="N")
+
+    def __post_init__(self) -> None:
+        require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
@@ -33,20 +48,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="examples:\n  leanml demo\n  leanml demo --only prune",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--only", choices=[m.split(".")[-2] for m in DEMO_PARTS], help="run one part only")
-    add_threads_arg(p)
-    p.set_defaults(func=run)
+    add_options(p, DemoJob)
+    p.set_defaults(func=lambda args: run(from_args(DemoJob, args)))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(job: DemoJob) -> int:
+    """Run every part (or ``job.only``) and print how long each took."""
     cores = cores_available()
-    threads = apply_threads(args.threads)
+    threads = apply_threads(job.threads)
     print(f"leanml demo: {threads} torch threads (--threads; this process may use {cores['cores']:g} cores); "
           "parts with small models use 1")
     took: list[tuple[str, float]] = []
     for name in DEMO_PARTS:
         part = name.split(".")[-2]
-        if args.only and part != args.only:
+        if job.only and part != job.only:
             continue
         apply_threads(threads)  # a part may have lowered it
         t0 = time.perf_counter()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import glob
 import json
@@ -352,60 +351,9 @@ def interrupt_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-# --- command-line option types: a bad value is refused by the parser, naming its flag -------------------
-
-
-def int_at_least(low: int) -> Any:
-    """An argparse ``type`` for integers ``>= low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
-def float_in(low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = False,
-             what: str = "") -> Any:
-    """An argparse ``type`` for finite floats in an interval (``high=None``: no upper bound);
-    ``low_open``/``high_open`` exclude the end points; ``what`` says what the value is ("a share of ...")."""
-    import math
-
-    lo_b, hi_b = "(" if low_open else "[", ")" if high_open else "]"
-    where = f"in {lo_b}{low:g}, {high:g}{hi_b}" if high is not None else (f"> {low:g}" if low_open else f">= {low:g}")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number {where}, got {text!r}") from None
-        bad = not math.isfinite(value) or value < low or (low_open and value == low)
-        if high is not None:
-            bad = bad or value > high or (high_open and value == high)
-        if bad:
-            raise argparse.ArgumentTypeError(f"is {what} {where}, got {text}" if what else f"must be {where}, got {text}")
-        return value
-
-    parse.__name__ = "float"
-    return parse
-
-
 def default_threads() -> int:
     """Torch threads by default: the cores this process may use (affinity mask and cgroup quota)."""
     return max(1, int(cores_available()["cores"]))
-
-
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    """Add ``--threads N`` (torch intra-op threads; default: the cores this process may use)."""
-    p.add_argument("--threads", type=int_at_least(1), default=None, metavar="N",
-                   help=f"torch threads (default: the cores this process may use, here {default_threads()}); "
-                        "lower it when other jobs share the machine")
 
 
 def apply_threads(threads: int | None) -> int:

@@ -22,8 +22,6 @@ from leanml.utils import (
     check_output_dir,
     clean_stale,
     clean_stale_in,
-    float_in,
-    int_at_least,
     parse_device,
 )
 
@@ -74,27 +72,6 @@ def test_output_checks_name_the_flag_and_create_nothing(tmp_path) -> None:
         check_output_dir(tmp_path / "file" / "sub" / "out", overwrite=False)
     assert check_output_dir(tmp_path / "new" / "deeper" / "out", overwrite=False) == tmp_path / "new" / "deeper" / "out"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
-
-
-@pytest.mark.parametrize("text,ok", [("1", True), ("0", False), ("-3", False), ("2.5", False), ("x", False)])
-def test_int_at_least(text: str, ok: bool) -> None:
-    parse = int_at_least(1)
-    if ok:
-        assert parse(text) == int(text)
-    else:
-        with pytest.raises(argparse.ArgumentTypeError):
-            parse(text)
-
-
-@pytest.mark.parametrize("text,ok", [("0.5", True), ("1", False), ("0", False), ("nan", False), ("inf", False),
-                                     ("-0.1", False), ("half", False)])
-def test_float_in_an_open_interval(text: str, ok: bool) -> None:
-    parse = float_in(0, 1, low_open=True, high_open=True)
-    if ok:
-        assert parse(text) == float(text)
-    else:
-        with pytest.raises(argparse.ArgumentTypeError, match=r"\(0, 1\)|expected"):
-            parse(text)
 
 
 def test_parse_device() -> None:
