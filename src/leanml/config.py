@@ -269,6 +269,25 @@ def _option_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
+def add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    job: type,
+    run: Callable[[Any], int],
+    *,
+    help: str,
+    description: str,
+    epilog: str = "",
+    skip: tuple[str, ...] = (),
+) -> argparse.ArgumentParser:
+    """A subcommand whose flags are the fields of the dataclass ``job``; it calls ``run(job(...))``."""
+    p = sub.add_parser(name, help=help, description=description, epilog=epilog,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(p, job, skip=skip)
+    p.set_defaults(func=lambda args: run(from_args(job, args)))
+    return p
+
+
 def parser_flags(parser: argparse.ArgumentParser) -> list[Flag]:
     """The options :func:`add_options` generated on ``parser`` (and its argument groups)."""
     return list(parser._defaults.get("_leanml_flags", []))

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from leanml.config import add_options, from_args, option, require
+from leanml.config import add_command, option, require
 from leanml.utils import apply_threads, cores_available
 
 # Each module provides ``run_demo(fast: bool) -> None`` and prints its own short table.
@@ -41,15 +41,10 @@ class DemoJob:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="run every system briefly on the bundled model and data",
-        description="Runs each system on the embedded defaults and prints its comparison table.",
-        epilog="examples:\n  leanml demo\n  leanml demo --only prune",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(p, DemoJob)
-    p.set_defaults(func=lambda args: run(from_args(DemoJob, args)))
+    add_command(sub, "demo", DemoJob, run,
+                help="run every system briefly on the bundled model and data",
+                description="Runs each system on the embedded defaults and prints its comparison table.",
+                epilog="examples:\n  leanml demo\n  leanml demo --only prune")
 
 
 def run(job: DemoJob) -> int:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from leanml.config import add_options, from_args
+from leanml.config import add_command
+
+if TYPE_CHECKING:
+    from leanml.eval.config import SpeedJob
 
 SPEED_EPILOG = """examples:
   leanml speed --model smollm2-135m
@@ -17,25 +21,19 @@ SPEED_EPILOG = """examples:
 def register(sub: argparse._SubParsersAction) -> None:
     from leanml.eval.config import SpeedJob
 
-    p = sub.add_parser(
-        "speed",
-        help="prefill/decode tokens/s, peak memory and disk size of models",
-        description="Time prefill (one forward over a random prompt, no KV cache) and greedy decode (one token "
-                    "at a time after a cached prompt) of each model, median of --repeats runs, models "
-                    "interleaved; report peak memory (CUDA allocator peak, or process peak RSS on CPU) and "
-                    "the bytes of each model directory's weight files. Writes a JSON report.",
-        epilog=SPEED_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(p, SpeedJob)
-    p.set_defaults(func=run_speed)
+    add_command(sub, "speed", SpeedJob, run_speed,
+                help="prefill/decode tokens/s, peak memory and disk size of models",
+                description="Time prefill (one forward over a random prompt, no KV cache) and greedy decode (one "
+                "token at a time after a cached prompt) of each model, median of --repeats runs, models "
+                "interleaved; report peak memory (CUDA allocator peak, or process peak RSS on CPU) and "
+                "the bytes of each model directory's weight files. Writes a JSON report.",
+                epilog=SPEED_EPILOG)
 
 
-def run_speed(args: argparse.Namespace) -> int:
-    from leanml.eval.config import SpeedJob
+def run_speed(job: SpeedJob) -> int:
     from leanml.eval.speed import run_speed_job
 
-    report = run_speed_job(from_args(SpeedJob, args))
+    report = run_speed_job(job)
     base = report["models"][0]
     print(f"{'model':<30} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak MiB':>9} {'disk MiB':>9}")
     for r in report["models"]:

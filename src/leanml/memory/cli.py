@@ -8,8 +8,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from leanml.config import add_options, from_args
+from leanml.config import add_command
+
+if TYPE_CHECKING:
+    from leanml.memory.job import TrainJob
 
 EPILOG = """examples:
   leanml train --model smollm2-135m --data shakespeare --memory adacc --memory-budget 0.5
@@ -39,24 +43,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``train`` subcommand."""
     from leanml.memory.job import TrainJob
 
-    p = sub.add_parser(
-        "train",
-        help="fine-tune a causal LM under a training-memory strategy (Adacc)",
-        description="Fine-tune a causal LM on a text corpus with a training-memory strategy and report the "
-        "peak saved-activation memory, step time, tokens/s and loss.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(p, TrainJob)
-    p.set_defaults(func=run)
+    add_command(sub, "train", TrainJob, run,
+                help="fine-tune a causal LM under a training-memory strategy (Adacc)",
+                description="Fine-tune a causal LM on a text corpus with a training-memory strategy and report the "
+                "peak saved-activation memory, step time, tokens/s and loss.",
+                epilog=EPILOG)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(job: TrainJob) -> int:
     """Run ``leanml train``."""
-    from leanml.memory.job import TrainJob, run_train_job
+    from leanml.memory.job import run_train_job
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    job = from_args(TrainJob, args)
     result = run_train_job(job)["result"]
     mib = 2**20
     budget = result["budget_bytes"]

@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from leanml.config import add_options, from_args
+from leanml.config import add_command
+
+if TYPE_CHECKING:
+    from leanml.recover.job import RecoverJob
 
 EPILOG = """examples:
   leanml prune --model smollm2-135m --method sparsegpt --sparsity 0.5 --out out/sgpt50
@@ -63,25 +66,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``recover`` subcommand."""
     from leanml.recover.job import RecoverJob
 
-    p = sub.add_parser(
-        "recover",
-        help="fine-tune a pruned model keeping its sparsity, with optional distillation, under a memory budget",
-        description="Fine-tune a model written by `leanml prune` on a text corpus, keeping its mask exactly "
-        "(unstructured, N:M, structured), optionally distilling a dense teacher, under a training-memory "
-        "strategy; report perplexity before and after, time and peak memory.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(p, RecoverJob, skip=("compile_blocks",))
-    p.set_defaults(func=run)
+    add_command(sub, "recover", RecoverJob, run, skip=("compile_blocks",),
+                help="fine-tune a pruned model keeping its sparsity, with optional distillation, under a memory "
+                "budget",
+                description="Fine-tune a model written by `leanml prune` on a text corpus, keeping its mask exactly "
+                "(unstructured, N:M, structured), optionally distilling a dense teacher, under a training-memory "
+                "strategy; report perplexity before and after, time and peak memory.",
+                epilog=EPILOG)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(job: RecoverJob) -> int:
     """Run ``leanml recover``."""
-    from leanml.recover.job import RecoverJob, run_recover_job
+    from leanml.recover.job import run_recover_job
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    job = from_args(RecoverJob, args)
     report = run_recover_job(job)
     print_summary(report, job.out)
     return 0
