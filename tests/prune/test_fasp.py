@@ -377,6 +377,6 @@ def test_cli_options_are_added_once_and_parsed():
     q = pruner("wanda-sp", "--fasp-groups", "1")
     assert q.options.alloc == "score" and q.options.groups == 1 and q.config()["groups"] == 1
     assert FaspPruner.needs_dense is False and FaspPruner().needs_dense is False  # class default untouched
-    assert pruner("flap", *argv[:2]).options.pair_names == ("mlp",)
+    assert pruner("flap", *argv[:2]).options.pair_names == ("mlp",) == FlapPruner(pairs=("mlp",)).options.pair_names
     assert not pruner("flap", "--fasp-no-shrink").options.shrink and pruner("flap").options.shrink
     assert p.config()["target"] == "dense"

@@ -56,8 +56,8 @@ class StructuredOptions:
 
     prefix: ClassVar[str] = "fasp-"
 
-    pairs: str = option("attention,mlp", "pairs to prune: attention (whole key/value groups), mlp, or both "
-                                         "(comma separated)")
+    pairs: str | tuple[str, ...] = option("attention,mlp", "pairs to prune: attention (whole key/value groups), "
+                                                           "mlp, or both (comma separated; from Python also a tuple)")
     alloc: Literal["score", "uniform"] = option(
         "score", "score: --sparsity is the fraction of all parameters removed, split between attention groups and "
         "MLP units by score; uniform: every pair of every layer loses the fraction --sparsity of its units")
@@ -82,7 +82,8 @@ class StructuredOptions:
     @property
     def pair_names(self) -> tuple[str, ...]:
         """The pairs as a tuple (``("attention", "mlp")``)."""
-        return tuple(p.strip() for p in self.pairs.split(",") if p.strip())
+        names = self.pairs.split(",") if isinstance(self.pairs, str) else self.pairs
+        return tuple(p.strip() for p in names if p.strip())
 
 
 @dataclass(frozen=True)
