@@ -86,7 +86,7 @@ def test_real_tiny_model_and_bad_lengths():
     assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["dtype"] == "float32"
     with pytest.raises(LeanmlError, match="past the model's 128 positions"):
         measure_speed(model, prompt_len=500, repeats=1, progress=False)
-    with pytest.raises(LeanmlError, match="--repeats must be at least 1"):
+    with pytest.raises(LeanmlError, match="repeats must be at least 1"):
         measure_speed(model, repeats=0, progress=False)
 
 

@@ -62,18 +62,32 @@ class EvalJob(Compute, ModelInput):
 
 
 @dataclass(frozen=True)
-class SpeedJob(Runtime):
-    """``leanml speed``: prefill and decode speed, peak memory and size on disk of one or more models."""
+class SpeedSettings:
+    """How :func:`leanml.eval.speed.measure_speeds` times models: lengths, batch, repeats."""
 
-    models: tuple[str, ...] = option(("smollm2-135m",), "one or more HF directories, .gguf files, hub ids, or "
-                                     "smollm2-135m", flag="--model", nargs="+")
-    device: str | None = option(None, "cpu or cuda (default: cuda when present)", show_default=False)
     prompt_len: int = option(256, "prefill tokens per sequence")
     gen_len: int = option(32, "decode steps timed (0: skip decode)")
     gen_prompt_len: int = option(32, "prompt put in the KV cache before decoding")
     batch_size: int = option(1, "sequences per run")
     repeats: int = option(5, "timed runs per model (median reported)")
     warmup: int = option(1, "untimed runs per model first")
+    seed: int = option(0, "seed of the random token ids", cli=False)
+
+    def __post_init__(self) -> None:
+        for name, low in (("prompt_len", 1), ("gen_len", 0), ("gen_prompt_len", 1), ("batch_size", 1),
+                          ("repeats", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            require(self, value >= low, name, f"must be at least {low}, got {value}")
+
+
+@dataclass(frozen=True)
+class SpeedJob(Runtime):
+    """``leanml speed``: prefill and decode speed, peak memory and size on disk of one or more models."""
+
+    models: tuple[str, ...] = option(("smollm2-135m",), "one or more HF directories, .gguf files, hub ids, or "
+                                     "smollm2-135m", flag="--model", nargs="+")
+    device: str | None = option(None, "cpu or cuda (default: cuda when present)", show_default=False)
+    settings: SpeedSettings = option(default_factory=SpeedSettings, prefix="")
     sparse_kernels: bool = option(False, "run the 2:4-sparse models among --model on semi-structured sparse kernels "
                                          "(CUDA, bfloat16/float16; on the CPU they stay dense with a warning); the "
                                          "others run dense")
@@ -82,9 +96,5 @@ class SpeedJob(Runtime):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name, low in (("prompt_len", 1), ("gen_len", 0), ("gen_prompt_len", 1), ("batch_size", 1),
-                          ("repeats", 1), ("warmup", 0)):
-            value = getattr(self, name)
-            require(self, value >= low, name, f"must be at least {low}, got {value}")
         require(self, len(set(self.models)) == len(self.models), "models",
                 "lists the same model twice; list each model once")

@@ -19,6 +19,7 @@ directory's weight files (safetensors, bin, pt, gguf), dense or compressed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -128,32 +129,25 @@ def greedy_decode(model: nn.Module, ids: torch.Tensor, gen_len: int) -> tuple[fl
     return time.perf_counter() - t0, torch.cat(tokens, dim=1)
 
 
-def _check_args(prompt_len: int, gen_len: int, repeats: int, batch_size: int, gen_prompt_len: int) -> None:
-    for name, value, low in [("prompt_len", prompt_len, 1), ("gen_len", gen_len, 0), ("repeats", repeats, 1),
-                             ("batch_size", batch_size, 1), ("gen_prompt_len", gen_prompt_len, 1)]:
-        if value < low:
-            raise LeanmlError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
-
-
 def measure_speeds(
     models: dict[str, nn.Module],
     device: str | torch.device | None = None,
-    prompt_len: int = 256,
-    gen_len: int = 32,
-    repeats: int = 5,
-    batch_size: int = 1,
-    gen_prompt_len: int = 32,
-    warmup: int = 1,
     threads: int | None = None,
-    seed: int = 0,
     progress: bool = True,
     vocab_size: int | None = None,
+    **settings: Any,
 ) -> dict[str, dict[str, Any]]:
     """Speed of several models, their runs interleaved; ``{name: result}`` with the fields of
-    :func:`measure_speed`. Each model runs where its parameters are unless ``device`` is given
-    (then it is moved there). ``threads`` sets torch's CPU threads for the runs (restored after);
-    token ids are drawn below ``vocab_size`` (default: the smallest ``config.vocab_size``)."""
-    _check_args(prompt_len, gen_len, repeats, batch_size, gen_prompt_len)
+    :func:`measure_speed`. ``settings`` are the fields of :class:`~leanml.eval.config.SpeedSettings`
+    (``prompt_len``, ``gen_len``, ``repeats``, ...). Each model runs where its parameters are unless
+    ``device`` is given (then it is moved there). ``threads`` sets torch's CPU threads for the runs
+    (restored after); token ids are drawn below ``vocab_size`` (default: the smallest ``config.vocab_size``)."""
+    from leanml.config import ConfigError
+    from leanml.eval.config import SpeedSettings
+
+    st = SpeedSettings(**settings)
+    prompt_len, gen_len, gen_prompt_len = st.prompt_len, st.gen_len, st.gen_prompt_len
+    batch_size, repeats, warmup = st.batch_size, st.repeats, st.warmup
     if not models:
         raise LeanmlError("no models to measure")
     devices = {}
@@ -164,13 +158,13 @@ def measure_speeds(
         m.eval()
     vocab = min(int(getattr(m.config, "vocab_size", 32000)) for m in models.values())
     vocab = min(vocab, vocab_size or vocab)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(st.seed)
     prompt = torch.randint(0, vocab, (batch_size, prompt_len), generator=g)
     gen_prompt = torch.randint(0, vocab, (batch_size, gen_prompt_len), generator=g)
     limit = min(int(getattr(m.config, "max_position_embeddings", 1 << 30) or 1 << 30) for m in models.values())
     if max(prompt_len, gen_prompt_len + gen_len + 1) > limit:
-        raise LeanmlError(f"--prompt-len {prompt_len} / --gen-len {gen_len} go past the model's "
-                          f"{limit} positions; use shorter lengths")
+        raise ConfigError(f"prompt_len {prompt_len} / gen_len {gen_len} go past the model's {limit} positions; "
+                          "use shorter lengths", SpeedSettings, ("prompt_len", "gen_len"))
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -232,25 +226,19 @@ def measure_speed(
     model: nn.Module,
     tokenizer: Any = None,
     device: str | torch.device | None = None,
-    prompt_len: int = 256,
-    gen_len: int = 32,
-    repeats: int = 5,
-    batch_size: int = 1,
-    gen_prompt_len: int = 32,
-    warmup: int = 1,
     threads: int | None = None,
-    seed: int = 0,
     progress: bool = True,
+    **settings: Any,
 ) -> dict[str, Any]:
     """Prefill and decode tokens/s and peak memory of one causal LM (median of ``repeats`` runs).
 
-    Token ids are random (seeded), so ``tokenizer`` is not needed; when given, its vocabulary bounds
-    the ids. Returns ``prefill_tok_s``, ``decode_tok_s``, their per-run seconds, ``peak_memory_bytes``
-    and the settings. Works on any in-memory model that takes ``input_ids`` and a KV cache.
+    ``settings`` are the fields of :class:`~leanml.eval.config.SpeedSettings`. Token ids are random
+    (seeded), so ``tokenizer`` is not needed; when given, its vocabulary bounds the ids. Returns
+    ``prefill_tok_s``, ``decode_tok_s``, their per-run seconds, ``peak_memory_bytes`` and the settings.
+    Works on any in-memory model that takes ``input_ids`` and a KV cache.
     """
     vocab = len(tokenizer) if tokenizer is not None else None
-    return measure_speeds({"model": model}, device, prompt_len, gen_len, repeats, batch_size, gen_prompt_len,
-                          warmup, threads, seed, progress, vocab)["model"]
+    return measure_speeds({"model": model}, device, threads, progress, vocab, **settings)["model"]
 
 
 def sparse_kernels_or_dense(model: nn.Module, spec: str) -> dict[str, Any] | None:
@@ -290,9 +278,8 @@ def run_speed_job(job: Any) -> dict[str, Any]:
         vocab = len(tok)
     if job.sparse_kernels and all(i["sparse_kernels"] is None for i in info.values()):
         raise LeanmlError("--sparse-kernels: no --model is 2:4 sparse; prune one with --pattern 2:4 or drop the flag")
-    results = measure_speeds(models, device=device, prompt_len=job.prompt_len, gen_len=job.gen_len,
-                             repeats=job.repeats, batch_size=job.batch_size, gen_prompt_len=job.gen_prompt_len,
-                             warmup=job.warmup, threads=threads, vocab_size=vocab)
+    results = measure_speeds(models, device=device, threads=threads, vocab_size=vocab,
+                             **dataclasses.asdict(job.settings))
     report = {"models": [{"model": spec, **info[spec], **results[spec]} for spec in job.models],
               "dtype": job.dtype, "machine": machine_info()}
     write_json(json_path, report)
