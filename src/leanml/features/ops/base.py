@@ -115,6 +115,15 @@ class Op:
         return d
 
 
+@dataclass(kw_only=True)
+class MapOp(Op):
+    """An op from one input column to one output column (most bundled ops), computable on the GPU too."""
+
+    has_torch: ClassVar[bool] = True
+    input: str
+    output: str
+
+
 def op_from_spec(spec: dict[str, Any]) -> Op:
     """Build an op from its dict form ``{"op": "hash", "input": ..., "output": ...}``."""
     if not isinstance(spec, dict) or "op" not in spec:

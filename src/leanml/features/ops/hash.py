@@ -11,19 +11,16 @@ import torch
 
 from leanml.features import hashing as H
 from leanml.features.columns import Column, Gathered, Ragged, copy_out, to_device
-from leanml.features.ops.base import Op, OpContext, default_seed, register_op
+from leanml.features.ops.base import MapOp, Op, OpContext, default_seed, register_op
 from leanml.utils import LeanmlError
 
 
 @register_op
 @dataclass(kw_only=True)
-class Hash(Op):
+class Hash(MapOp):
     """Hash a field (int or str; flat or list) to 64-bit feature signs, masked to 63 bits, mod ``buckets``."""
 
     kind: ClassVar[str] = "hash"
-    has_torch: ClassVar[bool] = True
-    input: str
-    output: str
     buckets: int | None = None
     seed: int | None = None
 

@@ -9,19 +9,16 @@ import numpy as np
 import torch
 
 from leanml.features.columns import Column
-from leanml.features.ops.base import Op, OpContext, register_op
+from leanml.features.ops.base import MapOp, OpContext, register_op
 from leanml.utils import LeanmlError
 
 
 @register_op
 @dataclass(kw_only=True)
-class Bucketize(Op):
+class Bucketize(MapOp):
     """Bucket id of a numeric field: ``i`` such that ``boundaries[i-1] <= x < boundaries[i]`` (0..len)."""
 
     kind: ClassVar[str] = "bucketize"
-    has_torch: ClassVar[bool] = True
-    input: str
-    output: str
     boundaries: list[float]
 
     def __post_init__(self) -> None:
@@ -47,13 +44,10 @@ class Bucketize(Op):
 
 @register_op
 @dataclass(kw_only=True)
-class Normalize(Op):
+class Normalize(MapOp):
     """``(x - mean) / std`` as float32, optionally clipped to ``[-clip, clip]``."""
 
     kind: ClassVar[str] = "normalize"
-    has_torch: ClassVar[bool] = True
-    input: str
-    output: str
     mean: float = 0.0
     std: float = 1.0
     clip: float | None = None
@@ -80,13 +74,10 @@ class Normalize(Op):
 
 @register_op
 @dataclass(kw_only=True)
-class LogTransform(Op):
+class LogTransform(MapOp):
     """``log1p(max(x, 0))`` as float32 (counts, prices, dwell times)."""
 
     kind: ClassVar[str] = "log"
-    has_torch: ClassVar[bool] = True
-    input: str
-    output: str
 
     def forward(self, cols: list[Column], ctx: OpContext) -> list[Column]:
         (col,) = cols

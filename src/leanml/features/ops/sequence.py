@@ -9,20 +9,17 @@ import numpy as np
 import torch
 
 from leanml.features.columns import Column, Ragged
-from leanml.features.ops.base import Op, OpContext, register_op
+from leanml.features.ops.base import MapOp, OpContext, register_op
 from leanml.utils import LeanmlError
 
 
 @register_op
 @dataclass(kw_only=True)
-class TruncatePad(Op):
+class TruncatePad(MapOp):
     """A list column to a dense ``[n, max_len]`` int64 matrix: keep the ``first`` or ``last`` ``max_len``
     items, pad the rest with ``pad``."""
 
     kind: ClassVar[str] = "truncate_pad"
-    has_torch: ClassVar[bool] = True
-    input: str
-    output: str
     max_len: int
     pad: int = -1
     keep: str = "first"
