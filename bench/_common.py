@@ -1,4 +1,8 @@
-"""What every benchmark shares: replacing a generated block between markers in a Markdown page.
+"""What every benchmark shares: merging a run's records into the ones on disk, and replacing a generated
+block between markers in a Markdown page.
+
+Records are dicts; a benchmark names the fields that identify a run (its key), and a new record replaces
+the old one of the same key (:func:`merge_records`).
 
 A page holds ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->``; :func:`replace_block` puts the
 given text between them (atomically) and leaves the rest of the page as it was. Pages without the markers
@@ -7,8 +11,36 @@ are left alone.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
+
+Record = dict[str, Any]
+
+
+def key_of(fields: Sequence[str]) -> Callable[[Record], tuple]:
+    """A record key made of ``fields`` (a missing field counts as ``None``)."""
+    return lambda r: tuple(r.get(f) for f in fields)
+
+
+def merge_records(old: Iterable[Record], new: Iterable[Record], key: Callable[[Record], Hashable],
+                  keep_place: bool = False) -> list[Record]:
+    """``old`` with each record of ``new`` replacing the one of the same ``key`` (a later duplicate in
+    ``new`` wins). Old records keep their order; a replacing record goes to the end, or with
+    ``keep_place`` where the record it replaces stood; new keys are appended in the order given."""
+    merged: dict[Hashable, Record] = {key(r): r for r in old}
+    for r in new:
+        if not keep_place:
+            merged.pop(key(r), None)
+        merged[key(r)] = r
+    return list(merged.values())
+
+
+def load_json(path: Path, default: Any) -> Any:
+    """The JSON document at ``path``, or ``default`` when there is none yet."""
+    return json.loads(path.read_text()) if path.exists() else default
 
 
 def markers(name: str) -> tuple[str, str]:

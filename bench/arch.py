@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from _common import replace_block
+from _common import merge_records, replace_block
 from leanml.models import count_parameters, decoder_linear_names
 from leanml.models.tiny import FAMILIES, tiny_family
 from leanml.prune.engine import prune_model
@@ -154,8 +154,7 @@ def _key(r: dict[str, Any]) -> tuple:
 
 
 def merge(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    keys = {_key(r) for r in new}
-    return [r for r in old if _key(r) not in keys] + new
+    return merge_records(old, new, _key)
 
 
 def render(data: dict[str, Any]) -> tuple[str, str]:

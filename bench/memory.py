@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from _common import replace_block
+from _common import load_json, merge_records, replace_block
 from leanml.data.text import load_text, token_windows
 from leanml.memory import Budget
 from leanml.memory.runner import StrategyRunner, lm_unoptimized_peak
@@ -196,12 +196,11 @@ def run_chunk(section: str, repeat: int, seed: int, only: set[str] | None, threa
 
 
 def merge(path: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    payload = json.loads(path.read_text()) if path.exists() else {}
+    payload = load_json(path, {})
     if "chunks" not in payload:  # an earlier layout: start over
         payload = {"chunks": [], "records": []}
     key = lambda r: (r["section"], r["repeat"], r.get("part", "all"), r["seed"], r["label"])  # noqa: E731
-    new = {key(r) for r in records}
-    payload["records"] = [r for r in payload["records"] if key(r) not in new] + records
+    payload["records"] = merge_records(payload["records"], records, key)
     payload["chunks"].append(meta)
     payload["machine"] = machine_info()
     payload["machine_line"] = machine_line()

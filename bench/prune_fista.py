@@ -382,29 +382,12 @@ def _fista_records(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def merge_into_prune_json(records: list[dict[str, Any]], path: Path) -> None:
-    """Add/replace the FISTA records in ``prune.json``; every other record (the baselines) is kept.
-
-    Uses ``merge_records`` of ``bench/prune.py`` (key: method, pattern, warm_start, variant) when present.
-    """
+    """Add/replace the FISTA records in ``prune.json`` (``merge_records`` of ``bench/prune.py``, keyed by
+    method, pattern, profile, seed and corpus); every other record (the baselines) is kept."""
     from leanml.utils import write_json
+    from prune import merge_records  # bench/prune.py
 
-    try:
-        from prune import merge_records  # bench/prune.py
-
-        write_json(path, merge_records(records, path))
-        return
-    except ImportError:
-        pass
-
-    def key(r: dict[str, Any]) -> str:
-        return json.dumps([r.get("pattern"), r.get("warm_start"), r.get("method_config"), r.get("layers_pruned")],
-                          sort_keys=True)  # fmt: skip
-
-    existing = json.loads(path.read_text()) if path.exists() else []
-    new_keys = {key(r) for r in records}
-    kept = [r for r in existing
-            if not (r.get("source") == "bench/prune_fista.py" and r.get("method") == "fista" and key(r) in new_keys)]  # fmt: skip
-    write_json(path, kept + records)
+    write_json(path, merge_records(records, path))
 
 
 def _fmt_ratio(a: float, b: float | None) -> str:

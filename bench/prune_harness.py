@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _common
+
 #: pattern name -> (requested sparsity, N:M or None)
 PATTERNS: dict[str, tuple[float, tuple[int, int] | None]] = {
     "50%": (0.5, None),
@@ -77,19 +79,15 @@ def is_current(r: dict[str, Any]) -> bool:
 def merge_records(new: Iterable[dict[str, Any]], old: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """``old`` with every record of ``new`` replacing the one of the same key; records of an older
     protocol (without the key fields) are dropped. Order: old order, new keys appended in order."""
-    merged: dict[tuple, dict[str, Any]] = {}
-    for r in old:
-        if is_current(r):
-            merged[record_key(r)] = r
+    new = list(new)
     for r in new:
         if not is_current(r):
             raise ValueError(f"record lacks one of {KEY_FIELDS}: {sorted(r)}")
-        merged[record_key(r)] = r
-    return list(merged.values())
+    return _common.merge_records([r for r in old if is_current(r)], new, record_key, keep_place=True)
 
 
 def load_records(path: Path) -> list[dict[str, Any]]:
-    return json.loads(path.read_text()) if path.exists() else []
+    return _common.load_json(path, [])
 
 
 # ---------------------------------------------------------------- measured sparsity

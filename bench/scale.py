@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from _common import key_of, load_json, merge_records
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 OUT_JSON = RESULTS / "scale.json"
@@ -262,9 +264,7 @@ def _solve_work(h: int, inter: int, heads: int, kv: int) -> int:
 
 
 def load_records() -> dict[str, Any]:
-    if OUT_JSON.exists():
-        return json.loads(OUT_JSON.read_text())
-    return {"machine": None, "records": []}
+    return load_json(OUT_JSON, {"machine": None, "records": []})
 
 
 def save_record(rec: dict[str, Any]) -> None:
@@ -272,8 +272,7 @@ def save_record(rec: dict[str, Any]) -> None:
 
     data = load_records()
     data["machine"] = machine_info()
-    data["records"] = [r for r in data["records"] if tuple(r.get(k) for k in KEY) != tuple(rec.get(k) for k in KEY)]
-    data["records"].append(rec)
+    data["records"] = merge_records(data["records"], [rec], key_of(KEY))
     write_json(OUT_JSON, data)
 
 

@@ -51,12 +51,6 @@ def nm_violations(dead: torch.Tensor, n: int, m: int) -> int:
     return int((kept > n).sum())
 
 
-def mask_fraction(dead: list[torch.Tensor]) -> float:
-    """Fraction of masked entries over several masks."""
-    total = sum(d.numel() for d in dead)
-    return sum(int(d.sum()) for d in dead) / max(total, 1)
-
-
 def masked_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
     """Every ``nn.Linear`` of ``model`` except its output head, with qualified names, in module order."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
