@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from leanml.cli import build_parser
-from leanml.config import parser_flags
+from leanml.config import ConfigError, cli_message, parser_flags
 
 
 def _commands(parser: argparse.ArgumentParser, prefix: str = "leanml") -> list[tuple[str, argparse.ArgumentParser]]:
@@ -47,3 +47,41 @@ def test_every_flag_maps_to_one_field_and_back(name: str, parser: argparse.Argum
         assert owner is not None, f"{name}: {flags[0]} is not generated from a config field"
         assert dataclasses.is_dataclass(owner.owner)
         assert owner.field in {f.name for f in dataclasses.fields(owner.owner)}
+
+
+def _flags(command: str) -> list:
+    return parser_flags(dict(COMMANDS)[command])
+
+
+def _raised(call) -> ConfigError:
+    with pytest.raises(ConfigError) as exc:
+        call()
+    return exc.value
+
+
+def test_library_refusals_name_fields_and_the_command_line_shows_flags(tmp_path) -> None:
+    import torch
+
+    from leanml.features.readers import LogReader
+    from leanml.memory.train import batches
+    from leanml.models import check_dtype, parse_dtype
+    from leanml.prune.cores.fasp import num_kept
+    from leanml.prune.engine.allocation import owl_allocation
+    from leanml.prune.masks import MaskSpec
+
+    cases = [
+        (lambda: MaskSpec(1.5), "leanml prune", "sparsity must be in (0, 1), got 1.5", "--sparsity must be"),
+        (lambda: num_kept(8, 1.0), "leanml prune", "structured sparsity must be in [0, 1)", "structured --sparsity"),
+        (lambda: owl_allocation([0.1, 0.2], 0.5, lam=-1.0), "leanml prune", "owl lam must be >= 0",
+         "owl --owl-lambda must"),
+        (lambda: parse_dtype("int3"), "leanml prune", "unknown dtype 'int3'", "unknown --dtype 'int3'"),
+        (lambda: check_dtype(torch.bfloat16, "meta"), "leanml eval", "use dtype float32", "use --dtype float32"),
+        (lambda: batches(torch.zeros(2, 8, dtype=torch.long), 4, 1, 0), "leanml train",
+         "lower batch_size or seqlen", "lower --batch-size or --seqlen"),
+        (lambda: LogReader([], None), "leanml features train", "pass at least one log PATH",
+         "pass at least one --log PATH"),
+    ]
+    for call, command, library, cli in cases:
+        exc = _raised(call)
+        assert library in str(exc) and "--" not in str(exc), str(exc)
+        assert cli in cli_message(exc, _flags(command)), (command, cli_message(exc, _flags(command)))

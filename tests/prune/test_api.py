@@ -68,7 +68,7 @@ def test_bfloat16_weights_with_float32_statistics():
 
 def test_a_device_that_cannot_run_the_dtype_is_a_one_line_error():
     check_dtype(torch.bfloat16, "cpu")
-    with pytest.raises(LeanmlError, match="--dtype bfloat16 cannot run on meta"):
+    with pytest.raises(LeanmlError, match="dtype bfloat16 cannot run on meta"):
         check_dtype(torch.bfloat16, "meta")
 
 

@@ -198,7 +198,7 @@ def test_allocate_rules_and_errors():
         core.allocate(att, None, 20, 0, 110)
     with pytest.raises(LeanmlError, match="too small to remove one key/value group"):
         core.allocate(att, None, 20, 0, 10)
-    with pytest.raises(LeanmlError, match="--fasp-groups 3 must leave"):
+    with pytest.raises(LeanmlError, match="groups 3 must leave"):
         core.allocate(att, mlp, 20, 5, 80, groups=3)
     with pytest.raises(LeanmlError, match="every MLP unit of a layer"):
         core.allocate(att, mlp, 20, 5, 2 * (2 * 20 + 10 * 5))

@@ -48,6 +48,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from leanml.config import ConfigError
 from leanml.utils import LeanmlError
 
 FASHION_CLASSES = [
@@ -369,7 +370,8 @@ def load_ad_folder(
 
     def bad(item: str, reason: str) -> None:
         if on_bad == "error":
-            raise LeanmlError(f"{item}: {reason} (fix it, or pass --on-bad skip to skip and report such ads)")
+            raise ConfigError(f"{item}: {reason} (fix it, or pass on_bad skip to skip and report such ads)", None,
+                              ("on_bad",))
         skipped.append({"item": item, "reason": reason})
 
     for p in sorted(images_dir.iterdir()):

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from leanml.config import ConfigError
 from leanml.features.linelogs import line_chunks
 from leanml.features.logschema import Chunk, Quarantine, Schema
 from leanml.features.options import ENGINES
@@ -57,7 +58,7 @@ class LogReader:
         if isinstance(self.paths, str | Path):
             self.paths = [self.paths]
         if not self.paths:
-            raise LeanmlError("no log files given; pass at least one --log PATH")
+            raise ConfigError("no files to read; pass at least one log PATH", None, ("log",))
         if self.chunk_rows < 1:
             raise LeanmlError(f"chunk size must be >= 1 (got {self.chunk_rows})")
         idx, count = self.shard

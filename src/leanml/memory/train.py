@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from leanml.config import option, require
+from leanml.config import ConfigError, option, require
 from leanml.memory.budget import DEFAULT_BUDGET, Budget
 from leanml.memory.compiled import DEFAULT_COMPILE_BUDGETS
 from leanml.memory.runner import StrategyRunner
@@ -117,7 +117,8 @@ def remap_vocab(windows: torch.Tensor, vocab: int) -> torch.Tensor:
 def batches(windows: torch.Tensor, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
     """``steps`` batches of windows in a seeded shuffled order (cycling when the data runs out)."""
     if windows.shape[0] < batch_size:
-        raise LeanmlError(f"only {windows.shape[0]} windows of text for a batch of {batch_size}; lower --batch-size or --seqlen")
+        raise ConfigError(f"only {windows.shape[0]} windows of text for a batch of {batch_size}; lower batch_size or "
+                          "seqlen", None, ("batch_size", "seqlen"))
     gen = torch.Generator().manual_seed(seed)
     order: list[int] = []
     while len(order) < steps * batch_size:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from leanml.config import ConfigError
 from leanml.utils import LeanmlError, atomic_dir, cache_dir
 
 BUNDLED = {"smollm2-135m"}
@@ -35,10 +36,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """``"float32"``/``"bfloat16"``/``"float16"`` (or a dtype) to a ``torch.dtype``."""
     if isinstance(name, torch.dtype):
         if name not in DTYPES.values():
-            raise LeanmlError(f"dtype {name} is not supported; choose one of: {', '.join(DTYPES)}")
+            raise ConfigError(f"dtype {name} is not supported; choose one of: {', '.join(DTYPES)}", None, ("dtype",))
         return name
     if name not in DTYPES:
-        raise LeanmlError(f"unknown --dtype {name!r}; choose one of: {', '.join(DTYPES)}")
+        raise ConfigError(f"unknown dtype {name!r}; choose one of: {', '.join(DTYPES)}", None, ("dtype",))
     return DTYPES[name]
 
 
@@ -47,14 +48,14 @@ def check_dtype(dtype: torch.dtype, device: str | torch.device) -> None:
     device = torch.device(device)
     name = str(dtype).replace("torch.", "")
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise LeanmlError(f"--dtype bfloat16 is not supported by {torch.cuda.get_device_name(device)}; "
-                          "use --dtype float16 or float32")
+        raise ConfigError(f"dtype bfloat16 is not supported by {torch.cuda.get_device_name(device)}; "
+                          "use dtype float16 or float32", None, ("dtype",))
     try:
         a = torch.ones(4, 4, dtype=dtype, device=device)
         (a @ a).sum().item()
     except (RuntimeError, TypeError) as exc:
-        raise LeanmlError(f"--dtype {name} cannot run on {device} ({str(exc).splitlines()[0]}); "
-                          "use --dtype float32") from exc
+        raise ConfigError(f"dtype {name} cannot run on {device} ({str(exc).splitlines()[0]}); "
+                          "use dtype float32", None, ("dtype",)) from exc
 
 
 def _quiet_transformers() -> None:
@@ -201,7 +202,8 @@ def save_model(
     compressed byte counts of those weights.
     """
     if save_format not in SAVE_FORMATS:
-        raise LeanmlError(f"unknown --save-format {save_format!r}; choose one of: {', '.join(SAVE_FORMATS)}")
+        raise ConfigError(f"unknown save_format {save_format!r}; choose one of: {', '.join(SAVE_FORMATS)}", None,
+                          ("save_format",))
     sizes = None
     if save_format == "compressed":
         from leanml.models.compressed import save_compressed

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from leanml.config import ConfigError
 from leanml.utils import LeanmlError, atomic_dir
 
 FORMAT = "sparse-bitmask"
@@ -53,7 +54,8 @@ def require_compressed() -> None:
     try:
         import safetensors.torch  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise LeanmlError("--save-format compressed needs the safetensors package: pip install safetensors") from exc
+        raise ConfigError("save_format compressed needs the safetensors package: pip install safetensors", None,
+                          ("save_format",)) from exc
 
 
 def bitmask_pack(weight: torch.Tensor) -> dict[str, torch.Tensor]:

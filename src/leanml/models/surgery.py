@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from leanml.config import ConfigError
 from leanml.models.layout import DecoderAdapter, Group
-from leanml.utils import LeanmlError
 
 
 def live_units(group: Group) -> torch.Tensor:
@@ -173,7 +173,7 @@ def shrink_attention(model: nn.Module, adapter: DecoderAdapter) -> dict[str, Any
         live_units(g).numel() < g.units.n_units  # type: ignore[union-attr]
         for g in (_pair(adapter, layer, "attn_out") for layer in layers) if g is not None
     ):
-        raise LeanmlError(f"{reason}; prune with --fasp-pairs mlp")
+        raise ConfigError(f"{reason}; prune with pairs mlp", None, ("pairs",))
     old, groups, live = _shrink_pair(adapter, "attn_out")
     if groups is not None and groups != old:
         model.config.head_dim = head_dim

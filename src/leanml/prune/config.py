@@ -24,23 +24,12 @@ from typing import Any, Literal
 
 from leanml.config import ConfigError, option, require
 from leanml.eval.config import Compute, ModelInput
+from leanml.prune.engine.allocation import OwlOptions
 from leanml.prune.masks import MaskSpec, parse_pattern
 from leanml.prune.methods import available, pruner_class
 from leanml.utils import LeanmlError
 
 __all__ = ["OwlOptions", "PruneConfig", "PruneJob"]
-
-
-@dataclass(frozen=True)
-class OwlOptions:
-    """Outlier-weighted layer sparsities (Yin et al. 2024; :mod:`leanml.prune.engine.allocation`)."""
-
-    m: float = option(5.0, "owl: outlier threshold M on |W|*||X||")
-    lam: float = option(0.08, "owl: largest deviation of a layer's sparsity from the target", flag="--owl-lambda")
-
-    def __post_init__(self) -> None:
-        require(self, self.m > 0, "m", f"must be > 0, got {self.m}")
-        require(self, 0 <= self.lam <= 1, "lam", f"must be in [0, 1], got {self.lam}")
 
 
 @dataclass(frozen=True)
@@ -79,7 +68,6 @@ class PruneConfig(Compute):
     def __post_init__(self) -> None:
         super().__post_init__()
         cls = pruner_class(self.method)
-        require(self, 0 < self.sparsity < 1, "sparsity", f"must be in (0, 1), got {self.sparsity}")
         require(self, self.options is None or isinstance(self.options, cls.Options), "options",
                 f"{self.method} takes {cls.Options.__name__}, got {type(self.options).__name__}")
         require(self, self.nsamples >= 1, "nsamples", f"must be at least 1, got {self.nsamples}")
@@ -110,10 +98,10 @@ class PruneConfig(Compute):
     def spec(self) -> MaskSpec:
         """The mask, its open scope resolved to the method's default (the one place a scope is chosen)."""
         try:
-            spec = MaskSpec(self.sparsity, parse_pattern(self.pattern), self.scope)
+            pattern = parse_pattern(self.pattern)
         except LeanmlError as exc:
-            raise ConfigError(str(exc), type(self)) from None  # names the pattern as the user wrote it
-        return pruner_class(self.method).resolve_spec(spec)
+            raise ConfigError(str(exc), type(self), ("pattern",)) from None
+        return pruner_class(self.method).resolve_spec(MaskSpec(self.sparsity, pattern, self.scope))  # checks sparsity
 
     @property
     def profile_name(self) -> str:

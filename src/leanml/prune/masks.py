@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from leanml.config import ConfigError
 from leanml.utils import LeanmlError
 
 
@@ -32,7 +33,7 @@ class MaskSpec:
 
     def __post_init__(self) -> None:
         if self.pattern is None and not (0.0 < self.sparsity < 1.0):
-            raise LeanmlError(f"sparsity must be in (0, 1), got {self.sparsity}; e.g. --sparsity 0.5")
+            raise ConfigError(f"sparsity must be in (0, 1), got {self.sparsity}", None, ("sparsity",))
         if self.scope not in ("row", "layer", None):
             raise LeanmlError(f"mask scope must be 'row' or 'layer', got {self.scope!r}")
 

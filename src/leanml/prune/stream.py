@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from leanml.config import ConfigError
 from leanml.models.layout import get_adapter
 from leanml.models.shards import (
     ShardIndex,
@@ -179,8 +180,8 @@ def prune_streamed(
     need a full pass over the dense model before pruning.
     """
     if engine_kwargs.get("sparsity_profile", "uniform") == "owl":
-        raise LeanmlError("--sparsity-profile owl is not streamed (it needs a pass over the whole dense model first); "
-                          "drop --stream or use --sparsity-profile uniform")
+        raise ConfigError("sparsity_profile owl is not streamed (it needs a pass over the whole dense model first); "
+                          "drop stream or use sparsity_profile uniform", None, ("sparsity_profile", "stream"))
     t0 = time.perf_counter()
     io0 = io_bytes()
     if max_memory is not None:  # only a cap is worth the allocator's cost (see bound_allocator)
@@ -282,5 +283,6 @@ def stream_source(spec: str, progress: bool = True) -> Path:
                 gguf_to_safetensors(path, tmp, progress=progress)
         return target
     if not path.is_dir():
-        raise LeanmlError(f"--stream reads a local model directory, a .gguf file or smollm2-135m, not {spec!r}")
+        raise ConfigError(f"stream reads a local model directory, a .gguf file or smollm2-135m, not {spec!r}", None,
+                          ("stream",))
     return path

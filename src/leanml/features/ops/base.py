@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from leanml.config import ConfigError
 from leanml.features import hashing as H
 from leanml.features.arena import Arena, NoArena
 from leanml.features.columns import Column
@@ -35,7 +36,8 @@ class OpContext:
         if not path.is_absolute() and self.data_dir is not None:
             path = self.data_dir / path
         if not path.exists():
-            raise LeanmlError(f"table {table!r} not found at {path}; pass --table {table}=PATH or --data-dir")
+            raise ConfigError(f"{table!r} not found at {path}; pass table {table}=PATH or data_dir", None,
+                              ("table", "data_dir"))
         return path
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from leanml.config import ConfigError
 from leanml.utils import LeanmlError
 
 
@@ -66,7 +67,7 @@ def num_kept(n_units: int, sparsity: float, multiple: int = 1) -> int:
     when the sparsity is outside [0, 1) or would leave no unit.
     """
     if not 0.0 <= sparsity < 1.0:
-        raise LeanmlError(f"structured sparsity must be in [0, 1), got {sparsity}; e.g. --sparsity 0.2")
+        raise ConfigError(f"structured sparsity must be in [0, 1), got {sparsity}", None, ("sparsity",))
     if multiple < 1:
         raise LeanmlError(f"the kept-unit multiple must be >= 1, got {multiple}")
     keep = n_units - int(round(sparsity * n_units))
@@ -207,8 +208,8 @@ def allocate(
         ks = [0]
     elif groups is not None:
         if not 0 <= groups < n_groups:
-            raise LeanmlError(f"--fasp-groups {groups} must leave at least one of the {n_groups} key/value groups "
-                              f"of a layer: use 0..{n_groups - 1}")
+            raise ConfigError(f"groups {groups} must leave at least one of the {n_groups} key/value groups "
+                              f"of a layer: use 0..{n_groups - 1}", None, ("groups",))
         ks = [groups]
     elif mlp is None:  # attention alone: the group count closest to the budget
         k = int(round(budget / (n_layers * group_cost)))

@@ -22,12 +22,14 @@ parameter-weighted mean is the target:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from leanml.config import ConfigError, option, require
 from leanml.models.layout import DecoderAdapter, layer_linears
 from leanml.prune.base import Pruner
 from leanml.prune.masks import MaskSpec
@@ -116,6 +118,18 @@ OWL_M = 5.0
 OWL_LAMBDA = 0.08
 
 
+@dataclass(frozen=True)
+class OwlOptions:
+    """Outlier-weighted layer sparsities (Yin et al. 2024; this module's docstring)."""
+
+    m: float = option(OWL_M, "owl: outlier threshold M on |W|*||X||")
+    lam: float = option(OWL_LAMBDA, "owl: largest deviation of a layer's sparsity from the target", flag="--owl-lambda")
+
+    def __post_init__(self) -> None:
+        require(self, self.m > 0, "m", f"must be > 0, got {self.m}")
+        require(self, 0 <= self.lam <= 1, "lam", f"must be in [0, 1], got {self.lam}")
+
+
 def outlier_ratio(scores: Sequence[torch.Tensor], m: float = OWL_M) -> float:
     """Fraction of the entries of all ``scores`` (one tensor per linear) above ``m`` times their mean."""
     flat = torch.cat([s.reshape(-1).float() for s in scores])
@@ -130,9 +144,9 @@ def owl_allocation(
 
     Raises :class:`LeanmlError` when a layer's sparsity would leave (0, 1)."""
     if not 0.0 < target < 1.0:
-        raise LeanmlError(f"sparsity must be in (0, 1), got {target}")
+        raise ConfigError(f"sparsity must be in (0, 1), got {target}", None, ("sparsity",))
     if not lam >= 0:
-        raise LeanmlError(f"--owl-lambda must be >= 0, got {lam}")
+        raise ConfigError(f"owl lam must be >= 0, got {lam}", OwlOptions, ("lam",))
     D = torch.tensor([float(r) for r in ratios], dtype=torch.float64)
     w = torch.ones_like(D) if sizes is None else torch.tensor([float(s) for s in sizes], dtype=torch.float64)
     if w.shape != D.shape:

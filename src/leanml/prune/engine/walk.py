@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from leanml.config import ConfigError
 from leanml.models.layerwise import capture_layer_inputs, layer_on, to_device
 from leanml.models.layout import DecoderAdapter, Group, get_adapter, layer_linears
 from leanml.models.shards import LayerStore
@@ -42,7 +43,7 @@ OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 def check_spec(pruner: Pruner, spec: MaskSpec) -> None:
     """Settings no layer can take: a pattern for a structured method or one the method refuses."""
     if pruner.structured and spec.pattern is not None:
-        raise LeanmlError(f"{pruner.name} is structured and takes no N:M pattern; drop --pattern")
+        raise ConfigError(f"{pruner.name} is structured and takes no N:M pattern; drop pattern", None, ("pattern",))
     if spec.pattern is not None and not pruner.supports_pattern:
         raise LeanmlError(f"{pruner.name} does not support N:M patterns")
 

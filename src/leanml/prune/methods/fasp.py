@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from leanml.config import option, require
+from leanml.config import ConfigError, option, require
 from leanml.models import surgery
 from leanml.models.layout import DecoderAdapter
 from leanml.prune.base import Group, GroupStats, Pruner
@@ -148,11 +148,11 @@ class StructuredPairPruner(Pruner):
             raise LeanmlError(f"{self.name}: this architecture has no known pair map for {', '.join(sorted(missing))}")
         for g in pairs:
             if g.fixed_reason is not None:
-                raise LeanmlError(f"{g.fixed_reason}; use --fasp-pairs mlp")
+                raise ConfigError(f"{g.fixed_reason}; use pairs mlp", type(self.options), ("pairs",))
             if self.options.alloc == "uniform":
                 core.num_kept(g.units.n_units, spec.sparsity, self.options.multiple)
             elif not 0.0 <= spec.sparsity < 1.0:
-                raise LeanmlError(f"structured sparsity must be in [0, 1), got {spec.sparsity}; e.g. --sparsity 0.3")
+                raise ConfigError(f"structured sparsity must be in [0, 1), got {spec.sparsity}", None, ("sparsity",))
 
     def touches(self, group: Group) -> bool:
         """Only the selected structured pairs (``attn_out``, ``mlp_out``) are pruned (under a score
@@ -257,8 +257,9 @@ class StructuredPairPruner(Pruner):
         if self.options.alloc == "uniform":
             return core.num_kept(n_units, spec.sparsity, self.options.multiple)
         if self.plan is None:
-            raise LeanmlError(f"{self.name} with --fasp-alloc score needs its allocation pre-pass (prepare) before "
-                              "pruning; run it through leanml.prune.engine.prune_model or use --fasp-alloc uniform")
+            raise ConfigError(f"{self.name} with alloc score needs its allocation pre-pass (prepare) before "
+                              "pruning; run it through leanml.prune.engine.prune_model or use alloc uniform",
+                              type(self.options), ("alloc",))
         return n_units - int(self.plan["removed"].get(group.name, 0))
 
     def state_dict(self) -> dict[str, Any]:
@@ -282,7 +283,7 @@ class StructuredPairPruner(Pruner):
         if not self.touches(group):
             return {}
         if spec.pattern is not None:
-            raise LeanmlError(f"{self.name} removes whole units and has no N:M pattern; drop --pattern")
+            raise ConfigError(f"{self.name} removes whole units and has no N:M pattern; drop pattern", None, ("pattern",))
         if len(group.linears) != 1:
             raise LeanmlError(f"group {group.name} has {len(group.linears)} consumers; expected one")
         cname, consumer = next(iter(group.linears.items()))
