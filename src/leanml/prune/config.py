@@ -100,7 +100,7 @@ class PruneConfig(Compute):
         try:
             pattern = parse_pattern(self.pattern)
         except LeanmlError as exc:
-            raise ConfigError(str(exc), type(self), ("pattern",)) from None
+            raise ConfigError(str(exc), type(self)) from None  # quotes the pattern as the user wrote it
         return pruner_class(self.method).resolve_spec(MaskSpec(self.sparsity, pattern, self.scope))  # checks sparsity
 
     @property

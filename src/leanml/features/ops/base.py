@@ -36,8 +36,8 @@ class OpContext:
         if not path.is_absolute() and self.data_dir is not None:
             path = self.data_dir / path
         if not path.exists():
-            raise ConfigError(f"{table!r} not found at {path}; pass table {table}=PATH or data_dir", None,
-                              ("table", "data_dir"))
+            raise ConfigError(f"table {table!r} not found at {path}; override its path ({table}=PATH) or set "
+                              "data_dir", None, ("data_dir",))
         return path
 
 
