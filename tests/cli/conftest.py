@@ -129,9 +129,13 @@ def run_cli(args: list[str], cwd: str | os.PathLike | None = None, env: dict[str
 
 def start_cli(args: list[str], cwd: str | os.PathLike | None = None,
               env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``python -m leanml *args`` without waiting (for signal tests); stdout/stderr are pipes."""
+    """Start ``python -m leanml *args`` without waiting (for signal tests); stdout/stderr are pipes.
+
+    Ctrl-C is restored to its default in the child: a test session started in the background of a
+    non-interactive shell inherits SIGINT ignored, and Python then never raises KeyboardInterrupt."""
     return subprocess.Popen([sys.executable, "-m", "leanml", *map(str, args)], cwd=cwd, env=cli_env(env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def assert_no_traceback(result: CliResult) -> None:
