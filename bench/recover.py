@@ -42,6 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from _common import replace_block
+from leanml.config import replace, to_argv
+from leanml.memory.budget import Budget
+from leanml.prune.config import PruneConfig, PruneJob
+from leanml.recover.config import RecoverConfig, recover_training
+from leanml.recover.job import RecoverJob
 from leanml.utils import exit_on_sigterm, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,11 +54,11 @@ RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "recover.md"
 LOCK = "/tmp/leanml-cpu.lock"
 DENSE = "smollm2-135m"
-#: name -> (method, pattern label, `leanml prune` arguments beyond the defaults)
+#: name -> (method, pattern label, the `leanml prune` config)
 PRUNED = {
-    "sgpt50": ("sparsegpt", "unstructured 50%", ["--method", "sparsegpt", "--sparsity", "0.5"]),
-    "sgpt24": ("sparsegpt", "2:4", ["--method", "sparsegpt", "--pattern", "2:4"]),
-    "fasp30": ("fasp", "structured 30%", ["--method", "fasp", "--sparsity", "0.3"]),
+    "sgpt50": ("sparsegpt", "unstructured 50%", PruneConfig(method="sparsegpt", sparsity=0.5)),
+    "sgpt24": ("sparsegpt", "2:4", PruneConfig(method="sparsegpt", pattern="2:4")),
+    "fasp30": ("fasp", "structured 30%", PruneConfig(method="fasp", sparsity=0.3)),
 }
 #: recovery settings: no teacher; the dense teacher mixed with the labels (``--kd-weight`` setting, 0.5);
 #: pure distillation from the dense teacher (``--distill-kd-weight``, 1.0: the labels unused); the same
@@ -226,11 +231,13 @@ def store_chunk(chunks: dict[str, Any], key: str, result: dict[str, Any]) -> Non
 
 def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
     out = work_dir() / name
-    args = ["prune", "--model", DENSE, *PRUNED[name][2], "--no-eval", "--out", str(out)]
-    seconds, resume = None, []
+    job = PruneJob(model=DENSE, out=str(out), eval=False, config=PRUNED[name][2])
+    shown = ("model", "method", "sparsity", "pattern")
+    args = ["prune", *to_argv(job, always=shown)]
+    seconds, resume = None, False
     if not (out / "report.json").exists():
-        resume = ["--resume"] if out.with_name(out.name + ".ckpt").exists() else []  # a killed chunk continues
-        seconds = run_logged(leanml_cmd(*args, *resume), s["threads"])
+        resume = out.with_name(out.name + ".ckpt").exists()  # a killed chunk continues
+        seconds = run_logged(leanml_cmd("prune", *to_argv(replace(job, resume=resume), always=shown)), s["threads"])
     rep = json.loads((out / "report.json").read_text())
     return {"command": "leanml " + " ".join(args), "seconds": seconds, "prune_seconds": rep.get("prune_seconds"),
             "resumed": bool(seconds is not None and resume),  # prune_seconds then covers the resumed part only
@@ -241,21 +248,18 @@ def chunk_prune(name: str, s: dict[str, Any]) -> dict[str, Any]:
 def chunk_train(model: str, teacher: str, s: dict[str, Any]) -> dict[str, Any]:
     """One recovery run; ``s``: the settings of this run (:func:`run_settings` applied)."""
     out = work_dir() / rec_name(model, teacher)
-    args = ["recover", "--model", model_path(model), "--data", "shakespeare", "--steps", str(s["steps"]),
-            "--batch-size", str(s["batch_size"]), "--seqlen", str(s["seqlen"]), "--lr", str(s["lr"]),
-            "--memory", s["memory"], "--memory-budget", str(s["budget"]), "--no-eval", "--out", str(out),
-            "--overwrite"]
-    if model == "dense":
-        args.append("--no-mask")
     w = kd_weight(teacher, s)
-    if w is not None:
-        args += ["--teacher", DENSE, "--kd-weight", str(w)]
     share = teacher_share(teacher, s)
-    if share:  # runs with the same teacher and share draw the same windows: sampled once, then reused
-        args += ["--teacher-samples", str(share), "--teacher-samples-cache", str(work_dir() / "teacher-samples")]
-    ckpt = out.with_name(out.name + ".ckpt")
-    if ckpt.exists():
-        args.append("--resume")
+    train = recover_training(steps=s["steps"], batch_size=s["batch_size"], lr=s["lr"], strategy=s["memory"],
+                             budget=Budget.parse(s["budget"]) if s["memory"] == "adacc" else None)
+    recover = RecoverConfig(train=train, keep_masks=model != "dense", **({} if w is None else {"kd_weight": w}))
+    job = RecoverJob(model=model_path(model), out=str(out), data="shakespeare", seqlen=s["seqlen"], recover=recover,
+                     evaluate=False, overwrite=True, teacher=DENSE if w is not None else None,
+                     # runs with the same teacher and share draw the same windows: sampled once, then reused
+                     teacher_samples=share or 0.0,
+                     teacher_samples_cache=str(work_dir() / "teacher-samples") if share else None,
+                     resume=out.with_name(out.name + ".ckpt").exists())
+    args = ["recover", *to_argv(job, always=("data", "steps", "batch_size", "seqlen", "lr", "strategy"))]
     start_sha = model_sha256(model_path(model)) if model in PRUNED else None
     wall = run_logged(leanml_cmd(*args), s["threads"])
     rep = json.loads((out / "report.json").read_text())

@@ -151,3 +151,32 @@ def test_parsed_values_bare_flags_and_nested_defaults(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         p.parse_args(["--size", "x"])
     assert "cannot read size 'x'" in capsys.readouterr().err
+
+
+def test_to_argv_is_the_inverse_of_the_generated_parser() -> None:
+    from leanml.cli import build_parser
+    from leanml.config import from_args, to_argv
+    from leanml.memory.budget import Budget
+    from leanml.prune.cli import prune_job
+    from leanml.prune.config import PruneConfig, PruneJob
+    from leanml.prune.methods.fista import FistaOptions
+    from leanml.recover.config import RecoverConfig, recover_training
+    from leanml.recover.job import RecoverJob
+
+    parser = build_parser()
+    for budget in (Budget.parse(0.35), Budget.parse("2GB")):
+        job = RecoverJob(model="m", out="o", teacher="source", seqlen=128, evaluate=False, overwrite=True,
+                         teacher_samples=0.25,
+                         recover=RecoverConfig(train=recover_training(steps=7, lr=3e-4, budget=budget),
+                                               kd_weight=0.9, keep_masks=False))
+        argv = to_argv(job)
+        assert "--no-eval" in argv and "--no-mask" in argv and "--steps" in argv and "--batch-size" not in argv
+        assert from_args(RecoverJob, parser.parse_args(["recover", *argv])) == job
+    job = PruneJob(out="o", config=PruneConfig(method="fista", pattern="2:4", seed=3,
+                                               options=FistaOptions(iters=5, precondition=False)))
+    argv = [*to_argv(job), *to_argv(job.config.options, FistaOptions.prefix)]  # method options: their own flags
+    assert "--fista-no-precondition" in argv and "--pattern" in argv and "--fista-iters" in argv
+    assert prune_job(parser.parse_args(["prune", *argv])) == job
+    assert to_argv(RecoverJob(model="m", out="o")) == ["--model", "m", "--out", "o"]
+    assert to_argv(RecoverJob(model="m", out="o"), always=("steps", "teacher")) == ["--model", "m", "--out", "o",
+                                                                                  "--steps", "200"]

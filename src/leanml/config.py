@@ -331,6 +331,42 @@ def from_args(cls: type, args: argparse.Namespace, prefix: str = "", **overrides
     return _build(cls, args, prefix, overrides)
 
 
+def _cli_text(value: Any) -> str:
+    """A value as its option's parser reads it back."""
+    if hasattr(value, "cli_text"):
+        return value.cli_text()
+    if isinstance(value, (tuple, list)):
+        return ",".join(_cli_text(v) for v in value)
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def to_argv(obj: Any, prefix: str = "", skip: tuple[str, ...] = (), always: tuple[str, ...] = ()) -> list[str]:
+    """The command-line arguments that :func:`from_args` turns back into ``obj`` (the inverse of the
+    generated parser): fields at their defaults are left out unless named in ``always`` (for a command
+    line that reads well on its own), positionals come first. For programs that run a command in a child
+    process (benchmarks) from a config object, so the two cannot drift. Raises ``ValueError`` for a
+    value the command line cannot express (``None`` over a non-None default)."""
+    cls = type(obj)
+    argv: list[str] = []
+    positional: list[str] = []
+    for (f, flag, owner, _, default), (*_, value) in zip(_walk(cls, prefix, None), _walk(cls, prefix, obj)):
+        if f.name in skip or (value == default and (f.name not in always or value is None)):
+            continue
+        m = _meta(f)
+        if not flag.startswith("-"):
+            positional.append(_cli_text(value))
+        elif isinstance(value, bool) and m["parse"] is None:
+            argv.append(flag if value else (m["negative"] or f"--no-{flag[2:]}"))
+        elif value is None:
+            raise ValueError(f"{owner.__name__}.{f.name}=None has no command-line form (its default is {default!r})")
+        elif m.get("repeat"):
+            for v in value:
+                argv += [flag, _cli_text(v)]
+        else:
+            argv += [flag, _cli_text(value)]
+    return positional + argv
+
+
 def flags_of(cls: type, prefix: str = "") -> dict[tuple[type, str], str]:
     """``{(owner class, field name): flag}`` for every command-line field of ``cls``."""
     return {(owner, f.name): flag for f, flag, owner, _ in iter_flags(cls, prefix)}

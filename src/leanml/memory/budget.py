@@ -69,6 +69,10 @@ class Budget:
         """``"50%"`` or ``"2.00 GB"``."""
         return f"{self.value:.0%}" if self.kind == "fraction" else f"{self.value / 1e9:.2f} GB"
 
+    def cli_text(self) -> str:
+        """The budget as :meth:`parse` reads it back (``"0.5"``, ``"2000000000B"``)."""
+        return repr(self.value) if self.kind == "fraction" else f"{self.value:.0f}B"
+
     def to_json(self) -> dict[str, float | str]:
         return {"kind": self.kind, "value": self.value}
 
