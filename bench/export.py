@@ -34,10 +34,12 @@ from typing import Any
 import torch
 
 from _common import replace_block
-from leanml.cli import main as leanml_main
+from leanml.config import replace, to_argv
 from leanml.eval.speed import dir_size_bytes
 from leanml.models import bundled_dir, decoder_linear_names, load_model
 from leanml.models.compressed import decompress_dir
+from leanml.prune.config import PruneConfig, PruneJob
+from leanml.prune.job import run_job
 from leanml.utils import atomic_file, machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -70,13 +72,13 @@ def _plain_on_compressed(path: Path) -> str:
 
 def run_one(spec: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     comp, dense = work / f"c-{spec.replace(':', 'of')}", work / f"d-{spec.replace(':', 'of')}"
-    sparsity = ["--pattern", spec] if ":" in spec else ["--sparsity", spec]
+    mask = {"pattern": spec} if ":" in spec else {"sparsity": float(spec)}
     # magnitude needs no calibration; the engine's per-layer error report runs on 4 short windows
-    cmd = ["prune", "--model", "smollm2-135m", "--method", "magnitude", *sparsity, "--no-eval",
-           "--nsamples", "4", "--seqlen", "64", "--save-format", "compressed", "--out", str(comp), "--overwrite"]
+    job = PruneJob(model="smollm2-135m", out=str(comp), overwrite=True, eval=False, save_format="compressed",
+                   config=PruneConfig(method="magnitude", nsamples=4, seqlen=64, **mask))
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    assert leanml_main(cmd) == 0, cmd
+    run_job(job)
     prune_s = time.perf_counter() - t0
     decompress_dir(comp, dense, overwrite=True)
     saved = json.loads((comp / "report.json").read_text())["save"]
@@ -98,7 +100,8 @@ def run_one(spec: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
             del model
     rec = {
         "sparsity": _label(spec), "method": "magnitude", "dtype": "float32",
-        "command": "leanml " + " ".join(cmd[:-3] + ["--out", "DIR"]),
+        "command": "leanml prune " + " ".join(to_argv(replace(job, out="DIR", overwrite=False),
+                                                      always=("model", "method", "sparsity", "pattern"))),
         "measured_sparsity": measured_sparsity(m_c),
         "compressed_bytes": dir_size_bytes(comp), "dense_bytes": dir_size_bytes(dense),
         "linears_dense_bytes": saved["dense_bytes"], "linears_compressed_bytes": saved["compressed_bytes"],
