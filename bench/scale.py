@@ -382,23 +382,37 @@ def render() -> None:
 
 #: what the records alone do not say (conditions of this round, reasons, what was not run)
 NOTES = [
-    "- Load: the two cores were shared; rows ran under the team's CPU lock, but other processes ran outside it "
-    "at times (a `leanml demo` around 20:10 UTC, a test suite around 20:30 UTC), so wall times carry that noise; "
-    "CPU-seconds are steadier. Every row is one run.",
+    "- Load: the rows of 23:13-23:54 UTC on 2026-12-04 (135m, 135m-d15, 360m, 1.1b streamed without a cap, 3b) ran "
+    "under the "
+    "team's CPU lock on an otherwise idle machine (load average 1.0 before they started). The older rows ("
+    "1.1b in memory and under the cap, memory-dense, torchrun) are from a round in which other processes ran "
+    "outside the lock at times (a `leanml demo` around 20:10 UTC, a test suite around 20:30 UTC); CPU-seconds are "
+    "steadier than wall times. A record holds the last run of its key; repeats are in the notes below.",
     "- Peak RSS is `VmHWM` of the worker process (rows from 20:20 UTC on) or `ru_maxrss` (earlier rows, whose "
     "`baseline_rss_bytes`, read at the worker's start, shows that no parent memory was counted). `ru_maxrss` on "
     "Linux also counts the parent's resident set at fork: two rows started right after their parent built a model "
     "read 1.31 GB and 0.71 GB that way and were rerun.",
-    "- FISTA against SparseGPT: FISTA's solve does not shrink with the calibration (its iterations cost about "
-    "`out x in^2` each, whatever the tokens), while SparseGPT's passes do; with 8 x 512 tokens the solve is "
-    "nearly all of FISTA's time, so the ratio is far above the 1.72x measured on SmolLM2 with 32 x 512 and grows "
-    "with width (the fit's solve term, `S ~ out x in^2 + in^3`, grows with the linears' input width).",
-    "- Streamed against in-memory time at the 135M shape: the streamed rows used more CPU-seconds than the in-memory "
-    "rows in this round. Suspected cause, not yet measured apart: `bound_allocator` (a fixed 1 MiB mmap threshold, "
-    "so every large temporary is a fresh mapping and its pages fault in); an A/B of that setting is the next step.",
-    "- Not run in this round (time): 3B (about an hour per method on the two shared cores), 360M Wanda and FISTA "
-    "(the FISTA row was stopped to leave time for the 1.1B rows), the 360M half-depth twin, torchrun rows for FISTA. "
-    "Commands: `flock /tmp/leanml-cpu.lock python bench/scale.py --rows 3b` (and `--rows 360m --methods fista`).",
+    "- FISTA against SparseGPT: FISTA's solve does not shrink with the calibration. Per linear it is about 60 "
+    "products of `out x in^2` (20 FISTA iterations and 2 x 20 conjugate-gradient refits, of the warm start and of "
+    "the FISTA result; profiled on a 576 x 1536 linear: refits 57 %, FISTA 31 %), each near the cores' peak rate, "
+    "against about 3 for SparseGPT; with 8 x 512 tokens the solve is nearly all of FISTA's time, so the ratio "
+    "(4.8x CPU at 135m, streamed) is far above the 1.72x measured on SmolLM2 with 32 x 512 and grows with width "
+    "(the fit's solve term, `S ~ out x in^2 + in^3`). Meeting 2x needs fewer products per linear (fewer refit "
+    "iterations, or no refit of the warm start), which changes the pruned weights and needs the quality benchmark "
+    "rerun; not done in this round.",
+    "- Streamed against in-memory time at the 135M shape: the earlier streamed rows (wanda 77 s, sparsegpt 64 s) "
+    "ran with a fixed 1 MiB mmap threshold, so every large temporary was a fresh mapping whose pages faulted in; "
+    "that setting now applies only under `--max-memory` (`bound_allocator`, and the report's `stream.allocator`). "
+    "Two interleaved runs each at 23:13 UTC: wanda streamed 16.9 / 15.7 s against 15.6 / 15.4 s in memory "
+    "(1.08x, 1.02x), sparsegpt 21.1 / 21.4 s against 20.6 / 20.3 s (1.02x, 1.05x); CPU-seconds 31 / 28 vs 28 / 28 "
+    "and 36 / 37 vs 35 / 35.",
+    "- 3B (new, 23:27-23:54 UTC): wanda streamed 553 s wall / 1,054 CPU-s, peak RSS 2.16 GB = 0.34x its 6.43 GB of "
+    "weights; sparsegpt 1,055 s / 1,615 CPU-s, 2.92 GB = 0.45x. The last minute of the wanda row overlapped a "
+    "60-second test run outside the lock (its wall time is inflated by up to that); the sparsegpt row ran alone.",
+    "- Not run in this round (time): FISTA at 360M and above (about 5x sparsegpt's time), 360M Wanda, the 360M "
+    "half-depth twin, torchrun rows for FISTA, 1.1B under the cap again (its row ran with the same bounded "
+    "allocator it uses now). Commands: `flock /tmp/leanml-cpu.lock python bench/scale.py --rows 360m --methods "
+    "fista` (and `--rows 3b --methods fista`).",
 ]
 
 
@@ -464,8 +478,8 @@ def targets(recs: list[dict[str, Any]]) -> list[str]:
                        f"{par['cpu_seconds']:.0f} s")
     missing = [m for m in CONFIGS if not any(r["model"] == m for r in recs)]
     if missing:
-        out.append(f"- not run in this round: {', '.join(missing)} (the 3B row takes about an hour of the two shared "
-                   "cores per method; run `python bench/scale.py --rows 3b` under the CPU lock)")
+        out.append(f"- not run in this round: {', '.join(missing)} (run `python bench/scale.py --rows NAME` under the "
+                   "CPU lock; the 3B rows take 10-20 minutes per method on the two cores)")
     return out
 
 
