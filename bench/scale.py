@@ -396,7 +396,7 @@ NOTES = [
     "products of `out x in^2` (20 FISTA iterations and 2 x 20 conjugate-gradient refits, of the warm start and of "
     "the FISTA result; profiled on a 576 x 1536 linear: refits 57 %, FISTA 31 %), each near the cores' peak rate, "
     "against about 3 for SparseGPT; with 8 x 512 tokens the solve is nearly all of FISTA's time, so the ratio "
-    "(4.8x CPU at 135m, streamed) is far above the 1.72x measured on SmolLM2 with 32 x 512 and grows with width "
+    "(4.9x CPU at 135m, 7.4x at 360m, streamed) is far above the 1.72x measured on SmolLM2 with 32 x 512 and grows with width "
     "(the fit's solve term, `S ~ out x in^2 + in^3`). Meeting 2x needs fewer products per linear (fewer refit "
     "iterations, or no refit of the warm start), which changes the pruned weights and needs the quality benchmark "
     "rerun; not done in this round.",
@@ -409,9 +409,11 @@ NOTES = [
     "- 3B (new, 23:27-23:54 UTC): wanda streamed 553 s wall / 1,054 CPU-s, peak RSS 2.16 GB = 0.34x its 6.43 GB of "
     "weights; sparsegpt 1,055 s / 1,615 CPU-s, 2.92 GB = 0.45x. The last minute of the wanda row overlapped a "
     "60-second test run outside the lock (its wall time is inflated by up to that); the sparsegpt row ran alone.",
-    "- Not run in this round (time): FISTA at 360M and above (about 5x sparsegpt's time), 360M Wanda, the 360M "
+    "- FISTA at 360M (00:06 UTC, alone): 383 s wall, 737 CPU-s, peak RSS 1.63 GB (the dense stream doubles the "
+    "activations, and the float32 working set of the widest linear).",
+    "- Not run in this round (time): FISTA at 1.1B and above (7x or more sparsegpt's time), 360M Wanda, the 360M "
     "half-depth twin, torchrun rows for FISTA, 1.1B under the cap again (its row ran with the same bounded "
-    "allocator it uses now). Commands: `flock /tmp/leanml-cpu.lock python bench/scale.py --rows 360m --methods "
+    "allocator it uses now). Commands: `flock /tmp/leanml-cpu.lock python bench/scale.py --rows 1.1b --methods "
     "fista` (and `--rows 3b --methods fista`).",
 ]
 
