@@ -11,7 +11,15 @@ from typing import Any, Literal
 from leanml.config import ConfigError, option, require
 from leanml.ctr.content_ids.trainer import ContentIDConfig
 from leanml.ctr.options import CTRConfig
-from leanml.utils import LeanmlError, Timer, check_output_dir, check_writable, default_device, write_json
+from leanml.utils import (
+    LeanmlError,
+    Timer,
+    apply_threads,
+    check_output_dir,
+    check_writable,
+    default_device,
+    write_json,
+)
 
 DATASETS = ("fashion", "movielens")
 Dataset = Literal["fashion", "movielens"]
@@ -29,9 +37,7 @@ class Threads:
         require(self, self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
 
     def apply(self) -> None:
-        import torch
-
-        torch.set_num_threads(self.threads)
+        apply_threads(self.threads)
 
 
 @dataclass(frozen=True, kw_only=True)

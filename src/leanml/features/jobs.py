@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from leanml.config import as_dict, flags_of
 from leanml.features.options import ExtractJob, GenerateJob, Inputs, PipelineOptions, PlanJob, TrainJob
-from leanml.utils import LeanmlError, cache_dir, write_json
+from leanml.utils import LeanmlError, apply_threads, cache_dir, write_json
 
 if TYPE_CHECKING:  # the heavy modules load when a job runs
     from leanml.features.extract import ExtractConfig
@@ -127,7 +127,7 @@ def train_job(job: TrainJob, progress: bool = True) -> tuple[dict[str, Any], Pat
         if not job.inputs.log and not test_logs:
             test_logs = (str(movielens_logs() / "impressions_test.tsv"),)
         cfg, rows_estimate = extract_config(job.inputs, job.options, temp_sibling(quarantine), test_logs)
-    torch.set_num_threads(job.train_threads)
+    apply_threads(job.train_threads)
     with staged_files(report_path, quarantine) as (tmp_report, _):
         if cfg is None:
             model, report = train_from_parquet(job.features, job.train, progress=progress, total_rows=rows_estimate)
