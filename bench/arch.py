@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from _common import merge_records, replace_block
+from leanml.config import ConfigError
 from leanml.models import count_parameters, decoder_linear_names
 from leanml.models.tiny import FAMILIES, tiny_family
 from leanml.prune.engine import prune_model
@@ -88,8 +89,8 @@ def run_one(make, model_type: str, source: str, method: str, pattern: str, calib
         pruner = pruner_class(method)()
         try:
             prune_model(model, calib, pruner, _spec(pattern), batch_size=batch_size, progress=False)
-        except LeanmlError as exc:  # a family whose attention cannot shrink: FASP on its MLP alone
-            if method != "fasp" or "--fasp-pairs mlp" not in str(exc):
+        except ConfigError as exc:  # a family whose attention cannot shrink: FASP on its MLP alone
+            if method != "fasp" or "pairs" not in exc.fields:
                 raise
             model, pruner = make(), pruner_class(method)(pairs=("mlp",))
             prune_model(model, calib, pruner, _spec(pattern), batch_size=batch_size, progress=False)
@@ -107,7 +108,7 @@ def run_one(make, model_type: str, source: str, method: str, pattern: str, calib
             rec["error"] = f"reloaded logits differ by {rec['reload_max_abs_diff']:.2e}"
     except Exception as exc:  # a setting the model cannot take is a result, not a crash
         rec["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if not type(exc).__name__ == "LeanmlError":
+        if not isinstance(exc, LeanmlError):
             traceback.print_exc()
     return rec
 
