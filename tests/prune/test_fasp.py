@@ -380,3 +380,8 @@ def test_cli_options_are_added_once_and_parsed():
     assert pruner("flap", *argv[:2]).options.pair_names == ("mlp",) == FlapPruner(pairs=("mlp",)).options.pair_names
     assert not pruner("flap", "--fasp-no-shrink").options.shrink and pruner("flap").options.shrink
     assert p.config()["target"] == "dense"
+
+
+def test_pairs_recorded_in_one_form_whatever_was_given():
+    assert FaspPruner(pairs="attention,mlp").config() == FaspPruner(pairs=("attention", "mlp")).config()
+    assert FaspPruner(pairs="mlp").config()["pairs"] == ["mlp"]

@@ -116,6 +116,11 @@ class StructuredPairPruner(Pruner):
 
     Options: ClassVar[type] = StructuredOptions
 
+    def config(self) -> dict[str, Any]:
+        """Method options, with the pairs as a list however they were given (the report and the resume
+        fingerprint see one form)."""
+        return {**super().config(), "pairs": list(self.options.pair_names)}
+
     def __init__(self, options: Any = None, /, **changes: Any) -> None:
         super().__init__(options, **changes)
         self.group_names = frozenset(PAIRS[p] for p in self.options.pair_names)  # the groups this method prunes
