@@ -131,7 +131,7 @@ class FeatureStream(torch.utils.data.IterableDataset):
 
 def _worker_init(worker_id: int) -> None:
     info = torch.utils.data.get_worker_info()
-    torch.set_num_threads(max(1, info.dataset.cfg.options.torch_threads) if info is not None else 1)
+    torch.set_num_threads(info.dataset.cfg.options.torch_threads if info is not None else 1)  # >= 1: PipelineOptions
 
 
 def merge_quarantine(path: str, workers: int) -> str | None:
@@ -172,7 +172,7 @@ class Prefetcher:
                  source: Callable[[ExtractConfig], Any] | None = None, persistent: bool = False,
                  warm: bool = True, mp_context: str | None = None, ring: bool = True) -> None:
         options = options or ProducerOptions()
-        self.cfg, self.options = cfg, options
+        self.cfg = cfg
         self.depth, self.mode, self.workers = options.prefetch, options.producer, options.workers
         self.source = source  # builds the batch iterable from cfg (default: Extractor)
         self.persistent, self.warm, self.mp_context, self.ring = persistent, warm, mp_context, ring
