@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from leanml.config import option, require
 
-ENGINES = ("arrow", "python")  # log parsers: native, and the line-by-line reference
+Engine = Literal["arrow", "python"]  # log parsers: native, and the line-by-line reference
+ENGINES: tuple[str, ...] = get_args(Engine)
+Producer = Literal["thread", "process"]
+PRODUCERS: tuple[str, ...] = get_args(Producer)
 
 
 def _at_least_one(obj: object, *names: str) -> None:
@@ -31,7 +34,7 @@ class PipelineOptions:
     batch_rows: int = option(8192, "rows per chunk / training batch")
     threads: int = option(1, "threads for the CPU ops of one level")
     arena: bool = option(True, "reuse one memory arena per batch (--no-arena: plain allocation)")
-    reader: Literal["arrow", "python"] = option(
+    reader: Engine = option(
         "arrow", "log parser: arrow (native) or python (the line-by-line reference); same rows and quarantine "
                  "records")
     entity: bool = option(True, "run the ops of a joined table's features once per user/item "
@@ -49,7 +52,7 @@ class PipelineOptions:
 class ProducerOptions:
     """Who extracts while training runs, and how far ahead."""
 
-    producer: Literal["thread", "process"] = option(
+    producer: Producer = option(
         "process", "extraction in DataLoader worker processes feeding training through shared memory, or in "
                    "one thread of the training process")
     workers: int = option(1, "producer processes (on 2 cores one trains, one extracts)")
@@ -58,8 +61,8 @@ class ProducerOptions:
                                "step, when extraction, not training, is the bottleneck)")
 
     def __post_init__(self) -> None:
-        require(self, self.producer in ("thread", "process"), "producer",
-                f"must be thread or process, got {self.producer!r}")
+        require(self, self.producer in PRODUCERS, "producer",
+                f"must be {' or '.join(PRODUCERS)}, got {self.producer!r}")
         _at_least_one(self, "workers", "prefetch")
 
 
