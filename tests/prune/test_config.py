@@ -60,6 +60,10 @@ def test_refusals_name_fields() -> None:
         PruneConfig(pattern="2-4")
     with pytest.raises(ConfigError, match="calib_samples samples from the whole model, which stream never holds"):
         PruneJob(out="o", stream=True, config=PruneConfig(calib_samples=0.5))
+    with pytest.raises(ConfigError, match="sparsity_profile owl is not streamed"):  # refused before any reading
+        PruneJob(out="o", stream=True, config=PruneConfig(method="wanda", sparsity_profile="owl"))
+    with pytest.raises(ConfigError, match="mode must be sequential or dense, got 'sequental'"):
+        PruneConfig(mode="sequental")
 
 
 def test_the_config_resolves_without_changing_what_was_asked() -> None:

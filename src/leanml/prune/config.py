@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 from leanml.config import ConfigError, option, require
 from leanml.eval.config import Compute, ModelInput
-from leanml.prune.engine.allocation import OwlOptions
+from leanml.prune.engine.allocation import OwlOptions, check_profile
+from leanml.prune.engine.walk import check_spec
 from leanml.prune.masks import MaskSpec, parse_pattern
 from leanml.prune.methods import available, pruner_class
 from leanml.utils import LeanmlError
@@ -70,29 +71,14 @@ class PruneConfig(Compute):
         cls = pruner_class(self.method)
         require(self, self.options is None or isinstance(self.options, cls.Options), "options",
                 f"{self.method} takes {cls.Options.__name__}, got {type(self.options).__name__}")
+        require(self, self.mode in ("sequential", "dense"), "mode", f"must be sequential or dense, got {self.mode!r}")
         require(self, self.nsamples >= 1, "nsamples", f"must be at least 1, got {self.nsamples}")
         require(self, 0 <= self.calib_samples <= 1, "calib_samples",
                 f"is a share of the calibration windows in [0, 1], got {self.calib_samples}")
         require(self, self.checkpoint_interval >= 0, "checkpoint_interval",
                 f"must be >= 0, got {self.checkpoint_interval}")
-        spec = self.spec
-        require(self, not (cls.structured and spec.pattern is not None), "pattern",
-                f"{self.method} removes whole units and takes no N:M mask: drop pattern")
-        require(self, spec.pattern is None or cls.supports_pattern, "pattern",
-                f"{self.method} does not support N:M masks: drop pattern")
-        profile = self.sparsity_profile
-        if isinstance(profile, str):
-            require(self, profile in ("uniform", "owl"), "sparsity_profile",
-                    f"{profile!r} is unknown; choose uniform or owl (or one sparsity per layer)")
-        else:
-            require(self, len(profile) > 0 and all(0.0 < float(s) < 1.0 for s in profile), "sparsity_profile",
-                    "needs one sparsity in (0, 1) per decoder layer")
-        if profile != "uniform":
-            what = f"the {self.pattern} pattern" if spec.pattern is not None else f"structured {self.method}"
-            require(self, spec.pattern is None and not cls.structured, "sparsity_profile",
-                    f"sparsity_profile {self.profile_name} sets unstructured per-layer sparsities; it does not "
-                    f"apply to {what}: "
-                    "drop sparsity_profile")
+        check_spec(cls, self.spec)  # the engine's own checks, once (leanml.prune tells the engine they ran)
+        check_profile(self.sparsity_profile, self.spec, cls)
 
     @functools.cached_property
     def spec(self) -> MaskSpec:
@@ -159,6 +145,9 @@ class PruneJob(ModelInput):
                     "calib_samples samples from the whole model, which stream never holds; drop one of them")
             require(self, self.save_format == "safetensors", ("stream", "save_format"),
                     "stream writes safetensors shards; drop save_format compressed")
+            require(self, self.config.sparsity_profile != "owl", ("sparsity_profile", "stream"),
+                    "sparsity_profile owl is not streamed (it needs a pass over the whole dense model first); "
+                    "drop stream or use sparsity_profile uniform")
 
     @property
     def streamed(self) -> bool:

@@ -35,8 +35,6 @@ from leanml.prune.base import Pruner
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
 
-PROFILES = ("uniform", "owl", "custom")
-
 
 def linear_specs(
     adapter: DecoderAdapter, layers: Sequence[int], spec: MaskSpec, layer_sparsity: Sequence[float] | None = None
@@ -70,18 +68,20 @@ def linear_specs(
     return out
 
 
-def check_profile(sparsity_profile: str | Sequence[float], spec: MaskSpec, pruner: Pruner) -> str:
-    """The profile's name (``"custom"`` for a list); refuses an unknown name, and a non-uniform profile
-    with an N:M pattern or a structured method."""
-    profile_name = sparsity_profile if isinstance(sparsity_profile, str) else "custom"
-    if profile_name not in PROFILES:
-        raise LeanmlError(f"unknown sparsity profile {sparsity_profile!r}; choose uniform or owl")
-    if profile_name != "uniform" and (spec.pattern is not None or pruner.structured):
-        raise LeanmlError(
-            f"--sparsity-profile {profile_name} sets unstructured per-layer sparsities; it does not apply to "
-            f"{'N:M patterns' if spec.pattern is not None else 'structured methods'}: use --sparsity-profile uniform"
-        )
-    return profile_name
+def check_profile(sparsity_profile: str | Sequence[float], spec: MaskSpec, pruner: Pruner | type[Pruner]) -> None:
+    """Refuse an unknown profile name, per-layer values outside (0, 1), and a non-uniform profile with an
+    N:M pattern or a structured method (reads only class attributes, so a pruner class does too)."""
+    if isinstance(sparsity_profile, str):
+        if sparsity_profile not in ("uniform", "owl"):
+            raise ConfigError(f"sparsity_profile {sparsity_profile!r} is unknown; choose uniform or owl (or one "
+                              "sparsity per layer)", None, ("sparsity_profile",))
+    elif not (len(sparsity_profile) > 0 and all(0.0 < float(s) < 1.0 for s in sparsity_profile)):
+        raise ConfigError("sparsity_profile needs one sparsity in (0, 1) per decoder layer", None, ("sparsity_profile",))
+    if sparsity_profile != "uniform" and (spec.pattern is not None or pruner.structured):
+        name = sparsity_profile if isinstance(sparsity_profile, str) else "custom"
+        what = f"the {spec.describe()} pattern" if spec.pattern is not None else f"structured {pruner.name}"
+        raise ConfigError(f"sparsity_profile {name} sets unstructured per-layer sparsities; it does not apply to "
+                          f"{what}: drop sparsity_profile", None, ("sparsity_profile",))
 
 
 def layer_sparsities(
@@ -108,8 +108,6 @@ def layer_sparsities(
     layer_sparsity = [float(s) for s in sparsity_profile]
     if len(layer_sparsity) != n_layers:
         raise LeanmlError(f"a sparsity profile needs one value per decoder layer ({n_layers}), got {len(layer_sparsity)}")
-    if not all(0.0 < s < 1.0 for s in layer_sparsity):
-        raise LeanmlError("every per-layer sparsity must be in (0, 1)")
     return layer_sparsity, {"name": "custom"}
 
 

@@ -40,12 +40,13 @@ from leanml.utils import EtaBar, LeanmlError
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
-def check_spec(pruner: Pruner, spec: MaskSpec) -> None:
-    """Settings no layer can take: a pattern for a structured method or one the method refuses."""
+def check_spec(pruner: Pruner | type[Pruner], spec: MaskSpec) -> None:
+    """Settings no layer can take: a pattern for a structured method or one the method refuses (reads
+    only class attributes, so a pruner class does too)."""
     if pruner.structured and spec.pattern is not None:
-        raise ConfigError(f"{pruner.name} is structured and takes no N:M pattern; drop pattern", None, ("pattern",))
+        raise ConfigError(f"{pruner.name} removes whole units and takes no N:M mask: drop pattern", None, ("pattern",))
     if spec.pattern is not None and not pruner.supports_pattern:
-        raise LeanmlError(f"{pruner.name} does not support N:M patterns")
+        raise ConfigError(f"{pruner.name} does not support N:M masks: drop pattern", None, ("pattern",))
 
 
 def check_layers(adapter: DecoderAdapter, todo: Sequence[int], pruner: Pruner, spec: MaskSpec) -> None:
