@@ -35,6 +35,9 @@ from leanml.utils import LeanmlError
 
 MISSING = dataclasses.MISSING
 _META = "leanml"  # key of the field metadata this module reads
+#: the metadata of a field declared without :func:`option` (and the keys every option has)
+_DEFAULT_META: dict[str, Any] = dict(help="", flag=None, parse=None, choices=None, metavar=None, cli=True, prefix=None,
+                                     show_default=True, nargs=None, repeat=False, negative=None, const=None)
 
 
 class ConfigError(LeanmlError):
@@ -95,14 +98,14 @@ def option(
     meta = {_META: dict(help=help, flag=flag, parse=parse, choices=choices, metavar=metavar, cli=cli,
                         prefix=prefix, show_default=show_default, nargs=nargs, repeat=repeat, negative=negative,
                         const=const)}
+    assert meta[_META].keys() == _DEFAULT_META.keys()
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
 def _meta(f: dataclasses.Field) -> dict[str, Any]:
-    return f.metadata.get(_META) or dict(help="", flag=None, parse=None, choices=None, metavar=None, cli=True,
-                                         prefix=None, show_default=True, nargs=None, repeat=False, negative=None, const=None)
+    return f.metadata.get(_META) or _DEFAULT_META
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -120,12 +123,11 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 @dataclasses.dataclass(frozen=True)
 class Flag:
-    """One generated option: the flag, the dataclass and field it sets, and the argparse dest."""
+    """One generated option: the flag and the dataclass and field it sets."""
 
     flag: str
     owner: type
     field: str
-    dest: str
 
 
 def flag_name(f: dataclasses.Field, prefix: str = "") -> str:
@@ -180,14 +182,12 @@ def add_options(
     *,
     skip: tuple[str, ...] = (),
     defaults: dict[str, Any] | None = None,
-    required: tuple[str, ...] = (),
 ) -> list[Flag]:
     """Add one option per field of ``cls`` (nested options dataclasses expanded) and return them.
 
     ``skip`` leaves fields out (the caller sets them another way); ``defaults`` overrides the defaults
-    shown and used by this command (for a subcommand whose sensible default differs); ``required`` makes
-    fields mandatory on this command. The generated flags are recorded on the parser (see
-    :func:`parser_flags`).
+    shown and used by this command (for a subcommand whose sensible default differs). The generated
+    flags are recorded on the parser (see :func:`parser_flags`).
     """
     hints_cache: dict[type, dict[str, Any]] = {}
     made: list[Flag] = []
@@ -195,7 +195,9 @@ def add_options(
         if f.name in skip:
             continue
         m = _meta(f)
-        hints = hints_cache.setdefault(owner, _hints(owner))
+        if owner not in hints_cache:
+            hints_cache[owner] = _hints(owner)
+        hints = hints_cache[owner]
         tp, optional = _unwrap_optional(hints[f.name])
         if defaults and f.name in defaults:
             default = defaults[f.name]
@@ -221,7 +223,7 @@ def add_options(
             if m.get("repeat"):
                 kwargs["action"] = "append"
         text = m["help"]
-        if m["show_default"] and default is not MISSING and f.name not in required:
+        if m["show_default"] and default is not MISSING:
             shown = default if not isinstance(default, (list, tuple)) else ",".join(map(str, default))
             text = f"{text} (default {shown})".strip() if default is not None or not optional else text
         kwargs["help"] = text.replace("%", "%%")
@@ -229,12 +231,12 @@ def add_options(
             del kwargs["dest"]
             if default is not MISSING:
                 kwargs.update(nargs="?", default=default)
-        elif f.name in required or default is MISSING:
+        elif default is MISSING:
             kwargs["required"] = True
         else:
             kwargs["default"] = None if m.get("repeat") else default  # appended values start a fresh list
         parser.add_argument(flag, **kwargs)
-        made.append(Flag(flag, owner, f.name, _dest(flag)))
+        made.append(Flag(flag, owner, f.name))
     # argument groups share their parser's defaults: the record travels into the parsed namespace, where
     # the command line's error handler finds it (see cli_message)
     parser._defaults.setdefault("_leanml_flags", []).extend(made)  # type: ignore[union-attr]
