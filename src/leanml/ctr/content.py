@@ -120,7 +120,7 @@ def fit_dataset_content_ids(
     return model, report
 
 
-def items_from_table(data: CTRData, table_path: str | Path, raw: np.ndarray | None = None,
+def items_from_table(data: CTRData, table_path: str | Path,
                      on_missing: str = "error") -> tuple[ItemFeatures, CTRData, dict[str, Any]]:
     """Item features from a serving table (schema: ``content_ids.schema``). Ads of the log missing from
     the table raise an error naming the first one (``on_missing="error"``), or their log rows are dropped,
@@ -150,4 +150,4 @@ def items_from_table(data: CTRData, table_path: str | Path, raw: np.ndarray | No
         data = CTRData(**{**data.__dict__, "train": data.train[keep_tr].reset_index(drop=True),
                           "test": data.test[keep_te].reset_index(drop=True)})
     codes = np.where(missing[:, None], 0, codes)  # rows of ads without IDs are never used (dropped above)
-    return ItemFeatures(codes, raw, table.m, table.k, table.codebook), data, info
+    return ItemFeatures(codes, None, table.m, table.k, table.codebook), data, info

@@ -254,7 +254,7 @@ def eval_job(job: EvalJob) -> dict[str, Any]:
     if "visual_table" in saved:
         _, data, _ = items_from_table(data, saved["visual_table"]["table"],
                                       on_missing=data_args.get("on_missing", "error"))
-    model, builder, _ = load_ctr_run(job.run, data)
+    model, builder, _ = load_ctr_run(job.run, data, report=saved)
     metrics = evaluate_run(model, builder, data)
     result = {"run": str(job.run), "metrics": metrics, "data_args": data_args}
     write_json(job.run / "eval.json", result)

@@ -34,15 +34,20 @@ def save_ctr_run(out: str | Path, model: CTRModel | ResidualID, builder: FieldBu
     return Path(out)
 
 
-def load_ctr_run(path: str | Path, data: CTRData) -> tuple[CTRModel | ResidualID, FieldBuilder, dict[str, Any]]:
-    """Load a run written by :func:`save_ctr_run` for evaluation on ``data`` (same dataset and seed)."""
+def load_ctr_run(path: str | Path, data: CTRData, report: dict[str, Any] | None = None
+                 ) -> tuple[CTRModel | ResidualID, FieldBuilder, dict[str, Any]]:
+    """Load a run written by :func:`save_ctr_run` for evaluation on ``data`` (same dataset and seed).
+    ``report``: the run's report as :func:`read_run_report` returned it, passed by a caller that has also
+    checked that the folder holds ``model.safetensors`` and ``fields.npz``; the report is then not read, nor
+    the files checked, again."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    if not (path / "report.json").exists() or not (path / "model.safetensors").exists() \
-            or not (path / "fields.npz").exists():
-        raise LeanmlError(f"{path} is not a CTR run folder; create one with `leanml ctr train --out DIR`")
-    report = read_run_report(path)
+    if report is None:
+        if not (path / "report.json").exists() or not (path / "model.safetensors").exists() \
+                or not (path / "fields.npz").exists():
+            raise LeanmlError(f"{path} is not a CTR run folder; create one with `leanml ctr train --out DIR`")
+        report = read_run_report(path)
     cfg = run_config(report, path)
     try:
         npz = np.load(path / "fields.npz")
