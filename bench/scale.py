@@ -396,7 +396,7 @@ NOTES = [
     "products of `out x in^2` (20 FISTA iterations and 2 x 20 conjugate-gradient refits, of the warm start and of "
     "the FISTA result; profiled on a 576 x 1536 linear: refits 57 %, FISTA 31 %), each near the cores' peak rate, "
     "against about 3 for SparseGPT; with 8 x 512 tokens the solve is nearly all of FISTA's time, so the ratio "
-    "(4.9x CPU at 135m, 7.4x at 360m, streamed) is far above the 1.72x measured on SmolLM2 with 32 x 512 and grows with width "
+    "(4.9x CPU at 135m, 7.4x at 360m, streamed) is far above the 1.71x CPU-seconds measured on SmolLM2 with 64 x 512 (bench/results/prune.md) and grows with width "
     "(the fit's solve term, `S ~ out x in^2 + in^3`). Meeting 2x needs fewer products per linear (fewer refit "
     "iterations, or no refit of the warm start), which changes the pruned weights and needs the quality benchmark "
     "rerun; not done in this round.",
