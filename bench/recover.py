@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import replace_block
+from _common import load_json, replace_block
 from leanml.config import replace, to_argv
 from leanml.memory.budget import Budget
 from leanml.prune.config import PruneConfig, PruneJob
@@ -137,8 +137,8 @@ def work_dir() -> Path:
     return path
 
 
-def load_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {"chunks": {}}
+def load_chunks(path: Path) -> dict[str, Any]:
+    return load_json(path, {"chunks": {}})
 
 
 def env(threads: int) -> dict[str, str]:
@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()  # a killed run takes its children (the peer, `leanml recover`) with it
     out = Path(args.out)
     path = out / "recover.json"
-    data = load_json(path)
+    data = load_chunks(path)
     settings = {k: getattr(args, k) for k in DEFAULTS}
     data.setdefault("settings", settings)
     if args.list:
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         for chunk in args.only.split(","):
             result = run_chunk(chunk.strip(), settings)
-            data = load_json(path)  # merge into the latest file (other chunks may have finished meanwhile)
+            data = load_chunks(path)  # merge into the latest file (other chunks may have finished meanwhile)
             data.setdefault("settings", settings)
             store_chunk(data["chunks"], chunk.strip(), result)
             from leanml.utils import write_json
@@ -656,10 +656,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.all:
         extra = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in DEFAULTS] + [f"--out={out}"]
         for chunk in all_chunks():
-            if chunk in load_json(path)["chunks"] and not args.redo:
+            if chunk in load_chunks(path)["chunks"] and not args.redo:
                 continue
             run_child(["flock", LOCK, sys.executable, __file__, "--only", chunk, *extra], env=env(args.threads))
-        data = load_json(path)
+        data = load_chunks(path)
     if not args.list:
         render(data, out)
     return 0

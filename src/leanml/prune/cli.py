@@ -81,11 +81,6 @@ def prune_job(args: argparse.Namespace) -> Any:
     return from_args(PruneJob, args, config=config)
 
 
-def mb(n: int) -> str:
-    """Bytes in MB (2^20) for the streamed run's line."""
-    return f"{n / 2**20:,.1f} MB"
-
-
 def run_prune(args: argparse.Namespace) -> int:
     from leanml.prune.job import run_job
     from leanml.prune.methods import pruner_class
@@ -96,6 +91,8 @@ def run_prune(args: argparse.Namespace) -> int:
         return 0
     c = job.config
     if job.streamed:
+        from leanml.prune.stream import mb
+
         st = report["stream"]
         cap = f" (cap {mb(st['max_memory_bytes'])})" if st["max_memory_bytes"] else ""
         print(f"{c.method} streamed: peak RSS {mb(st['peak_rss_bytes'])}{cap} for {mb(st['weights_bytes'])} of "

@@ -55,7 +55,7 @@ from leanml.utils import LeanmlError
 MB = 2**20
 
 
-def _mb(n: int) -> str:
+def mb(n: int) -> str:
     return f"{n / MB:,.1f} MB"
 
 
@@ -196,8 +196,8 @@ def prune_streamed(
     floor = memory_floor(index, model, adapter, dtype)
     if max_memory is not None and max_memory < floor["floor_bytes"]:
         raise LeanmlError(
-            f"--max-memory {_mb(max_memory)} is below what one step needs; the smallest cap that works is "
-            f"{_mb(floor['floor_bytes'])} (layer {floor['layer']}: {_mb(floor['layer_bytes'])} of weights plus its "
+            f"--max-memory {mb(max_memory)} is below what one step needs; the smallest cap that works is "
+            f"{mb(floor['floor_bytes'])} (layer {floor['layer']}: {mb(floor['layer_bytes'])} of weights plus its "
             "working set); raise --max-memory"
         )
     out = Path(out_dir)
