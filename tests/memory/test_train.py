@@ -106,3 +106,16 @@ def test_train_config_checks_once_and_keeps_what_was_asked() -> None:
         with pytest.raises(ConfigError) as err:
             TrainConfig(**bad)
         assert field in err.value.fields and str(err.value).startswith(field), (bad, str(err.value))
+
+
+def test_result_with_a_meter_every_other_step_reads_the_measured_steps() -> None:
+    torch.set_num_threads(1)
+    r = StrategyRunner(tiny_llama(), TrainConfig(strategy="checkpoint", steps=4, warmup=2, progress=False),
+                       measure_every=2)
+    r.setup(IDS)
+    for _ in range(4):
+        r.step(IDS)
+    res = r.result()
+    r.close()
+    assert r.measured_steps == [0, 2] and not res["peak_measured_every_step"]
+    assert res["peak_bytes"] == r.peaks[1]  # the timed steps are 2 and 3; step 2 was measured

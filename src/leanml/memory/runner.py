@@ -312,7 +312,11 @@ class StrategyRunner:
         """JSON-ready record of the run so far."""
         cfg = self.cfg
         w = cfg.timing_warmup if len(self.times) > cfg.timing_warmup else 0
-        timed, timed_peaks, budgets = self.times[w:], self.peaks[w:], self.step_budgets[w:]
+        timed, budgets = self.times[w:], self.step_budgets[w:]
+        # the meter's peaks cover the measured steps only (every ``measure_every``-th): the timed ones among them
+        timed_k = [k for k, i in enumerate(self.measured_steps) if i >= w]
+        timed_peaks = [self.peaks[k] for k in timed_k]
+        peak_budgets = [self.step_budgets[self.measured_steps[k]] for k in timed_k]
         tokens = statistics.fmean(self.step_tokens[w:])
         step_s = statistics.median(timed)
         replan_s = sum(self.replan_times[w:])
@@ -326,7 +330,7 @@ class StrategyRunner:
             "pool_layers": cfg.pool_layers if cfg.strategy == "adacc" else None,
             "compile_budgets": list(self.adacc.compile_budgets) if self.adacc is not None else None,
             "budget_fraction": self.budget.fraction_of(self.unoptimized_peak or 1) if budgeted else None,
-            "peak_bytes": max(timed_peaks),
+            "peak_bytes": max(timed_peaks, default=max(self.peaks)),
             "peak_measured_every_step": len(self.peaks) == len(self.times),
             "step_peaks": self.peaks,
             "cuda_step_peaks": self.cuda_peaks or None,
@@ -338,7 +342,7 @@ class StrategyRunner:
             "grad_bytes": grad_bytes,
             "cuda_steps_over_budget": (sum(p - grad_bytes > b for p, b in zip(self.cuda_peaks[w:], budgets))
                                        if budgeted and self.cuda_peaks else None),
-            "steps_over_budget": sum(p > b for p, b in zip(timed_peaks, budgets)) if budgeted else None,
+            "steps_over_budget": sum(p > b for p, b in zip(timed_peaks, peak_budgets)) if budgeted else None,
             "step_budget_bytes": self.step_budgets if budgeted else None,
             "allocator_peak_bytes": self.allocator_peak,
             "allocator_step_meter_peak_bytes": self.allocator_meter_peak,
