@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from leanml.config import add_options, from_args
+from leanml.config import add_command
 from leanml.features.options import ExtractJob, GenerateJob, PlanJob, TrainJob
 
 EPILOG = """examples:
@@ -53,19 +53,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     fs = p.add_subparsers(dest="features_command", metavar="SUBCOMMAND")
     for name, (job, short, description, examples) in COMMANDS.items():
-        c = fs.add_parser(name, help=short, description=description, epilog=f"examples:\n  {examples}",
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-        add_options(c, job)
-        c.set_defaults(func=RUN[name])
+        add_command(fs, name, job, RUN[name], help=short, description=description, epilog=f"examples:\n  {examples}")
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def cmd_plan(job: PlanJob) -> int:
     import torch
 
     from leanml.features.jobs import plan_job
 
-    job = from_args(PlanJob, args)
     graph, plan = plan_job(job)
     if job.json:
         print(json.dumps(plan.as_dict(), indent=2))
@@ -75,19 +71,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_extract(args: argparse.Namespace) -> int:
+def cmd_extract(job: ExtractJob) -> int:
     from leanml.features.jobs import extract_job, summary_lines
 
-    report, out = extract_job(from_args(ExtractJob, args))
+    report, out = extract_job(job)
     print("\n".join(summary_lines(report["extract"], report["rows"])))
     print(f"wrote {report['files']} file(s) to {out} (report: {out / 'report.json'})")
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def cmd_train(job: TrainJob) -> int:
     from leanml.features.jobs import summary_lines, train_job
 
-    report, path = train_job(from_args(TrainJob, args))
+    report, path = train_job(job)
     speed = f" ({report['samples_s']:.0f} samples/s)" if "samples_s" in report else ""
     print(f"{report['mode']}: {report['rows']} rows in {report['wall_s']:.2f} s{speed}, train loss {report['loss']:.4f}")
     if "extract" in report:
@@ -99,10 +95,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def cmd_generate(job: GenerateJob) -> int:
     from leanml.features.jobs import generate_job
 
-    job = from_args(GenerateJob, args)
     print(f"wrote {job.rows} impressions and user/item tables to {generate_job(job)}")
     return 0
 
