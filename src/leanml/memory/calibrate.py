@@ -49,12 +49,14 @@ class Calibration:
                 f"memory budget {budget / MIB:.1f} MiB is below the smallest feasible plan "
                 f"{smallest / MIB:.1f} MiB ({smallest / profile.peak_bytes:.1%} of the unoptimized peak "
                 f"{profile.peak_bytes / MIB:.1f} MiB for inputs [{profile.shape}]); raise the budget to at least that")
-        return self.calibrated(entry, budget, budget)
+        return self.calibrated(entry, budget)
 
-    def calibrated(self, entry: ShapePlan, budget: float, model_budget: float) -> PlanRecord:
-        """Solve, install and (with ``calibrate``) measure; tighten the planner's budget by any overshoot.
-        Raises when the measured peak stays over ``budget``, naming the smallest budget that holds."""
+    def calibrated(self, entry: ShapePlan, budget: float) -> PlanRecord:
+        """Solve, install and (with ``calibrate``) measure; tighten the planner's budget (starting at
+        ``budget``) by any overshoot. Raises when the measured peak stays over ``budget``, naming the
+        smallest budget that holds."""
         record = None
+        model_budget = budget
         attempts = self.max_calibrations if self.calibrate else 1
         for attempt in range(attempts):
             try:
