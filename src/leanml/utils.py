@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import platform
@@ -157,6 +158,12 @@ def atomic_file(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def fingerprint(obj: Any) -> str:
+    """A short hash of a JSON-able object (settings, data summaries, keys sorted): what keys checkpoints
+    and caches."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:

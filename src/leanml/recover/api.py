@@ -59,8 +59,8 @@ from leanml.memory.train import batches
 from leanml.recover.config import RecoverConfig, lr_factor
 from leanml.recover.masks import MaskKeeper, linear_sparsity
 from leanml.recover.source import MIN_UNDECLARED
-from leanml.recover.teacher import TeacherObjective, fingerprint
-from leanml.utils import LeanmlError, atomic_file
+from leanml.recover.teacher import TeacherObjective
+from leanml.utils import LeanmlError, atomic_file, fingerprint
 
 PEAK_DEFINITION = ("saved-activation bytes of one training step (teacher targets included), storages de-duplicated, "
                    "parameters excluded; the largest over the measured steps")

@@ -10,7 +10,6 @@ Adacc's budget, and are dropped after the step.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,7 @@ from torch import nn
 
 from leanml.memory.runner import LMObjective, measure_peak
 from leanml.recover.distill import Objective
-from leanml.utils import LeanmlError, atomic_file
+from leanml.utils import LeanmlError, atomic_file, fingerprint
 
 if TYPE_CHECKING:
     from leanml.recover.config import RecoverConfig
@@ -66,11 +65,6 @@ class TeacherObjective(LMObjective):
     def last(self) -> dict[str, float | None]:
         """The parts of the latest loss (``ce``, ``kl``)."""
         return self.objective.last
-
-
-def fingerprint(obj: Any) -> str:
-    """A short hash of a JSON-able object (settings, data summaries): what keys checkpoints and caches."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def teacher_fingerprint(teacher: nn.Module) -> str:

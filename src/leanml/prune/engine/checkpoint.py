@@ -8,8 +8,6 @@ reads ``state.pt`` back and refuses one made with other settings.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -18,15 +16,10 @@ import torch
 from torch import nn
 
 from leanml.models.surgery import load_layer_state
-from leanml.utils import LeanmlError, atomic_file
+from leanml.utils import LeanmlError, atomic_file, fingerprint
 
 #: bumped when the checkpoint layout changes, so an old checkpoint is refused instead of misread
 CHECKPOINT_VERSION = 2
-
-
-def settings_fingerprint(meta: dict[str, Any]) -> str:
-    """A short hash of the settings ``meta`` (JSON, keys sorted)."""
-    return hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -47,7 +40,7 @@ def resume_state(ckpt: Path | None, meta: dict[str, Any]) -> dict[str, Any] | No
     if state_path is None or not state_path.exists():
         return None
     state = torch.load(state_path, weights_only=False)
-    if state.get("fingerprint") != settings_fingerprint(meta):
+    if state.get("fingerprint") != fingerprint(meta):
         raise LeanmlError(
             f"checkpoint in {ckpt} was made with different settings; delete it or run without --resume"
         )

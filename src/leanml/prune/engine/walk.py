@@ -28,13 +28,13 @@ from leanml.prune.engine.checkpoint import (
     Checkpointer,
     restore_layers,
     resume_state,
-    settings_fingerprint,
 )
 from leanml.prune.engine.finished import nbytes
 from leanml.prune.engine.layer import prune_layer
 from leanml.prune.engine.placement import Place, Streams, stream_home, sync_device
 from leanml.prune.masks import MaskSpec
 from leanml.utils import EtaBar, LeanmlError
+from leanml.utils import fingerprint as settings_fingerprint  # the walk has a fingerprint parameter
 
 #: out of device memory (``torch.OutOfMemoryError`` where torch has it)
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
