@@ -180,3 +180,13 @@ def test_to_argv_is_the_inverse_of_the_generated_parser() -> None:
     assert to_argv(RecoverJob(model="m", out="o")) == ["--model", "m", "--out", "o"]
     assert to_argv(RecoverJob(model="m", out="o"), always=("steps", "teacher")) == ["--model", "m", "--out", "o",
                                                                                   "--steps", "200"]
+
+
+def test_cli_message_leaves_paths_and_quoted_values_alone() -> None:
+    from leanml.config import ConfigError, cli_message
+
+    exc = ConfigError("report /tmp/features/report/x.json is a folder; 'report' is taken; set report", None,
+                      ("report", "features"))
+    flags = {(object, "report"): "--report", (object, "features"): "--features"}
+    assert cli_message(exc, flags) == ("--report /tmp/features/report/x.json is a folder; 'report' is taken; "
+                                       "set --report")

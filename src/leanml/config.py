@@ -50,6 +50,11 @@ class ConfigError(LeanmlError):
         self.fields = tuple(fields)
 
 
+def _mention(name: str) -> re.Pattern[str]:
+    """``name`` as a word of a message, not part of a path or a quoted value (``/tmp/report/x``, ``'out'``)."""
+    return re.compile(rf"(?<![\w\-/'\"]){re.escape(name)}(?![\w\-/'\"])")
+
+
 def require(obj: Any, ok: bool, fields: str | tuple[str, ...], message: str) -> None:
     """Raise :class:`ConfigError` unless ``ok``.
 
@@ -60,7 +65,7 @@ def require(obj: Any, ok: bool, fields: str | tuple[str, ...], message: str) -> 
     if ok:
         return
     names = (fields,) if isinstance(fields, str) else tuple(fields)
-    if len(names) == 1 and not re.search(rf"(?<![\w-]){re.escape(names[0])}(?![\w-])", message):
+    if len(names) == 1 and not _mention(names[0]).search(message):
         message = f"{names[0]} {message}"
     raise ConfigError(message, type(obj), names)
 
@@ -387,7 +392,7 @@ def cli_message(exc: ConfigError, flags: list[Flag] | dict[tuple[type, str], str
             named = {v for (_, n), v in table.items() if n == name}
             flag = named.pop() if len(named) == 1 else None
         if flag:
-            text = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", flag, text)
+            text = _mention(name).sub(flag, text)
     return text
 
 
