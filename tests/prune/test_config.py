@@ -62,6 +62,9 @@ def test_refusals_name_fields() -> None:
         PruneJob(out="o", stream=True, config=PruneConfig(calib_samples=0.5))
     with pytest.raises(ConfigError, match="sparsity_profile owl is not streamed"):  # refused before any reading
         PruneJob(out="o", stream=True, config=PruneConfig(method="wanda", sparsity_profile="owl"))
+    for settings in (dict(stream_device="cpu"), dict(checkpoint_interval=30.0)):  # not silently ignored
+        with pytest.raises(ConfigError, match="drop stream_device and checkpoint_interval"):
+            PruneJob(out="o", max_memory="1GB", config=PruneConfig(**settings))
     with pytest.raises(ConfigError, match="mode must be sequential or dense, got 'sequental'"):
         PruneConfig(mode="sequental")
 

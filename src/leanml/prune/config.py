@@ -145,6 +145,10 @@ class PruneJob(ModelInput):
                     "calib_samples samples from the whole model, which stream never holds; drop one of them")
             require(self, self.save_format == "safetensors", ("stream", "save_format"),
                     "stream writes safetensors shards; drop save_format compressed")
+            require(self, self.config.stream_device == "auto" and self.config.checkpoint_interval == 0,
+                    ("stream_device", "checkpoint_interval", "stream"),
+                    "stream keeps its own activation streams (in memory, spilled to disk under a cap) and "
+                    "checkpoints every layer; drop stream_device and checkpoint_interval")
             require(self, self.config.sparsity_profile != "owl", ("sparsity_profile", "stream"),
                     "sparsity_profile owl is not streamed (it needs a pass over the whole dense model first); "
                     "drop stream or use sparsity_profile uniform")
