@@ -6,18 +6,14 @@ import argparse
 import importlib
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 from leanml.config import add_command, option, require
 from leanml.utils import apply_threads, cores_available
 
 # Each module provides ``run_demo(fast: bool) -> None`` and prints its own short table.
-DEMO_PARTS = [
-    "leanml.prune.demo",
-    "leanml.memory.demo",
-    "leanml.ctr.demo",
-    "leanml.features.demo",
-]
+#: the systems the demo runs, in order; each has a ``leanml.<part>.demo`` module
+PARTS = ("prune", "memory", "ctr", "features")
+DEMO_PARTS = [f"leanml.{part}.demo" for part in PARTS]
 
 # Where each part's full benchmark lives (the demo is a short tour; these are the measured comparisons).
 FULL_BENCH = {
@@ -32,12 +28,13 @@ FULL_BENCH = {
 class DemoJob:
     """The options of ``leanml demo``."""
 
-    only: Literal["prune", "memory", "ctr", "features"] | None = option(None, "run one part only")
+    only: str | None = option(None, "run one part only", choices=PARTS)
     threads: int | None = option(None, "torch threads (default: the cores this process may use); lower it when "
                                        "other jobs share the machine", metavar="N")
 
     def __post_init__(self) -> None:
         require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
+        require(self, self.only is None or self.only in PARTS, "only", f"must be one of {', '.join(PARTS)}, got {self.only!r}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
