@@ -195,10 +195,10 @@ def prune_streamed(
     adapter = get_adapter(model)
     floor = memory_floor(index, model, adapter, dtype)
     if max_memory is not None and max_memory < floor["floor_bytes"]:
-        raise LeanmlError(
-            f"--max-memory {mb(max_memory)} is below what one step needs; the smallest cap that works is "
+        raise ConfigError(
+            f"max_memory {mb(max_memory)} is below what one step needs; the smallest cap that works is "
             f"{mb(floor['floor_bytes'])} (layer {floor['layer']}: {mb(floor['layer_bytes'])} of weights plus its "
-            "working set); raise --max-memory"
+            "working set); raise max_memory", None, ("max_memory",)
         )
     out = Path(out_dir)
     own_ckpt = checkpoint_dir is None
