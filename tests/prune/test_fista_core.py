@@ -296,3 +296,19 @@ def test_preconditioned_tuning_solves_the_same_problem():
     const = ((W @ H) * W).sum(1)
     a = tune_lambda(W, H, C, const, MaskSpec(0.5), 1e-2 * C.abs().amax(1), precondition=True)
     assert (a.error <= a.start_error + 1e-12).all() and ((a.W != 0).sum(1) == 16).all()
+
+
+@pytest.mark.parametrize("precondition,ridge,damp,method", [(True, 0.1, 0.0, "cg"), (False, 0.0, 0.05, "apg")])
+def test_shared_cache_gives_the_same_weights(precondition, ridge, damp, method):
+    """Linears sharing H reuse one cache of the solver's matrices; every result is bit-identical to a
+    call without it, and the cache is filled once."""
+    X, W, H, _ = _problem(N=400, n=32, m=10, seed=3)
+    W2 = torch.randn(7, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    kw = dict(refine_iters=4, refine_method=method, precondition=precondition, ridge=ridge, damp=damp,
+              correction=0.5, iters=6)
+    cache: dict = {}
+    for Wi in (W, W2):
+        alone = fista_prune(Wi.float(), H.float(), MaskSpec(0.5), **kw)
+        shared = fista_prune(Wi.float(), H.float(), MaskSpec(0.5), cache=cache, **kw)
+        assert torch.equal(alone.W, shared.W) and torch.equal(alone.error, shared.error)
+    assert ("Hp" in cache) == precondition and ("L" in cache) == (not precondition)

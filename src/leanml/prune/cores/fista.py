@@ -33,6 +33,7 @@ import torch
 from leanml.prune.cores.refine import (
     REFINE_METHODS,
     fill_kept_zeros,
+    gram_product,
     keep_rows,
     momentum,
     refine_apg,
@@ -166,6 +167,7 @@ def fista_solve(
     track: bool = True,
     col_weights: torch.Tensor | None = None,
     W0H: torch.Tensor | None = None,
+    H_low: torch.Tensor | None = None,
 ) -> FistaResult:
     """Minimise ``1/2 tr(W H W^T) - tr(C W^T) + sum_rows lambda_r ||w_r||_1`` by FISTA, all rows at once.
 
@@ -176,7 +178,9 @@ def fista_solve(
     combination of ``W_k H``); ``W0H`` may pass ``W0 @ H``, and the result carries ``W @ H``. Stops
     after ``iters`` iterations or when the relative change ``||W_k - W_{k-1}||_F / ||W_{k-1}||_F`` falls
     below ``tol``. ``col_weights`` (n,) turns the penalty into the weighted ``lambda_r sum_j u_j |w_rj|``
-    (used by the diagonal preconditioner).
+    (used by the diagonal preconditioner). ``H_low`` (``H`` in a narrower dtype, e.g. bfloat16) runs each
+    iteration's product in that dtype on the step ``W_k - W_{k-1}`` (see
+    :func:`~leanml.prune.cores.refine.gram_product`).
     """
     m, n = C.shape
     if H.shape != (n, n):
@@ -204,7 +208,7 @@ def fista_solve(
         V = torch.add(Y, YH - C, alpha=-1.0 / L)  # gradient step
         Z = soft_threshold(V, tau)
         del V
-        ZH = Z @ H
+        ZH = Z @ H if H_low is None else WH_prev + gram_product(Z - W_prev, H, H_low)
         F = 0.5 * row_dot(ZH, Z) - row_dot(C, Z) + lam_v * _l1(Z, u)
         bad = None
         if restart:
@@ -237,6 +241,7 @@ class TuneResult:
     error: torch.Tensor  # per-row output error of W (m,)
     start_error: torch.Tensor  # per-row output error of the hard-thresholded start point (m,)
     history: list[dict[str, Any]] = field(default_factory=list)
+    #: the step's Lipschitz constant: of the preconditioned matrix when FISTA ran preconditioned
     L: float = 0.0
 
 
@@ -259,6 +264,8 @@ def tune_lambda(
     tol: float = 0.0,
     precondition: bool = False,
     refine_method: str = "apg",
+    low_dtype: torch.dtype | None = None,
+    cache: dict[str, Any] | None = None,
 ) -> TuneResult:
     """T rounds of FISTA + hard threshold, keeping the sparse solution of least output error.
 
@@ -280,6 +287,15 @@ def tune_lambda(
     ``D = diag(sqrt(diag H))``, i.e. on ``D^-1 H D^-1`` (unit diagonal, far better conditioned when a
     few input features carry most of the energy) with the weighted penalty ``sum_j |v_j| / d_j``.
     The minimiser is unchanged; only the iterates reach it faster. ``L`` is then recomputed.
+
+    ``low_dtype`` (e.g. ``torch.bfloat16``): the products inside FISTA and the refits run in that dtype
+    on differences (a step, a search direction, ``W_round - W_fista``); every candidate's product and
+    error is computed in the working dtype, and a refit row that is worse than its start, measured so,
+    keeps its start.
+
+    ``cache``: a dict that linears sharing ``H_solve`` (same damping and ridge) pass alike; the first
+    call fills it with what depends on that matrix alone (its preconditioned form, Lipschitz constants,
+    narrow copies), the next ones reuse it. ``L`` is computed only when the solver needs it.
     """
     if lambda_scope not in ("row", "layer"):
         raise ValueError("lambda_scope must be 'row' or 'layer'")
@@ -289,27 +305,43 @@ def tune_lambda(
     Hs = H if H_solve is None else H_solve
     #: products with the solver's matrix serve for the errors too (no damping)
     shared = Hs is H
-    if L is None:
-        L = power_iteration(Hs) * 1.001
+    # what depends on Hs alone is kept in ``cache`` for the next linear that shares it
+    cache = {} if cache is None else cache
+    if L is not None:
+        cache["L"] = L
     d = None
     if precondition:
-        d = torch.diagonal(Hs).clamp_min(0).sqrt()
-        d = torch.where(d > 0, d, torch.ones_like(d))
-        Hp = Hs / d.unsqueeze(0) / d.unsqueeze(1)
+        if "Hp" not in cache:
+            d = torch.diagonal(Hs).clamp_min(0).sqrt()
+            cache["d"] = torch.where(d > 0, d, torch.ones_like(d))
+            cache["Hp"] = Hs / cache["d"].unsqueeze(0) / cache["d"].unsqueeze(1)
+            cache["Lp"] = power_iteration(cache["Hp"]) * 1.001
+        d, Hp, Lp = cache["d"], cache["Hp"], cache["Lp"]
         Cp = C / d.unsqueeze(0)
-        Lp = power_iteration(Hp) * 1.001
+    elif "L" not in cache:
+        cache["L"] = power_iteration(Hs) * 1.001
+    if low_dtype is not None and "Hs_low" not in cache:
+        cache["Hs_low"] = Hs.to(low_dtype)
+        cache["Hp_low"] = None if d is None else Hp.to(low_dtype)
+    Hs_low, Hp_low = cache.get("Hs_low"), cache.get("Hp_low")
+
+    def lipschitz() -> float:
+        """``lambda_max(Hs)``, computed on first use (the preconditioned solver needs only ``Lp``)."""
+        if "L" not in cache:
+            cache["L"] = power_iteration(Hs) * 1.001
+        return cache["L"]
 
     # Products are carried in the original variables: ``X @ Hs``. In the rescaled ones (V = W D,
     # Hp = D^-1 Hs D^-1) the product V @ Hp equals (W @ Hs) / d.
     def _refit(Wr: torch.Tensor, mask: torch.Tensor, WrH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if refine_method == "cg":
             if d is None:
-                return refine_cg(Wr, mask, Hs, C, refine_iters, WrH)
-            V, VH = refine_cg(Wr * d, mask, Hp, Cp, refine_iters, WrH / d)
+                return refine_cg(Wr, mask, Hs, C, refine_iters, WrH, Hs_low)
+            V, VH = refine_cg(Wr * d, mask, Hp, Cp, refine_iters, WrH / d, Hp_low)
         else:
             if d is None:
-                return refine_apg(Wr, mask, Hs, C, L, refine_iters, WrH)
-            V, VH = refine_apg(Wr * d, mask, Hp, Cp, Lp, refine_iters, WrH / d)
+                return refine_apg(Wr, mask, Hs, C, lipschitz(), refine_iters, WrH, Hs_low)
+            V, VH = refine_apg(Wr * d, mask, Hp, Cp, Lp, refine_iters, WrH / d, Hp_low)
         return V / d, VH * d
 
     def _errors(Wx: torch.Tensor, WxH: torch.Tensor) -> torch.Tensor:
@@ -325,7 +357,8 @@ def tune_lambda(
     startH = start @ Hs
     start_mask = keep_mask(prune_scores(start, startH - C), spec)
     best_sparse = start * start_mask
-    sparseH = best_sparse @ Hs
+    # a start already within the mask (a pruned warm start) keeps its product
+    sparseH = startH if not bool(((start != 0) & ~start_mask).any()) else best_sparse @ Hs
     if refine_iters > 0:
         best_sparse, sparseH = _refit(best_sparse, start_mask, sparseH)
     best_err = _errors(best_sparse, sparseH)
@@ -335,19 +368,23 @@ def tune_lambda(
     layer_choice = spec.scope == "layer" and spec.pattern is None
     for r in range(rounds):
         if d is None:
-            res = fista_solve(Hs, C, lam, W0=best_iterate, L=L, iters=iters, tol=tol, track=False,
-                              W0H=best_iterateH)
+            res = fista_solve(Hs, C, lam, W0=best_iterate, L=lipschitz(), iters=iters, tol=tol, track=False,
+                              W0H=best_iterateH, H_low=Hs_low)
             Wf, WfH = res.W, res.WH
         else:
             res = fista_solve(Hp, Cp, lam, W0=best_iterate * d, L=Lp, iters=iters, tol=tol, track=False,
-                              col_weights=1.0 / d, W0H=best_iterateH / d)
+                              col_weights=1.0 / d, W0H=best_iterateH / d, H_low=Hp_low)
             Wf, WfH = res.W / d, res.WH * d
         mask = keep_mask(prune_scores(Wf, WfH - C), spec)
         Wr = Wf * mask
         WrH = Wr @ Hs
         D = Wr - Wf
-        # rounding error ||(W_round - W_fista) X*||, from the two products at hand
-        DH = (WrH - WfH) if shared else D @ H
+        # rounding error ||(W_round - W_fista) X*||: from the two products at hand, or (when FISTA's
+        # product was carried in the narrow dtype) from the difference itself
+        if Hs_low is None:
+            DH = (WrH - WfH) if shared else D @ H
+        else:
+            DH = gram_product(D, H, Hs_low if shared else H.to(low_dtype))
         e_round = row_dot(DH, D).clamp_min(0.0).sqrt()
         del DH, D
         if refine_iters > 0:
@@ -390,7 +427,8 @@ def tune_lambda(
             torch.where(torch.isfinite(hi), (lo * hi).sqrt(), lam * 10.0),
             torch.where(lo > 0, (lo * hi).sqrt(), lam / 10.0),
         )
-    return TuneResult(W=best_sparse, lam=lam, error=best_err, start_error=start_err, history=history, L=L)
+    return TuneResult(W=best_sparse, lam=lam, error=best_err, start_error=start_err, history=history,
+                      L=Lp if d is not None else lipschitz())
 
 
 def fista_prune(
@@ -416,6 +454,8 @@ def fista_prune(
     C: torch.Tensor | None = None,
     correction: float = 1.0,
     ridge: float = 0.0,
+    low_dtype: torch.dtype | None = None,
+    cache: dict[str, Any] | None = None,
 ) -> TuneResult:
     """Prune one weight matrix ``W`` (m x n) to ``spec`` with FISTAPruner.
 
@@ -432,6 +472,9 @@ def fista_prune(
     pruned-path inputs; 1 (default) is the paper's objective, 0 SparseGPT's. ``ridge`` (rho >= 0) adds
     ``rho * mean(diag H) * ||W* - W||^2`` per row (the reported errors include it); a given ``L`` is for
     ``H`` (damped) without it. Ridge and damping both scale with ``mean(diag H)`` of ``H`` itself.
+    ``low_dtype`` runs the solver's products on differences in that dtype (see :func:`tune_lambda`).
+    ``cache``: one dict per group of linears that share ``H`` (and these options), reused across them
+    (see :func:`tune_lambda`); the results are the same with or without it.
     """
     if ridge < 0:
         raise ValueError("ridge must be >= 0")
@@ -461,23 +504,27 @@ def fista_prune(
         dense_const = b * b * dense_const + 2 * b * (1 - b) * (C * Wc).sum(1) + (1 - b) ** 2 * (WH * Wc).sum(1)
         C = b * C + (1 - b) * WH
     mean_diag = float(torch.diagonal(Hc).mean())  # the scale of ridge and damp alike (before either)
+    cache = {} if cache is None else cache
     if ridge > 0:
         # as if one row sqrt(N r) e_j -> sqrt(N r) W e_j per input feature j joined the N calibration tokens
         r = ridge * mean_diag
-        Hc = shift_diagonal(Hc, r)
+        if "Hc" not in cache:
+            cache["Hc"] = shift_diagonal(Hc, r)
+        Hc = cache["Hc"]
         C = C + r * Wc
         dense_const = dense_const + r * (Wc * Wc).sum(1)
         if L is not None:
             L = L + r
-    Hs = shift_diagonal(Hc, damp * mean_diag) if damp > 0 else Hc
-    if L is None:
-        L = power_iteration(Hs) * 1.001
+    if damp > 0 and "Hs" not in cache:
+        cache["Hs"] = shift_diagonal(Hc, damp * mean_diag)
+    Hs = cache["Hs"] if damp > 0 else Hc
     lam_max = C.abs().amax(1)
     lam0 = lam * lam_max
     if lambda_scope == "layer":
         lam0 = torch.full_like(lam0, float(lam0.mean()))
     res = tune_lambda(Wc, Hc, C, dense_const, spec, lam0, W_start=None if W_start is None else W_start.to(dtype),
                       rounds=rounds, iters=iters, xi=xi, lambda_scope=lambda_scope, L=L, H_solve=Hs,
-                      refine_iters=refine_iters, tol=tol, precondition=precondition, refine_method=refine_method)
+                      refine_iters=refine_iters, tol=tol, precondition=precondition, refine_method=refine_method,
+                      low_dtype=low_dtype, cache=cache)
     res.W = res.W.to(W.dtype)
     return res

@@ -23,6 +23,16 @@ def row_dot(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vecdot(A, B, dim=1)
 
 
+def gram_product(X: torch.Tensor, H: torch.Tensor, low: torch.Tensor | None = None) -> torch.Tensor:
+    """``X @ H``; with ``low`` (``H`` already cast to a narrower dtype, e.g. bfloat16) the product runs in
+    that dtype and comes back in ``X``'s (several times faster where the hardware has bfloat16 matrix
+    units). Callers pass differences (a step, a search direction), so the rounding is relative to the
+    change, not to the weights."""
+    if low is None:
+        return X @ H
+    return (X.to(low.dtype) @ low).to(X.dtype)
+
+
 def momentum(t: torch.Tensor, bad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """FISTA's ``t_{k+1}`` and ``beta = (t_k - 1) / t_{k+1}`` per row; restarted rows get ``t = 1``,
     ``beta = 0``."""
@@ -73,29 +83,44 @@ def fill_kept_zeros(
     return torch.where((new < old).unsqueeze(1), W_new, W)
 
 
+def _exact_no_worse(
+    X: torch.Tensor, W: torch.Tensor, WH: torch.Tensor, H: torch.Tensor, C: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``X`` and its exact product ``X @ H``, except rows whose objective is above the start ``W``'s
+    (``WH`` exact too), which keep the start: after iterations whose products were rounded."""
+    XH = X @ H
+    worse = 0.5 * row_dot(XH, X) - row_dot(C, X) > 0.5 * row_dot(WH, W) - row_dot(C, W)
+    if bool(worse.any()):
+        keep_rows(worse, [X, XH], [W, WH])
+    return X, XH
+
+
 def refine_apg(
     W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, L: float, iters: int,
-    WH: torch.Tensor | None = None,
+    WH: torch.Tensor | None = None, H_low: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Refit the kept weights: minimise ``1/2 tr(W H W^T) - tr(C W^T)`` over ``W`` supported on ``mask``.
 
     Accelerated projected gradient (the projection zeroes the pruned weights, step ``1/L``) with a
     per-row function-value restart, so the output error of every row never rises; starts at ``W``.
     Returns the refit weights and their product ``W @ H``; ``WH`` may pass the product of the start
-    (``W``, then already zero off ``mask``)."""
+    (``W``, then already zero off ``mask``). ``H_low``: the iterations' products run in that dtype (see
+    :func:`gram_product`); the result's product is then recomputed exactly and a row worse than its
+    start keeps the start (``WH`` must then be exact)."""
     keep = mask.to(W.dtype)
     if WH is None:
         W = W * keep
         WH = W @ H
     if iters <= 0 or L <= 0.0:
         return W, WH
+    W0, W0H = W, WH
     res_W = W
     F_prev = 0.5 * row_dot(WH, W) - row_dot(C, W)
     Y, YH = W, WH
     t = torch.ones(W.shape[0], 1, dtype=W.dtype, device=W.device)
     for _ in range(iters):
         Z = torch.add(Y, YH - C, alpha=-1.0 / L).mul_(keep)
-        ZH = Z @ H
+        ZH = Z @ H if H_low is None else WH + gram_product(Z - res_W, H, H_low)
         F = 0.5 * row_dot(ZH, Z) - row_dot(C, Z)
         up = F > F_prev
         bad = None
@@ -107,12 +132,14 @@ def refine_apg(
         Y = torch.lerp(Z, res_W, -beta)
         YH = torch.lerp(ZH, WH, -beta)
         res_W, WH, F_prev, t = Z, ZH, F, t_next
+    if H_low is not None:
+        res_W, WH = _exact_no_worse(res_W, W0, W0H, H, C)
     return res_W, WH
 
 
 def refine_cg(
     W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, iters: int,
-    WH: torch.Tensor | None = None,
+    WH: torch.Tensor | None = None, H_low: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_apg` by conjugate gradients: the same least-squares refit of the kept weights.
 
@@ -120,7 +147,8 @@ def refine_cg(
     ``n x n`` product per iteration). In exact arithmetic the objective of every row falls at each
     step and reaches the minimum on the support after at most ``|support|`` steps; a row whose
     objective ends above its start (rounding) keeps its start. Returns the weights and ``W @ H``;
-    ``WH`` may pass the product of the start (``W``, then already zero off ``mask``)."""
+    ``WH`` may pass the product of the start (``W``, then already zero off ``mask``). ``H_low`` as in
+    :func:`refine_apg`."""
     keep = mask.to(W.dtype)
     if WH is None:
         W = W * keep
@@ -133,7 +161,7 @@ def refine_cg(
     P = R.clone()
     rr = row_dot(R, R)
     for _ in range(iters):
-        Q = P @ H
+        Q = gram_product(P, H, H_low)
         pq = row_dot(P, Q)
         alpha = torch.where(pq > 0, rr / pq.clamp_min(1e-30), torch.zeros_like(pq)).unsqueeze(1)
         X.add_(alpha * P)
@@ -143,6 +171,8 @@ def refine_cg(
         beta = torch.where(rr > 0, rr_new / rr.clamp_min(1e-30), torch.zeros_like(rr)).unsqueeze(1)
         P = torch.addcmul(R, beta, P)
         rr = rr_new
+    if H_low is not None:
+        return _exact_no_worse(X, W, WH, H, C)
     F = 0.5 * row_dot(XH, X) - row_dot(C, X)
     worse = F > F0
     if bool(worse.any()):
