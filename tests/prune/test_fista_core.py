@@ -9,14 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.linear_model import Lasso
 
-from leanml.prune.cores.fista import (
-    fista_prune,
+from leanml.prune.cores.fista import fista_prune, tune_lambda
+from leanml.prune.cores.lasso import (
     fista_solve,
     hard_threshold,
     lasso_objective,
     power_iteration,
     soft_threshold,
-    tune_lambda,
 )
 from leanml.prune.cores.refine import refine_apg, refine_cg, row_output_errors
 from leanml.prune.masks import MaskSpec, satisfies_nm, sparsity_of

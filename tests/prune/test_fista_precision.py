@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import leanml.prune.methods.fista as fista_method
-from leanml.prune.cores.fista import fista_prune, hard_threshold
+from leanml.prune.cores.fista import fista_prune
+from leanml.prune.cores.lasso import hard_threshold
 from leanml.prune.cores.refine import gram_product, refine_apg, refine_cg, row_output_errors
 from leanml.prune.masks import MaskSpec, sparsity_of
 
