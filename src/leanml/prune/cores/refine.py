@@ -172,7 +172,7 @@ def refine_cg(
         P = torch.addcmul(R, beta, P)
         rr = rr_new
     if H_low is not None:
-        return _exact_no_worse(X, W, WH, H, C)
+        XH = X @ H  # the iterations' products were rounded: the result's, exactly
     F = 0.5 * row_dot(XH, X) - row_dot(C, X)
     worse = F > F0
     if bool(worse.any()):
