@@ -34,6 +34,7 @@ from leanml.prune.cores.refine import (
     gram_product,
     refine_apg,
     refine_cg,
+    row_blocks,
     row_dot,
     row_output_errors,
 )
@@ -125,7 +126,6 @@ def tune_lambda(
             cache["Hp"] = Hs / cache["d"].unsqueeze(0) / cache["d"].unsqueeze(1)
             cache["Lp"] = power_iteration(cache["Hp"]) * 1.001
         d, Hp, Lp = cache["d"], cache["Hp"], cache["Lp"]
-        Cp = C / d.unsqueeze(0)
     elif "L" not in cache:
         cache["L"] = power_iteration(Hs) * 1.001
     if low_dtype is not None and "Hs_low" not in cache:
@@ -140,21 +140,64 @@ def tune_lambda(
         return cache["L"]
 
     # Products are carried in the original variables: ``X @ Hs``. In the rescaled ones (V = W D,
-    # Hp = D^-1 Hs D^-1) the product V @ Hp equals (W @ Hs) / d.
-    def _refit(Wr: torch.Tensor, mask: torch.Tensor, WrH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Hp = D^-1 Hs D^-1) the product V @ Hp equals (W @ Hs) / d. Everything below works on one block of
+    # rows at a time (``s``); only the mask and the choice between candidates see the whole matrix.
+    def _refit(s: slice, Wr: torch.Tensor, mask: torch.Tensor, WrH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if refine_method == "cg":
             if d is None:
-                return refine_cg(Wr, mask, Hs, C, refine_iters, WrH, Hs_low)
-            V, VH = refine_cg(Wr * d, mask, Hp, Cp, refine_iters, WrH / d, Hp_low)
+                return refine_cg(Wr, mask, Hs, C[s], refine_iters, WrH, Hs_low)
+            V, VH = refine_cg(Wr * d, mask, Hp, C[s] / d, refine_iters, WrH / d, Hp_low)
         else:
             if d is None:
-                return refine_apg(Wr, mask, Hs, C, lipschitz(), refine_iters, WrH, Hs_low)
-            V, VH = refine_apg(Wr * d, mask, Hp, Cp, Lp, refine_iters, WrH / d, Hp_low)
+                return refine_apg(Wr, mask, Hs, C[s], lipschitz(), refine_iters, WrH, Hs_low)
+            V, VH = refine_apg(Wr * d, mask, Hp, C[s] / d, Lp, refine_iters, WrH / d, Hp_low)
         return V / d, VH * d
 
-    def _errors(Wx: torch.Tensor, WxH: torch.Tensor) -> torch.Tensor:
-        return row_output_errors(Wx, H, C, dense_const, WxH if shared else None)
+    if low_dtype is not None and not shared and "H_low" not in cache:
+        cache["H_low"] = H.to(low_dtype)
+    H_err_low = Hs_low if shared else cache.get("H_low")
 
+    def rounded(
+        Wx: torch.Tensor, WxH: torch.Tensor, mask: torch.Tensor, rounding: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``Wx`` (with ``WxH = Wx @ Hs``) hard-thresholded to ``mask`` and refit: the weights, their per-row
+        output error and, with ``rounding``, the rounding error ``||(W_round - Wx) X*||`` per row."""
+        out = torch.empty_like(Wx)
+        err = Wx.new_empty(m)
+        e_round = Wx.new_empty(m) if rounding else None
+        for s in blocks:
+            Wb, WbH, mb = Wx[s], WxH[s], mask[s]
+            Wr = Wb * mb
+            # a block already within the mask (a pruned warm start) keeps its product
+            WrH = Wr @ Hs if rounding or bool(((Wb != 0) & ~mb).any()) else WbH
+            if rounding:
+                D = Wr - Wb
+                # from the two products at hand, or (products in the narrow dtype) from the difference
+                if H_err_low is None:
+                    DH = (WrH - WbH) if shared else D @ H
+                else:
+                    DH = gram_product(D, H, H_err_low)
+                e_round[s] = row_dot(DH, D).clamp_min(0.0).sqrt()  # type: ignore[index]
+                del D, DH
+            if refine_iters > 0:
+                Wr, WrH = _refit(s, Wr, mb, WrH)
+                err[s] = row_output_errors(Wr, H, C[s], dense_const[s], WrH if shared else None)
+            elif rounding:
+                Wr = fill_kept_zeros(Wr, mb, H, C[s], dense_const[s])
+                err[s] = row_output_errors(Wr, H, C[s], dense_const[s])
+            else:
+                err[s] = row_output_errors(Wr, H, C[s], dense_const[s], WrH if shared else None)
+            out[s] = Wr
+        return out, err, e_round
+
+    def masked(Wx: torch.Tensor, WxH: torch.Tensor) -> torch.Tensor:
+        """The mask ``spec`` keeps of ``Wx``, ranked by :func:`prune_scores` (the gradient ``WxH - C``)."""
+        scores = torch.empty_like(Wx)
+        for s in blocks:
+            scores[s] = prune_scores(Wx[s], WxH[s] - C[s])
+        return keep_mask(scores, spec)
+
+    blocks = row_blocks(m, C.shape[1], C)
     lam = row_lambda(lam0, m, C).reshape(-1).clone()
     if lambda_scope == "layer":
         lam = lam.mean().expand(m).clone()
@@ -162,45 +205,32 @@ def tune_lambda(
     hi = torch.full_like(lam, float("inf"))
     start = (W if W_start is None else W_start).to(C.dtype)
 
-    startH = start @ Hs
-    start_mask = keep_mask(prune_scores(start, startH - C), spec)
-    best_sparse = start * start_mask
-    # a start already within the mask (a pruned warm start) keeps its product
-    sparseH = startH if not bool(((start != 0) & ~start_mask).any()) else best_sparse @ Hs
-    if refine_iters > 0:
-        best_sparse, sparseH = _refit(best_sparse, start_mask, sparseH)
-    best_err = _errors(best_sparse, sparseH)
+    startH = torch.cat([start[s] @ Hs for s in blocks])
+    start_mask = masked(start, startH)
+    best_sparse, best_err, _ = rounded(start, startH, start_mask, rounding=False)
     start_err = best_err.clone()
-    best_iterate, best_iterateH = start.clone(), startH
+    best_iterate, best_iterateH = start, startH
     history: list[dict[str, Any]] = []
     layer_choice = spec.scope == "layer" and spec.pattern is None
     for r in range(rounds):
-        if d is None:
-            res = fista_solve(Hs, C, lam, W0=best_iterate, L=lipschitz(), iters=iters, tol=tol, track=False,
-                              W0H=best_iterateH, H_low=Hs_low)
-            Wf, WfH = res.W, res.WH
-        else:
-            res = fista_solve(Hp, Cp, lam, W0=best_iterate * d, L=Lp, iters=iters, tol=tol, track=False,
-                              col_weights=1.0 / d, W0H=best_iterateH / d, H_low=Hp_low)
-            Wf, WfH = res.W / d, res.WH * d
-        mask = keep_mask(prune_scores(Wf, WfH - C), spec)
-        Wr = Wf * mask
-        WrH = Wr @ Hs
-        D = Wr - Wf
-        # rounding error ||(W_round - W_fista) X*||: from the two products at hand, or (when FISTA's
-        # product was carried in the narrow dtype) from the difference itself
-        if Hs_low is None:
-            DH = (WrH - WfH) if shared else D @ H
-        else:
-            DH = gram_product(D, H, Hs_low if shared else H.to(low_dtype))
-        e_round = row_dot(DH, D).clamp_min(0.0).sqrt()
-        del DH, D
-        if refine_iters > 0:
-            Wr, WrH = _refit(Wr, mask, WrH)
-            err = _errors(Wr, WrH)
-        else:
-            Wr = fill_kept_zeros(Wr, mask, H, C, dense_const)
-            err = row_output_errors(Wr, H, C, dense_const)
+        Wf, WfH = torch.empty_like(start), torch.empty_like(start)
+        restarts, nonzero = 0, 0
+        for s in blocks:
+            lam_s = lam[s]
+            if d is None:
+                res = fista_solve(Hs, C[s], lam_s, W0=best_iterate[s], L=lipschitz(), iters=iters, tol=tol,
+                                  track=False, W0H=best_iterateH[s], H_low=Hs_low)
+                Wf[s], WfH[s] = res.W, res.WH
+            else:
+                res = fista_solve(Hp, C[s] / d, lam_s, W0=best_iterate[s] * d, L=Lp, iters=iters, tol=tol,
+                                  track=False, col_weights=1.0 / d, W0H=best_iterateH[s] / d, H_low=Hp_low)
+                Wf[s], WfH[s] = res.W / d, res.WH * d  # type: ignore[operator]
+            restarts += res.restarts
+            nonzero += int((res.W != 0).sum())
+            del res
+        mask = masked(Wf, WfH)
+        Wr, err, e_round = rounded(Wf, WfH, mask, rounding=True)
+        assert e_round is not None
         e_total = err.sqrt()
         if layer_choice or lambda_scope == "layer":
             better = torch.full_like(err, bool(err.sum() < best_err.sum()), dtype=torch.bool)
@@ -211,6 +241,7 @@ def tune_lambda(
         best_iterate = torch.where(bc, Wf, best_iterate)
         best_iterateH = torch.where(bc, WfH, best_iterateH)
         best_err = torch.where(better, err, best_err)
+        del Wr, Wf, WfH
         if lambda_scope == "layer":
             ratio_l = float(e_round.pow(2).sum().sqrt()) / max(float(e_total.pow(2).sum().sqrt()), 1e-30)
             ratio = torch.full_like(lam, ratio_l)
@@ -223,8 +254,8 @@ def tune_lambda(
                 "ratio_mean": float(ratio.mean()),
                 "error": float(err.sum()),
                 "best_error": float(best_err.sum()),
-                "fista_nonzero": float((Wf != 0).float().mean()),
-                "restarts": res.restarts,
+                "fista_nonzero": nonzero / start.numel(),
+                "restarts": restarts,
             }
         )
         up = ratio > xi

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from leanml.prune.cores.refine import gram_product, keep_rows, momentum, row_dot
+from leanml.prune.cores.refine import gram_product, keep_rows, momentum, row_blocks, row_dot
 from leanml.prune.masks import MaskSpec, keep_mask
 
 
@@ -155,7 +155,8 @@ def fista_solve(
     per-row objective never rises. One ``n x n`` product per iteration (``Y H`` is carried as a linear
     combination of ``W_k H``); ``W0H`` may pass ``W0 @ H``, and the result carries ``W @ H``. Stops
     after ``iters`` iterations or when the relative change ``||W_k - W_{k-1}||_F / ||W_{k-1}||_F`` falls
-    below ``tol``. ``col_weights`` (n,) turns the penalty into the weighted ``lambda_r sum_j u_j |w_rj|``
+    below ``tol`` (measured per block of rows: on CPU the rows run in blocks, see
+    :func:`~leanml.prune.cores.refine.row_blocks`, and each block stops on its own). ``col_weights`` (n,) turns the penalty into the weighted ``lambda_r sum_j u_j |w_rj|``
     (used by the diagonal preconditioner). ``H_low`` (``H`` in a narrower dtype, e.g. bfloat16) runs each
     iteration's product in that dtype on the step ``W_k - W_{k-1}`` (see
     :func:`~leanml.prune.cores.refine.gram_product`).
@@ -168,10 +169,45 @@ def fista_solve(
     lam_r = row_lambda(lam, m, C)
     if L is None:
         L = power_iteration(H) * 1.001
-    W_prev = torch.zeros_like(C) if W0 is None else W0.to(C.dtype).clone()
     if L <= 0.0:
         # H == 0: the smooth part is linear, the minimiser is unbounded unless C == 0; keep the start
-        return FistaResult(W=W_prev, objective=[], iters=0)
+        return FistaResult(W=torch.zeros_like(C) if W0 is None else W0.to(C.dtype).clone(), objective=[], iters=0)
+    parts = [
+        _fista_rows(H, C[s], lam_r[s], None if W0 is None else W0[s], L, iters, tol, restart, track, col_weights,
+                    None if W0H is None else W0H[s], H_low)
+        for s in row_blocks(m, n, C)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    length = max(len(p.objective) for p in parts)
+    objective = [sum(p.objective[min(i, len(p.objective) - 1)] for p in parts) for i in range(length)] if track else []
+    return FistaResult(
+        W=torch.cat([p.W for p in parts]),
+        objective=objective,
+        iters=max(p.iters for p in parts),
+        restarts=sum(p.restarts for p in parts),
+        row_objective=torch.cat([p.row_objective for p in parts]),  # type: ignore[misc]
+        WH=torch.cat([p.WH for p in parts]),  # type: ignore[misc]
+    )
+
+
+def _fista_rows(
+    H: torch.Tensor,
+    C: torch.Tensor,
+    lam_r: torch.Tensor,
+    W0: torch.Tensor | None,
+    L: float,
+    iters: int,
+    tol: float,
+    restart: bool,
+    track: bool,
+    col_weights: torch.Tensor | None,
+    W0H: torch.Tensor | None,
+    H_low: torch.Tensor | None,
+) -> FistaResult:
+    """:func:`fista_solve` on one block of rows (``lam_r`` of shape (m, 1), ``L > 0``)."""
+    m, n = C.shape
+    W_prev = torch.zeros_like(C) if W0 is None else W0.to(C.dtype).clone()
     WH_prev = W_prev @ H if W0H is None else W0H.to(C.dtype)
     u = None if col_weights is None else col_weights.to(C.dtype).reshape(-1)
     lam_v = lam_r.reshape(-1)

@@ -18,6 +18,26 @@ import torch
 REFINE_METHODS = ("apg", "cg")
 
 
+#: bytes of one row block's working array on CPU (see :func:`row_blocks`)
+BLOCK_BYTES = 4 << 20
+#: fewest rows in a block: matrix products on fewer rows lose speed
+MIN_BLOCK_ROWS = 256
+
+
+def row_blocks(m: int, n: int, like: torch.Tensor) -> list[slice]:
+    """Row ranges over which the row-separable solvers run one after another.
+
+    On CPU a block holds about :data:`BLOCK_BYTES` per (rows x ``n``) array (at least
+    :data:`MIN_BLOCK_ROWS` rows): the iterations' elementwise steps then work in cache on buffers the
+    allocator reuses, instead of streaming whole matrices through memory and faulting in fresh pages
+    for every temporary. On other devices, one block. Rows are independent problems, so the results
+    are those of one block up to the matrix products' rounding."""
+    if like.device.type != "cpu":
+        return [slice(0, m)]
+    rows = max(MIN_BLOCK_ROWS, BLOCK_BYTES // max(1, n * like.element_size()))
+    return [slice(i, min(i + rows, m)) for i in range(0, m, rows)]
+
+
 def row_dot(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """Per-row dot products ``(A * B).sum(1)`` without the temporary."""
     return torch.linalg.vecdot(A, B, dim=1)
@@ -107,12 +127,28 @@ def refine_apg(
     (``W``, then already zero off ``mask``). ``H_low``: the iterations' products run in that dtype (see
     :func:`gram_product`); the result's product is then recomputed exactly and a row worse than its
     start keeps the start (``WH`` must then be exact)."""
-    keep = mask.to(W.dtype)
     if WH is None:
-        W = W * keep
+        W = W * mask
         WH = W @ H
     if iters <= 0 or L <= 0.0:
         return W, WH
+    return _blocked(_apg_rows, W, mask, H, C, WH, H_low, L, iters)
+
+
+def _blocked(fn, W, mask, H, C, WH, H_low, *args):  # type: ignore[no-untyped-def]
+    """Run the refit ``fn`` over :func:`row_blocks` and join the blocks' weights and products."""
+    parts = [fn(W[s], mask[s], H, C[s], WH[s], H_low, *args) for s in row_blocks(W.shape[0], W.shape[1], W)]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _apg_rows(
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, WH: torch.Tensor,
+    H_low: torch.Tensor | None, L: float, iters: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`refine_apg` on one block of rows (``W`` zero off ``mask``, ``WH`` its product)."""
+    keep = mask.to(W.dtype)
     W0, W0H = W, WH
     res_W = W
     F_prev = 0.5 * row_dot(WH, W) - row_dot(C, W)
@@ -149,12 +185,20 @@ def refine_cg(
     objective ends above its start (rounding) keeps its start. Returns the weights and ``W @ H``;
     ``WH`` may pass the product of the start (``W``, then already zero off ``mask``). ``H_low`` as in
     :func:`refine_apg`."""
-    keep = mask.to(W.dtype)
     if WH is None:
-        W = W * keep
+        W = W * mask
         WH = W @ H
     if iters <= 0:
         return W, WH
+    return _blocked(_cg_rows, W, mask, H, C, WH, H_low, iters)
+
+
+def _cg_rows(
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, WH: torch.Tensor,
+    H_low: torch.Tensor | None, iters: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`refine_cg` on one block of rows (``W`` zero off ``mask``, ``WH`` its product)."""
+    keep = mask.to(W.dtype)
     F0 = 0.5 * row_dot(WH, W) - row_dot(C, W)
     X, XH = W.clone(), WH.clone()
     R = (C - WH).mul_(keep)  # minus the gradient, on the support
