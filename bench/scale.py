@@ -435,8 +435,12 @@ NOTES = [
     "60-second test run outside the lock (its wall time is inflated by up to that); the sparsegpt row ran alone.",
     "- FISTA at 360M (00:06 UTC, alone): 383 s wall, 737 CPU-s, peak RSS 1.63 GB (the dense stream doubles the "
     "activations, and the float32 working set of the widest linear).",
+    "- torchrun on this machine (05:22 UTC on 2026-12-05, FISTA at 135m, dense inputs, alone under the lock): "
+    "two processes of one thread each took 45.6 s and 85 CPU-s against one process of two threads' 46.3 s and "
+    "85 CPU-s (1.02x): with two cores, threads already use both, so the layer-parallel speed-up cannot show "
+    "here; the projections above assume one process per device with the layers split evenly.",
     "- Not run in this round (time): FISTA at 3B, 360M Wanda, the 360M "
-    "half-depth twin, torchrun rows for FISTA, 1.1B under the cap again (its row ran with the same bounded "
+    "half-depth twin, 1.1B under the cap again (its row ran with the same bounded "
     "allocator it uses now). Command: `flock /tmp/leanml-cpu.lock python bench/scale.py --rows 3b --methods "
     "fista --modes stream` (about 50 min projected from the fit above: 28 layers of about 93 s solve and 10 s passes).",
 ]
