@@ -412,7 +412,7 @@ NOTES = [
     "the blocks, run interleaved: 84 and 77, so no change at this width, where the working arrays already fit "
     "in cache). With a Wanda warm start (`fista:wanda`) 86 / 243 / 1,221 CPU-s (2.3x, 2.1x, 2.6x). So the 2x "
     "target is missed at every size of this table. Why, from the fit above: both solves are proportional to "
-    "`m x n^2` per linear, FISTA's coefficient 4.6x SparseGPT's (3.8x with the Wanda start), and as width grows "
+    "`m x n^2` per linear, FISTA's coefficient 4.7x SparseGPT's (3.8x with the Wanda start; 4.6x before the 3B row), and as width grows "
     "that term outgrows the passes (proportional to tokens x parameters), so the ratio tends to the solve's. "
     "Per linear FISTA runs 21 bfloat16 products (K = 10, two refits of 5 CG steps, one rounding) and 5 float32 "
     "ones (the target blend's, the start's, the rounded result's, one exact check after each refit), about "
@@ -439,10 +439,13 @@ NOTES = [
     "two processes of one thread each took 45.6 s and 85 CPU-s against one process of two threads' 46.3 s and "
     "85 CPU-s (1.02x): with two cores, threads already use both, so the layer-parallel speed-up cannot show "
     "here; the projections above assume one process per device with the layers split evenly.",
-    "- Not run in this round (time): FISTA at 3B, 360M Wanda, the 360M "
+    "- FISTA at 3B (05:24-06:18 UTC on 2026-12-05, alone under the lock): 3,200 s wall, 5,529 CPU-s, peak RSS "
+    "4.68 GB = 0.73x its 6.43 GB of weights; 3.42x the SparseGPT 3B row's 1,615 CPU-s, which is from the sweep "
+    "of 2026-12-04 23:54 UTC (not rerun beside it; SparseGPT's rows of this session ran 7-13 % slower than that "
+    "sweep's at 360m and 1.1b, so the same-session ratio is likely nearer 3.0-3.2x).",
+    "- Not run in this round (time): 360M Wanda, the 360M "
     "half-depth twin, 1.1B under the cap again (its row ran with the same bounded "
-    "allocator it uses now). Command: `flock /tmp/leanml-cpu.lock python bench/scale.py --rows 3b --methods "
-    "fista --modes stream` (about 50 min projected from the fit above: 28 layers of about 93 s solve and 10 s passes).",
+    "allocator it uses now). Command: `flock /tmp/leanml-cpu.lock python bench/scale.py --rows NAME`.",
 ]
 
 
