@@ -400,8 +400,8 @@ NOTES = [
     "steps, K = 10, 5 CG steps (02:25-02:49 UTC) 77 / 273 / 1,680 CPU-s at 135m / 360m / 1.1b against "
     "SparseGPT's 35 / 102 / 437 (2.2x, 2.7x, 3.8x; solve 813 s at 1.1B). Profiled then one linear at a time at "
     "the 1.1B shapes: a 5632 x 2048 linear solved in 5.9 s of which its 26 products took 2.3 s; the elementwise "
-    "steps over the m x n weights ran at a fraction of memory speed because every temporary of 46 MB was a "
-    "fresh mapping whose pages faulted in (a 5632 x 2048 float32 multiply: 12.7 ms into a new tensor, 2.8 ms "
+    "steps over the m x n weights were slow because every temporary of 46 MB was a fresh allocation (likely "
+    "fresh pages faulting in; a 5632 x 2048 float32 multiply: 12.7 ms into a new tensor, 2.8 ms "
     "into a reused one, 1.6 ms in 256-row pieces). Now the rows run in blocks of about 4 MB per array (at least "
     "256 rows; `row_blocks` in `cores/refine.py`): the same linear 7.95 -> 3.31 s, the down projection "
     "(2048 x 5632) 13.9 -> 9.1 s, same weights bit for bit (random inputs, 4096 tokens, `/tmp` scripts, one "
@@ -484,13 +484,12 @@ def targets(recs: list[dict[str, Any]]) -> list[str]:
                                                                                   method=method, max_memory_bytes=None)
         big = big or _find(recs, model="1.1b", mode="stream", method=method)
         if small and big:
-            def per_param(key: str, big: dict[str, Any] = big, small: dict[str, Any] = small) -> float:
-                return (big[key] / big["params"]) / (small[key] / small["params"])
-
-            r = per_param("cpu_seconds")
+            pp = {k: (big[k] / big["params"]) / (small[k] / small["params"])
+                  for k in ("cpu_seconds", "passes_seconds", "solve_seconds")}
+            r = pp["cpu_seconds"]
             out.append(f"- {method} CPU-seconds per parameter, 1.1B / 135M (streamed): {r:.2f}x (target <= 1.5x: "
                        f"{'met' if r <= 1.5 else 'missed'}); per parameter the layer passes take "
-                       f"{per_param('passes_seconds'):.2f}x, the solve {per_param('solve_seconds'):.2f}x (its share of "
+                       f"{pp['passes_seconds']:.2f}x, the solve {pp['solve_seconds']:.2f}x (its share of "
                        f"the wall time {small['solve_seconds'] / small['seconds']:.0%} -> "
                        f"{big['solve_seconds'] / big['seconds']:.0%})")
         else:

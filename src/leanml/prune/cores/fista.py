@@ -181,12 +181,9 @@ def tune_lambda(
                 del D, DH
             if refine_iters > 0:
                 Wr, WrH = _refit(s, Wr, mb, WrH)
-                err[s] = row_output_errors(Wr, H, C[s], dense_const[s], WrH if shared else None)
             elif rounding:
-                Wr = fill_kept_zeros(Wr, mb, H, C[s], dense_const[s])
-                err[s] = row_output_errors(Wr, H, C[s], dense_const[s])
-            else:
-                err[s] = row_output_errors(Wr, H, C[s], dense_const[s], WrH if shared else None)
+                Wr, WrH = fill_kept_zeros(Wr, mb, H, C[s], dense_const[s]), None
+            err[s] = row_output_errors(Wr, H, C[s], dense_const[s], WrH if shared else None)
             out[s] = Wr
         return out, err, e_round
 
@@ -205,7 +202,7 @@ def tune_lambda(
     hi = torch.full_like(lam, float("inf"))
     start = (W if W_start is None else W_start).to(C.dtype)
 
-    startH = torch.cat([start[s] @ Hs for s in blocks])
+    startH = start @ Hs
     start_mask = masked(start, startH)
     best_sparse, best_err, _ = rounded(start, startH, start_mask, rounding=False)
     start_err = best_err.clone()

@@ -156,8 +156,8 @@ def fista_solve(
     combination of ``W_k H``); ``W0H`` may pass ``W0 @ H``, and the result carries ``W @ H``. Stops
     after ``iters`` iterations or when the relative change ``||W_k - W_{k-1}||_F / ||W_{k-1}||_F`` falls
     below ``tol`` (measured per block of rows: on CPU the rows run in blocks, see
-    :func:`~leanml.prune.cores.refine.row_blocks`, and each block stops on its own). ``col_weights`` (n,) turns the penalty into the weighted ``lambda_r sum_j u_j |w_rj|``
-    (used by the diagonal preconditioner). ``H_low`` (``H`` in a narrower dtype, e.g. bfloat16) runs each
+    :func:`~leanml.prune.cores.refine.row_blocks`, and each block stops on its own). ``col_weights`` (n,)
+    turns the penalty into the weighted ``lambda_r sum_j u_j |w_rj|`` (used by the diagonal preconditioner). ``H_low`` (``H`` in a narrower dtype, e.g. bfloat16) runs each
     iteration's product in that dtype on the step ``W_k - W_{k-1}`` (see
     :func:`~leanml.prune.cores.refine.gram_product`).
     """

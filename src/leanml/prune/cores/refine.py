@@ -12,6 +12,9 @@ at once; each row is its own problem.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 #: ways to refit the kept weights after a hard threshold: accelerated projected gradient, conjugate gradients
@@ -103,12 +106,11 @@ def fill_kept_zeros(
     return torch.where((new < old).unsqueeze(1), W_new, W)
 
 
-def _exact_no_worse(
-    X: torch.Tensor, W: torch.Tensor, WH: torch.Tensor, H: torch.Tensor, C: torch.Tensor
+def _no_worse(
+    X: torch.Tensor, XH: torch.Tensor, W: torch.Tensor, WH: torch.Tensor, C: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``X`` and its exact product ``X @ H``, except rows whose objective is above the start ``W``'s
-    (``WH`` exact too), which keep the start: after iterations whose products were rounded."""
-    XH = X @ H
+    """``X`` and ``XH = X @ H``, except rows whose objective is above the start ``W``'s (``WH = W @ H``),
+    which keep the start (in place)."""
     worse = 0.5 * row_dot(XH, X) - row_dot(C, X) > 0.5 * row_dot(WH, W) - row_dot(C, W)
     if bool(worse.any()):
         keep_rows(worse, [X, XH], [W, WH])
@@ -135,7 +137,10 @@ def refine_apg(
     return _blocked(_apg_rows, W, mask, H, C, WH, H_low, L, iters)
 
 
-def _blocked(fn, W, mask, H, C, WH, H_low, *args):  # type: ignore[no-untyped-def]
+def _blocked(
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor,
+    C: torch.Tensor, WH: torch.Tensor, H_low: torch.Tensor | None, *args: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the refit ``fn`` over :func:`row_blocks` and join the blocks' weights and products."""
     parts = [fn(W[s], mask[s], H, C[s], WH[s], H_low, *args) for s in row_blocks(W.shape[0], W.shape[1], W)]
     if len(parts) == 1:
@@ -168,8 +173,8 @@ def _apg_rows(
         Y = torch.lerp(Z, res_W, -beta)
         YH = torch.lerp(ZH, WH, -beta)
         res_W, WH, F_prev, t = Z, ZH, F, t_next
-    if H_low is not None:
-        res_W, WH = _exact_no_worse(res_W, W0, W0H, H, C)
+    if H_low is not None:  # the iterations' products were rounded: the result's, exactly
+        res_W, WH = _no_worse(res_W, res_W @ H, W0, W0H, C)
     return res_W, WH
 
 
@@ -199,7 +204,6 @@ def _cg_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_cg` on one block of rows (``W`` zero off ``mask``, ``WH`` its product)."""
     keep = mask.to(W.dtype)
-    F0 = 0.5 * row_dot(WH, W) - row_dot(C, W)
     X, XH = W.clone(), WH.clone()
     R = (C - WH).mul_(keep)  # minus the gradient, on the support
     P = R.clone()
@@ -217,8 +221,4 @@ def _cg_rows(
         rr = rr_new
     if H_low is not None:
         XH = X @ H  # the iterations' products were rounded: the result's, exactly
-    F = 0.5 * row_dot(XH, X) - row_dot(C, X)
-    worse = F > F0
-    if bool(worse.any()):
-        keep_rows(worse, [X, XH], [W, WH])
-    return X, XH
+    return _no_worse(X, XH, W, WH, C)
