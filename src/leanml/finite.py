@@ -1,0 +1,125 @@
+"""The one finite check: training loops stop at the first non-finite loss or gradient, and no saver writes a
+non-finite tensor.
+
+Every training loop calls :func:`check_finite_step` (or :func:`check_finite_loss` and
+:func:`check_finite_grads`) after its backward and before its optimizer step, with a ``hint`` naming the
+options that most likely caused it (the learning rate, weight decay, a distillation temperature); every
+saver calls :func:`check_finite_tensors` on what it is about to write, before anything is written. Both
+raise :class:`NonFiniteError` (a :class:`~leanml.utils.LeanmlError`: one line, exit 2). The checks are
+always on and cost one pass over each tensor (``torch.isfinite(t).all()``, tensor by tensor, so a big
+model needs no second copy); a step's loss and gradients are read back from the device once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from leanml.utils import LeanmlError
+
+__all__ = ["NonFiniteError", "check_finite_grads", "check_finite_loss", "check_finite_step",
+           "check_finite_tensors", "first_bad_grad", "first_non_finite", "lr_hint"]
+
+
+class NonFiniteError(LeanmlError):
+    """A loss, gradient or tensor to be saved is NaN or infinite (a user error: its options diverged)."""
+
+
+def lr_hint(lr: float, extra: str = "") -> str:
+    """The usual hint of a diverged run: the learning rate ``lr`` (``--lr``) first, then ``extra`` (other
+    options that scale the updates or the loss, e.g. ``"--weight-decay 0.1, --temperature 2"``)."""
+    more = f", or {extra}" if extra else ""
+    return f"the updates diverged: lower the learning rate (--lr {lr:g}){more}"
+
+
+def _as_float(loss: torch.Tensor | float) -> float:
+    return float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on ``t``'s device (no read-back): whether every value of ``t`` is finite."""
+    if t.is_sparse:
+        t = t.coalesce().values()
+    return torch.isfinite(t).all()
+
+
+def _checked(t: Any) -> bool:
+    """Whether ``t`` holds values to check: a floating or complex tensor with storage (not meta)."""
+    return (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+            and t.device.type != "meta" and t.numel() > 0)
+
+
+def _where(step: int, what: str) -> str:
+    return f"at step {step}" + (f" of {what}" if what else "")
+
+
+def check_finite_loss(loss: torch.Tensor | float, step: int, hint: str, what: str = "") -> None:
+    """Raise :class:`NonFiniteError` when ``loss`` (a tensor or a number) is NaN or infinite: one line naming
+    ``step`` (1-based, as the user counts), ``what`` (e.g. ``"recover"``) and ``hint`` (the likely option);
+    nothing has been saved."""
+    value = _as_float(loss)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise NonFiniteError(f"the loss is {value} {_where(step, what)}: {hint}; stopped, nothing was saved")
+
+
+def first_bad_grad(params: Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor]) -> str | None:
+    """The name (or index) of the first parameter whose gradient holds a NaN or infinity, else None. The
+    flags are computed on the device and read back once."""
+    flags = [(str(name), _finite(p.grad)) for name, p in _named(params)
+             if p.grad is not None and _checked(p.grad)]
+    if not flags:
+        return None
+    devices = {f.device for _, f in flags}
+    ok = torch.stack([f if len(devices) == 1 else f.cpu() for _, f in flags])
+    if bool(ok.all()):
+        return None
+    return flags[int((~ok).nonzero()[0])][0]
+
+
+def _named(params: Iterable[Any]) -> Iterable[tuple[Any, torch.Tensor]]:
+    """``(name, parameter)`` pairs from pairs or bare parameters (named by their index)."""
+    for i, item in enumerate(params):
+        yield item if isinstance(item, tuple) else (i, item)
+
+
+def check_finite_grads(params: Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor], step: int,
+                       hint: str, what: str = "") -> None:
+    """Raise :class:`NonFiniteError` when any gradient of ``params`` (parameters, or ``(name, parameter)``
+    pairs such as ``model.named_parameters()``) is NaN or infinite, naming the first such parameter."""
+    bad = first_bad_grad(params)
+    if bad is not None:
+        raise NonFiniteError(f"the gradient of {bad} is not finite {_where(step, what)}: {hint}; "
+                             "stopped, nothing was saved")
+
+
+def check_finite_step(loss: torch.Tensor | float, params: Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor],
+                      step: int, hint: str, what: str = "") -> None:
+    """Both checks of one training step (after its backward, before its optimizer step): the loss first,
+    then the gradients."""
+    check_finite_loss(loss, step, hint, what)
+    check_finite_grads(params, step, hint, what)
+
+
+def first_non_finite(named_tensors: Iterable[tuple[str, Any]]) -> tuple[str, int, int] | None:
+    """The first ``(name, count of non-finite values, numel)`` among ``named_tensors`` (name, tensor pairs;
+    non-float entries are skipped), else None. One pass, tensor by tensor."""
+    for name, t in named_tensors:
+        if _checked(t) and not bool(_finite(t)):
+            values = t.coalesce().values() if t.is_sparse else t
+            return name, int((~torch.isfinite(values)).sum()), values.numel()
+    return None
+
+
+def check_finite_tensors(named_tensors: Iterable[tuple[str, Any]], what: str, hint: str = "") -> None:
+    """Raise :class:`NonFiniteError` before ``what`` (e.g. ``"the pruned model"``) is saved when any of
+    ``named_tensors`` (``(name, tensor)`` pairs, e.g. ``state_dict().items()``) holds a NaN or infinity: one
+    line naming the first bad tensor and how many of its values are bad. Call it before anything is
+    written, so nothing is left behind."""
+    bad = first_non_finite(named_tensors)
+    if bad is not None:
+        name, count, numel = bad
+        tail = f"; {hint}" if hint else ""
+        raise NonFiniteError(f"refusing to save {what}: tensor {name} has {count} of {numel} values NaN or "
+                             f"infinite{tail}; nothing was saved")
