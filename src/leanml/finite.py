@@ -30,7 +30,7 @@ class NonFiniteError(LeanmlError):
 def lr_hint(lr: float, extra: str = "") -> str:
     """The usual hint of a diverged run: the learning rate ``lr`` (``--lr``) first, then ``extra`` (other
     options that scale the updates or the loss, e.g. ``"--weight-decay 0.1, --temperature 2"``)."""
-    more = f", or {extra}" if extra else ""
+    more = f", or check {extra}" if extra else ""
     return f"the updates diverged: lower the learning rate (--lr {lr:g}){more}"
 
 

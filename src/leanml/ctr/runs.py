@@ -15,6 +15,7 @@ from leanml.ctr.fields import FieldBuilder
 from leanml.ctr.models import CTRModel, ResidualID
 from leanml.ctr.options import CTRConfig
 from leanml.ctr.train import build_ctr_model
+from leanml.finite import check_finite_tensors
 from leanml.utils import LeanmlError, atomic_dir, write_json
 
 
@@ -25,6 +26,7 @@ def save_ctr_run(out: str | Path, model: CTRModel | ResidualID, builder: FieldBu
     from safetensors.torch import save_file
 
     state = builder.state()
+    check_finite_tensors(model.state_dict().items(), "the CTR model")
     with atomic_dir(out, overwrite=overwrite) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
         arrays = {f"sparse__{k}": v for k, v in state["item_sparse"].items()}

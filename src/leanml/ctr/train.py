@@ -16,6 +16,7 @@ from leanml.ctr.fields import FieldBuilder
 from leanml.ctr.metrics import ctr_metrics
 from leanml.ctr.models import CTRModel, ResidualID, build_model
 from leanml.ctr.options import CTRConfig
+from leanml.finite import check_finite_step, lr_hint
 from leanml.utils import EtaBar, default_device
 
 
@@ -52,6 +53,8 @@ def train_ctr_model(
     n = len(labels)
     history = []
     steps = (n + config.batch_size - 1) // config.batch_size
+    named, step = list(model.named_parameters()), 0
+    hint = lr_hint(config.learning_rate, f"weight decay {config.weight_decay:g}" if config.weight_decay else "")
     bar = EtaBar(total=config.epochs * steps, desc=f"{config.model} {config.feature_set}", unit="batch",
                  disable=not progress, leave=False)
     for _ in range(config.epochs):
@@ -66,6 +69,8 @@ def train_ctr_model(
             loss = loss_fn(model(batch, _slice(dense, idx, device)), labels[idx].to(device))
             opt.zero_grad()
             loss.backward()
+            step += 1
+            check_finite_step(loss, named, step, hint, "CTR training")
             opt.step()
             total += loss.item() * len(idx)
             bar.update(1)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from leanml.finite import check_finite_step, lr_hint
 from leanml.memory.adacc import Adacc, default_loss
 from leanml.memory.budget import Budget
 from leanml.memory.compiled import budget_backend
@@ -105,7 +106,9 @@ class StrategyRunner:
     ``objective``: what a step minimises (default :class:`LMObjective`). ``max_grad_norm`` (> 0: clip the
     gradients' norm), ``after_update`` (called after each optimizer step) and ``scheduler`` (stepped
     after it). ``measure_every``: meter every n-th step (and the first) when the strategy does not meter
-    each step itself (Adacc does).
+    each step itself (Adacc does). Every step stops at a non-finite loss or gradient (before its optimizer
+    step) with a :class:`~leanml.finite.NonFiniteError` naming the step and ``hint``, the options that likely
+    caused it (default: the learning rate).
 
     On CUDA each measured step also records ``torch.cuda.max_memory_allocated`` over its forward and
     backward (``cuda_peaks``: above the step's start; ``cuda_max_allocated``: absolute), and ``result()``
@@ -115,8 +118,10 @@ class StrategyRunner:
                  optimizer: torch.optim.Optimizer | None = None, profile: Any = None,
                  timer: DeviceTimer | None = None, objective: LMObjective | None = None,
                  max_grad_norm: float = 0.0, after_update: Callable[[], None] | None = None,
-                 scheduler: Any = None, measure_every: int = 1) -> None:
+                 scheduler: Any = None, measure_every: int = 1, hint: str | None = None) -> None:
         self.model = model
+        self.hint = hint if hint is not None else lr_hint(cfg.lr)
+        self._named: list[tuple[str, torch.Tensor]] | None = None
         self.timer = timer if timer is not None else DeviceTimer.for_module(model)
         self.objective = objective if objective is not None else LMObjective()
         self.max_grad_norm, self.after_update, self.scheduler = max_grad_norm, after_update, scheduler
@@ -270,6 +275,7 @@ class StrategyRunner:
             # closes Adacc's per-step meter (the same forward+backward window as our meter's); may re-plan,
             # timed with the step
             reasons = self.adacc.step()
+        check_finite_step(loss, self._named_params(), self.steps_done + 1, self.hint)
         if self.max_grad_norm:
             torch.nn.utils.clip_grad_norm_([p for g in self.optim.param_groups for p in g["params"]],
                                            self.max_grad_norm)
@@ -298,6 +304,14 @@ class StrategyRunner:
             return loss.item(), None, None, self.budget_bytes
         self._last_cuda_max = meter.cuda_max_allocated or 0
         return loss.item(), meter.peak, meter.cuda_peak, self.budget_bytes
+
+    def _named_params(self) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer's parameters with the model's names (for a one-line error), listed once."""
+        if self._named is None:
+            assert self.optim is not None
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            self._named = [(names.get(id(p), "a parameter"), p) for g in self.optim.param_groups for p in g["params"]]
+        return self._named
 
     def close(self) -> None:
         """Remove hooks and wrappers, and the objective's targets."""

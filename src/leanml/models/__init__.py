@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from leanml.config import ConfigError
+from leanml.finite import check_finite_tensors
 from leanml.utils import LeanmlError, atomic_dir, cache_dir
 
 BUNDLED = {"smollm2-135m"}
@@ -178,6 +179,7 @@ def bundled_dir(name: str) -> Path:
     config.dtype = torch.float32
     model = LlamaForCausalLM(config)
     model.load_state_dict(dense.state_dict())
+    check_finite_tensors(model.state_dict().items(), f"the conversion of {gguf.name}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with atomic_dir(target, overwrite=True) as tmp:
         model.save_pretrained(tmp)
@@ -199,11 +201,13 @@ def save_model(
     ``save_format="safetensors"`` (default): plain safetensors that ``AutoModelForCausalLM.from_pretrained``
     loads. ``"compressed"``: the sparse-bitmask layout (leanml's own packer) for the linears named in
     ``sparse_linears`` (full module names), read back by :func:`load_model`; returns the dense and
-    compressed byte counts of those weights.
+    compressed byte counts of those weights. A model holding a NaN or infinity is refused before anything
+    is written (:class:`~leanml.finite.NonFiniteError` naming the first such tensor).
     """
     if save_format not in SAVE_FORMATS:
         raise ConfigError(f"unknown save_format {save_format!r}; choose one of: {', '.join(SAVE_FORMATS)}", None,
                           ("save_format",))
+    check_finite_tensors(model.state_dict().items(), "the model")
     sizes = None
     if save_format == "compressed":
         from leanml.models.compressed import save_compressed

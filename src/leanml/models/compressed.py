@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from leanml.config import ConfigError
+from leanml.finite import check_finite_tensors
 from leanml.utils import LeanmlError, atomic_dir
 
 FORMAT = "sparse-bitmask"
@@ -221,6 +222,7 @@ def decompress_dir(src: str | os.PathLike, dst: str | os.PathLike, overwrite: bo
         raise LeanmlError(f"{src} is not a sparse-bitmask model directory (config.json names no {FORMAT} format)")
     stored = json.loads((src / "config.json").read_text()).get("dtype")
     model = load_compressed(src, dtype=getattr(torch, stored) if isinstance(stored, str) else None)
+    check_finite_tensors(model.state_dict().items(), f"the dense copy of {src}")
     with atomic_dir(dst, overwrite=overwrite) as tmp:
         for f in src.iterdir():
             if f.is_file() and f.name != "config.json" and not f.name.startswith(("sparse-bitmask", "model")):

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from leanml.finite import check_finite_tensors
 from leanml.models.check import safetensors_header
 from leanml.utils import LeanmlError, atomic_file, write_json
 
@@ -244,6 +245,7 @@ class ShardWriter:
         from safetensors.torch import save_file
 
         path = self.path(shard)
+        check_finite_tensors(tensors.items(), f"shard {path.name}")
         data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         try:
             with atomic_file(path) as tmp:

@@ -54,6 +54,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanml.eval.job import evaluate_windows
+from leanml.finite import check_finite_tensors, lr_hint
 from leanml.memory.runner import StrategyRunner
 from leanml.memory.train import batches
 from leanml.recover.config import RecoverConfig, lr_factor
@@ -181,7 +182,7 @@ def recover(
     objective = TeacherObjective(teacher, cfg.kd_weight, cfg.temperature)
     runner = StrategyRunner(model, train, optimizer=optim, objective=objective, max_grad_norm=cfg.max_grad_norm,
                             after_update=keeper.enforce if keeper is not None else None, scheduler=sched,
-                            measure_every=cfg.measure_every)
+                            measure_every=cfg.measure_every, hint=divergence_hint(cfg, teacher is not None))
     if keeper is not None:
         keeper.attach()
     model.train()
@@ -282,7 +283,17 @@ def _state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
     return 2 * n + opt
 
 
+def divergence_hint(cfg: RecoverConfig, distils: bool) -> str:
+    """The options that likely made a recovery diverge: the learning rate, then a weight decay and a
+    distillation temperature when they act."""
+    extra = [f"--weight-decay {cfg.weight_decay:g}"] if cfg.weight_decay else []
+    if distils and cfg.kd_weight:
+        extra.append(f"--kd-temperature {cfg.temperature:g}")
+    return lr_hint(cfg.train.lr, ", ".join(extra))
+
+
 def _save_state(path: Path, state: dict[str, Any]) -> None:
+    check_finite_tensors(state["model"].items(), f"the recovery checkpoint {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp:
         torch.save(state, tmp)

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from leanml.config import option, require
 from leanml.eval.job import check_seqlen
+from leanml.finite import NonFiniteError
 from leanml.recover.config import RecoverConfig
 from leanml.recover.source import parse_nm
 from leanml.utils import LeanmlError, parse_device
@@ -118,8 +119,9 @@ def run_recover_job(job: RecoverJob) -> dict[str, Any]:
     fresh_ckpt = not ckpt.exists()
     try:
         return _run(job, out, ckpt, device, threads)
-    except LeanmlError:
-        if fresh_ckpt and ckpt.is_dir() and not (ckpt / "state.pt").exists():
+    except LeanmlError as exc:
+        # a diverged run's checkpoint would only diverge again on --resume, and blocks a rerun with other options
+        if isinstance(exc, NonFiniteError) or (fresh_ckpt and ckpt.is_dir() and not (ckpt / "state.pt").exists()):
             shutil.rmtree(ckpt, ignore_errors=True)
         raise
 

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 from leanml.config import option, require
 from leanml.ctr.content_ids.encoders import ContentEncoder, MLPEncoder, SmallCNN
 from leanml.ctr.content_ids.quantizer import QUANTIZERS, anneal_tau, reseed_dead_codes, usage_stats
+from leanml.finite import check_finite_step, check_finite_tensors, lr_hint
 from leanml.utils import LeanmlError, atomic_dir, write_json
 
 STOPWORDS = frozenset("a an the and or of with in on for to is it this that its by at as".split())
@@ -272,6 +273,8 @@ def fit_content_ids(
         text = torch.as_tensor(np.asarray(text_emb), dtype=torch.float32)
     tokens = torch.as_tensor(token_targets(captions, config.vocab)) if config.loss == "tokens" else None
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    named, step = list(model.named_parameters()), 0
+    hint = lr_hint(config.lr, f"the temperatures (tau {config.tau_start:g} -> {config.tau_end:g})")
     gen = torch.Generator().manual_seed(config.seed)
     steps_per_epoch = (n + config.batch_size - 1) // config.batch_size
     total_q = config.epochs * steps_per_epoch
@@ -311,6 +314,8 @@ def fit_content_ids(
                 loss = loss + config.recon_weight * model.recon_loss(v, x)
             opt.zero_grad()
             loss.backward()
+            step += 1
+            check_finite_step(loss, named, step, hint, "content-ID training")
             opt.step()
             losses.append(loss.item())
             bar.update(1)
@@ -381,6 +386,7 @@ def save_content_model(model: ContentIDModel, out: str | Path, report: dict[str,
     with atomic_dir(out, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(asdict(model.config), indent=2) + "\n")
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        check_finite_tensors(state.items(), "the content-ID model")
         save_file(state, str(tmp / "model.safetensors"))
         write_json(tmp / "report.json", report)
     return Path(out)
