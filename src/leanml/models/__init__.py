@@ -102,7 +102,8 @@ def load_model(
             if is_compressed_dir(path):
                 model = load_compressed(path, dtype=dtype)
             else:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+                model = _loaded(path, *AutoModelForCausalLM.from_pretrained(
+                    path, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True))
         except ValueError as exc:
             raise LeanmlError(f"cannot load {path}: {str(exc).splitlines()[0]}") from exc
         try:
@@ -115,13 +116,15 @@ def load_model(
         )
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+            model, info = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, output_loading_info=True,
+                                                               ignore_mismatched_sizes=True)
             tokenizer = AutoTokenizer.from_pretrained(spec)
         except (OSError, ValueError) as exc:
             raise LeanmlError(
                 f"could not load {spec!r} from the hub (offline, or no such model): use a local model "
                 f"directory, a .gguf file, or the bundled smollm2-135m"
             ) from exc
+        model = _loaded(spec, model, info)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.use_cache = False
@@ -131,6 +134,23 @@ def load_model(
 
         to_sparse_kernels(model, progress=False)
     return model, tokenizer
+
+
+def _loaded(where: str | os.PathLike, model: nn.Module, info: dict) -> nn.Module:
+    """``model`` as ``from_pretrained(..., output_loading_info=True, ignore_mismatched_sizes=True)`` loaded it,
+    refused (one line naming the first few) when a tensor was missing from the files or had another shape
+    than the config gives it (tied embeddings are not missing; unexpected tensors are ignored)."""
+    from leanml.models.check import refuse_incomplete
+
+    order = {name: i for i, name in enumerate(model.state_dict())}
+
+    def rank(name: str) -> tuple[int, str]:  # the model's own order: layer 0 first
+        return order.get(name, len(order)), name
+
+    refuse_incomplete(where, sorted(info.get("missing_keys") or (), key=rank),
+                      sorted(info.get("mismatched_keys") or (), key=lambda m: rank(m[0])),
+                      sorted(info.get("unexpected_keys") or (), key=rank))
+    return model
 
 
 def peek_model_type(spec: str) -> str | None:

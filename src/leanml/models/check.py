@@ -12,6 +12,7 @@ import json
 import os
 import struct
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,31 @@ def check_model_input(spec: str, seqlen: int, flag: str = "--seqlen") -> None:
     limit = read_json(config).get("max_position_embeddings") if config.is_file() else None
     if isinstance(limit, int) and seqlen > limit:
         raise LeanmlError(f"{flag} {seqlen} is above the model's maximum of {limit} tokens; lower {flag}")
+
+
+def _names(names: Sequence[str], k: int = 3) -> str:
+    more = f" and {len(names) - k} more" if len(names) > k else ""
+    return ", ".join(names[:k]) + more
+
+
+def refuse_incomplete(where: str | os.PathLike, missing: Sequence[str], mismatched: Sequence[tuple[str, Any, Any]],
+                      unexpected: Sequence[str] = ()) -> None:
+    """Refuse weights that do not fill the model their ``config.json`` builds: ``missing`` tensor names
+    (the model's, tied embeddings already accepted), ``mismatched`` ``(name, shape in the files, shape by
+    the config)``. One line naming the first few; ``unexpected`` tensors (in the files, not in the
+    model) are ignored as ``from_pretrained`` ignores them, with a one-line warning."""
+    if mismatched:
+        name, stored, wanted = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more: {_names([m[0] for m in mismatched[1:]])})" if len(mismatched) > 1 else ""
+        raise LeanmlError(f"the config.json of {where} does not match its weights: tensor {name} has shape "
+                          f"{tuple(stored)} in the files but {tuple(wanted)} by the config{more}; use the "
+                          f"config.json saved with these weights")
+    if missing:
+        raise LeanmlError(f"the weights of {where} lack {len(missing)} tensor{'s' if len(missing) > 1 else ''} the "
+                          f"model needs ({_names(missing)}); the directory is incomplete: copy or save the "
+                          f"whole model again")
+    if unexpected:
+        import warnings
+
+        warnings.warn(f"leanml: {where} holds {len(unexpected)} tensors the model does not use "
+                      f"({_names(list(unexpected))}); they are ignored", stacklevel=3)

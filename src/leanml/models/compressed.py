@@ -41,6 +41,7 @@ from torch import nn
 
 from leanml.config import ConfigError
 from leanml.finite import check_finite_tensors
+from leanml.models.check import refuse_incomplete
 from leanml.utils import LeanmlError, atomic_dir
 
 FORMAT = "sparse-bitmask"
@@ -204,11 +205,15 @@ def load_compressed(path: str | os.PathLike, dtype: torch.dtype | None = None) -
     with _no_init():  # every weight is overwritten below: skip the random initialisation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = read_state_dict(path, dtype=dtype)
-    result = model.load_state_dict(state, strict=False)
-    tied = {k for k in result.missing_keys if getattr(config, "tie_word_embeddings", False) and "lm_head" in k}
-    if set(result.missing_keys) - tied or result.unexpected_keys:
-        bad = sorted(set(result.missing_keys) - tied) or result.unexpected_keys
-        raise LeanmlError(f"{path}: the weights do not fit the model in config.json ({bad[0]} ...); save it again")
+    own = model.state_dict()
+    tied = {k for k in own if k not in state and getattr(config, "tie_word_embeddings", False) and "lm_head" in k}
+    refuse_incomplete(path, [k for k in own if k not in state and k not in tied],
+                      [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
+                       if k in own and tuple(v.shape) != tuple(own[k].shape)])
+    unexpected = [k for k in state if k not in own]
+    if unexpected:
+        raise LeanmlError(f"{path}: the weights do not fit the model in config.json ({unexpected[0]} ...); save it again")
+    model.load_state_dict(state, strict=False)
     if tied:
         model.tie_weights()
     return model.eval()

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from leanml.finite import check_finite_tensors
-from leanml.models.check import safetensors_header
+from leanml.models.check import refuse_incomplete, safetensors_header
 from leanml.utils import LeanmlError, atomic_file, write_json
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -165,6 +165,28 @@ class ShardIndex:
             if name != stored:
                 self.stored[name] = stored
         self.entries = renamed
+        refuse_incomplete(self.dir, *self.compare(model))
+
+    def compare(self, model: nn.Module) -> tuple[list[str], list[tuple[str, tuple, tuple]], list[str]]:
+        """What the shards lack against ``model`` (a skeleton will do), as ``from_pretrained`` reports it:
+        ``(missing, mismatched, unexpected)``. Missing: parameters none of whose names (tied ones share
+        one tensor: tied embeddings are the documented exception) is stored, except those the model
+        declares optional; mismatched: ``(name, stored shape, model shape)``; unexpected: stored names the
+        model has no tensor of."""
+        import re
+
+        groups: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append(name)
+        optional = [re.compile(r) for r in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
+        missing = [names[0] for names in groups.values()
+                   if not any(n in self.entries or any(r.search(n) for r in optional) for n in names)]
+        own = {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
+        mismatched = [(n, self.shape(n), tuple(t.shape)) for n, t in own.items()
+                      if n in self.entries and self.shape(n) != tuple(t.shape)]
+        ignored = [re.compile(r) for r in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        unexpected = [n for n in self.entries if n not in own and not any(r.search(n) for r in ignored)]
+        return missing, mismatched, unexpected
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
