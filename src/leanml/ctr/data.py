@@ -49,6 +49,7 @@ import pandas as pd
 import torch
 
 from leanml.config import ConfigError
+from leanml.extras import require_extra
 from leanml.utils import LeanmlError
 
 FASHION_CLASSES = [
@@ -340,13 +341,12 @@ def read_image(path: Path, size: int = 28) -> np.ndarray:
             raise ValueError(f"expected a 2-D array, got shape {arr.shape}")
         arr = arr / 255.0 if arr.max() > 1.0 else arr
     else:
-        from PIL import Image
+        Image = require_extra("ctr", "PIL.Image")
 
         with Image.open(path) as im:
             arr = np.asarray(im.convert("L").resize((size, size)), dtype=np.float32) / 255.0
     if arr.shape != (size, size):
-        from PIL import Image
-
+        Image = require_extra("ctr", "PIL.Image")
         arr = np.asarray(Image.fromarray((arr * 255).astype(np.uint8)).resize((size, size)), dtype=np.float32) / 255.0
     return arr
 

@@ -72,7 +72,9 @@ def shakespeare_plays() -> list[str]:
 
 def review_texts() -> list[str]:
     """The non-empty review texts of the Women's Clothing reviews, in file order."""
-    import pandas as pd
+    from leanml.extras import require_extra
+
+    pd = require_extra("features", "pandas", "pyarrow")
 
     from leanml.data.offline import widedeep_data_dir
 
@@ -154,10 +156,9 @@ def check_corpus(name: str, split: str, flag: str) -> None:
 
 
 def _hub_text(name: str, split: str) -> str:
-    try:
-        from datasets import load_dataset
-    except ImportError as exc:  # pragma: no cover - datasets is a declared extra
-        raise LeanmlError("the `datasets` package is needed for hub corpora: pip install 'leanml[hub]'") from exc
+    from leanml.extras import require_extra
+
+    load_dataset = require_extra("hub", "datasets").load_dataset
     hf_split = {"calib": "train", "train": "train", "test": "test"}[split]
     from leanml.models.check import hub_offline, hub_reachable
 

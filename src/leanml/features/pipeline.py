@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from leanml.ctr.metrics import auc as ctr_auc
 from leanml.features.batch import FeatureBatch
 from leanml.features.extract import ExtractConfig, merge_reports
 from leanml.features.graph import FeatureGraph
@@ -87,8 +88,6 @@ def train_on(model: FeatureDNN, batches: Iterable[FeatureBatch], opt: CTROptimiz
 @torch.no_grad()
 def evaluate(model: FeatureDNN, batches: Iterable[FeatureBatch], device: torch.device | str = "cpu") -> dict[str, float]:
     """AUC and logloss of the model on ``batches``."""
-    from sklearn.metrics import roc_auc_score
-
     model.eval()
     ps, ys = [], []
     for b in batches:
@@ -99,7 +98,7 @@ def evaluate(model: FeatureDNN, batches: Iterable[FeatureBatch], device: torch.d
         raise LeanmlError("no evaluation rows; check the test log")
     p = np.clip(np.concatenate(ps), 1e-7, 1 - 1e-7)
     y = np.concatenate(ys)
-    auc = float(roc_auc_score(y, p)) if 0 < y.sum() < len(y) else float("nan")
+    auc = ctr_auc(y, p)  # nan when one class only
     logloss = float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
     return {"auc": auc, "logloss": logloss, "rows": len(y)}
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from leanml.extras import require_extra
 from leanml.features.arena import Arena
 from leanml.features.batch import FeatureBatch
 from leanml.features.extract import ExtractConfig
@@ -68,6 +69,7 @@ def _empty(graph: FeatureGraph) -> dict[str, np.ndarray]:
 
 def ray_dataset(cfg: ExtractConfig, quarantine_dir: str | None = None, actors: int = 1) -> Any:
     """A lazy Ray dataset of model-input columns for the logs of ``cfg`` (TSV or JSON lines)."""
+    require_extra("ray", "ray.data")
     import ray.data
 
     for p in cfg.logs:
@@ -92,8 +94,7 @@ def run_ray(cfg: ExtractConfig, train: TrainOptions | None = None, *, actors: in
 
     ``keep``: when a list, every batch trained on is also appended to it (for inspection and tests).
     """
-    import ray
-
+    ray = require_extra("ray", "ray", "ray.data")
     if not ray.is_initialized():
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     train = train or TrainOptions()
