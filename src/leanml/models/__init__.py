@@ -174,10 +174,32 @@ def _looks_like_path(spec: str) -> bool:
     )
 
 
+#: what transformers raises on a ``.gguf`` whose header is sound but whose metadata or tensors do not
+#: describe a model it can build
+GGUF_ERRORS = (ValueError, KeyError, IndexError, RuntimeError, TypeError, AttributeError)
+
+
 def _from_gguf(path: Path, dtype: torch.dtype) -> nn.Module:
+    """The model of a ``.gguf`` file (its header checked first), refused like a model directory when
+    a tensor is missing or has another shape than its metadata gives it."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    from leanml.models.check import check_gguf
+
+    check_gguf(path)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                                      output_loading_info=True, ignore_mismatched_sizes=True)
+    except GGUF_ERRORS as exc:
+        raise gguf_error(path, exc) from exc
+    return _loaded(path, *loaded)
+
+
+def gguf_error(path: Path, exc: BaseException) -> LeanmlError:
+    """The one-line error of a ``.gguf`` file that transformers cannot turn into a model."""
+    first = (str(exc).splitlines() or [""])[0][:200]
+    return LeanmlError(f"cannot convert {path}: its metadata does not describe a model transformers can build "
+                       f"({type(exc).__name__}: {first}); pass another .gguf or a model directory")
 
 
 def bundled_dir(name: str) -> Path:

@@ -97,8 +97,94 @@ def check_torch_bin(path: Path) -> None:
         raise LeanmlError(f"{path} is truncated or damaged; copy or save the model again") from exc
 
 
+#: bytes of the fixed-size GGUF metadata value types (8 string and 9 array are read apart)
+_GGUF_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _GGUFHeader:
+    """A bounds-checked reader of a GGUF header in a memory map; every read past the end raises
+    ``ValueError`` saying what was cut."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf, self.pos, self.size = buf, 0, len(buf)
+
+    def take(self, n: int, what: str) -> int:
+        if n < 0 or self.pos + n > self.size:
+            raise ValueError(f"the file ends inside {what} (byte {self.pos:,} of {self.size:,})")
+        start, self.pos = self.pos, self.pos + n
+        return start
+
+    def uint(self, n: int, what: str) -> int:
+        return int.from_bytes(self.buf[self.take(n, what) : self.pos], "little")
+
+    def string(self, what: str) -> str:
+        n = self.uint(8, what)
+        start = self.take(n, what)
+        return bytes(self.buf[start : self.pos]).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype in _GGUF_VALUE_BYTES:
+            return self.uint(_GGUF_VALUE_BYTES[vtype], what)
+        if vtype == 8:
+            return self.string(what)
+        if vtype == 9:
+            item, count = self.uint(4, what), self.uint(8, what)
+            if item in _GGUF_VALUE_BYTES:  # skipped in one step
+                self.take(count * _GGUF_VALUE_BYTES[item], what)
+            else:
+                for _ in range(count):
+                    self.value(item, what)
+            return None
+        raise ValueError(f"{what} has an unknown value type {vtype}")
+
+
+def gguf_tensor_extents(path: Path) -> list[tuple[str, int, int]]:
+    """``(name, start, end)`` byte extents of every tensor of a ``.gguf`` file, read from its header
+    (magic, version, metadata, tensor table, alignment); raises ``ValueError`` naming what is damaged.
+    Only the header is read (memory-mapped)."""
+    import mmap
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        r = _GGUFHeader(buf)
+        if bytes(buf[r.take(4, "the magic") : 4]) != b"GGUF":
+            raise ValueError("no GGUF magic")
+        version = r.uint(4, "the version")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (2 or 3 are read)")
+        n_tensors, n_kv = r.uint(8, "the tensor count"), r.uint(8, "the metadata count")
+        if n_tensors > r.size or n_kv > r.size:
+            raise ValueError(f"impossible counts ({n_tensors:,} tensors, {n_kv:,} metadata entries)")
+        alignment = 32
+        for i in range(n_kv):
+            key = r.string(f"metadata entry {i}")
+            value = r.value(r.uint(4, f"metadata {key}"), f"metadata {key}")
+            if key == "general.alignment" and isinstance(value, int) and value > 0:
+                alignment = value
+        table = []
+        for i in range(n_tensors):
+            name = r.string(f"the name of tensor {i}")
+            dims = [r.uint(8, f"the shape of tensor {name}") for _ in range(r.uint(4, f"tensor {name}"))]
+            ttype, offset = r.uint(4, f"tensor {name}"), r.uint(8, f"tensor {name}")
+            try:
+                block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError):
+                raise ValueError(f"tensor {name} has an unknown type {ttype}") from None
+            numel = 1
+            for d in dims:
+                numel *= d
+            if numel % block:
+                raise ValueError(f"tensor {name} of shape {dims} does not fill blocks of {block}")
+            table.append((name, offset, numel // block * nbytes))
+        data = -(-r.pos // alignment) * alignment
+        return [(name, data + offset, data + offset + n) for name, offset, n in table]
+
+
 def check_gguf(path: Path) -> None:
-    """Raise :class:`LeanmlError` when a ``.gguf`` file is unreadable or does not start with the GGUF magic."""
+    """Raise :class:`LeanmlError` when a ``.gguf`` file is unreadable, lacks the GGUF magic, has a damaged
+    header, or is shorter than its tensor table says (the first tensor it cuts is named). Reads the
+    header only; without the ``gguf`` package (which converting needs anyway) only the magic is checked."""
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -106,6 +192,22 @@ def check_gguf(path: Path) -> None:
         raise LeanmlError(f"cannot read {path} ({exc.strerror}); check its permissions") from exc
     if magic != b"GGUF":
         raise LeanmlError(f"{path} is not a GGUF file (or is damaged); pass a .gguf model or a model directory")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return
+    fix = "copy the .gguf again, or pass a model directory"
+    try:
+        extents = gguf_tensor_extents(path)
+    except ValueError as exc:
+        raise LeanmlError(f"{path} is a damaged or truncated GGUF file ({exc}); {fix}") from exc
+    size = path.stat().st_size
+    cut = [(name, end) for name, _, end in extents if end > size]
+    if cut:
+        raise LeanmlError(f"{path} is truncated: tensor {cut[0][0]} ends at byte {cut[0][1]:,} of a "
+                          f"{size:,}-byte file ({len(cut)} of {len(extents)} tensors cut); {fix}")
+    if not extents:
+        raise LeanmlError(f"{path} holds no tensors; {fix}")
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -254,15 +356,17 @@ def refuse_incomplete(where: str | os.PathLike, missing: Sequence[str], mismatch
     (the model's, tied embeddings already accepted), ``mismatched`` ``(name, shape in the files, shape by
     the config)``. One line naming the first few; ``unexpected`` tensors (in the files, not in the
     model) are ignored as ``from_pretrained`` ignores them, with a one-line warning."""
+    gguf = str(where).endswith(".gguf")
+    config, kind = ("metadata", "file") if gguf else ("config.json", "directory")
     if mismatched:
         name, stored, wanted = mismatched[0]
         more = f" (and {len(mismatched) - 1} more: {_names([m[0] for m in mismatched[1:]])})" if len(mismatched) > 1 else ""
-        raise LeanmlError(f"the config.json of {where} does not match its weights: tensor {name} has shape "
+        raise LeanmlError(f"the {config} of {where} does not match its weights: tensor {name} has shape "
                           f"{tuple(stored)} in the files but {tuple(wanted)} by the config{more}; use the "
-                          f"config.json saved with these weights")
+                          f"{config} saved with these weights")
     if missing:
         raise LeanmlError(f"the weights of {where} lack {len(missing)} tensor{'s' if len(missing) > 1 else ''} the "
-                          f"model needs ({_names(missing)}); the directory is incomplete: copy or save the "
+                          f"model needs ({_names(missing)}); the {kind} is incomplete: copy or save the "
                           f"whole model again")
     if unexpected:
         import warnings

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from leanml.finite import check_finite_tensors
-from leanml.models.check import refuse_incomplete, safetensors_header
+from leanml.models.check import check_gguf, refuse_incomplete, safetensors_header
 from leanml.utils import LeanmlError, atomic_file, write_json
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -361,6 +361,17 @@ def gguf_to_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, sha
     ``transformers`` does it, and added to the current shard, which is written once it holds
     ``shard_bytes``. Config and tokenizer come from ``transformers``' GGUF reader (metadata only).
     Returns ``out_dir``."""
+    from leanml.models import GGUF_ERRORS, gguf_error
+
+    path = Path(path)
+    check_gguf(path)  # magic, header and tensor extents, before anything is read or written
+    try:
+        return _gguf_to_safetensors(path, Path(out_dir), shard_bytes, progress)
+    except GGUF_ERRORS as exc:
+        raise gguf_error(path, exc) from exc
+
+
+def _gguf_to_safetensors(path: Path, out: Path, shard_bytes: int, progress: bool) -> Path:
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoTokenizer
@@ -370,8 +381,6 @@ def gguf_to_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, sha
         get_gguf_hf_weights_map,
     )
 
-    path = Path(path)
-    out = Path(out_dir)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -380,7 +389,8 @@ def gguf_to_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, sha
     arch = config.model_type
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     name_map = get_gguf_hf_weights_map(skeleton, processor)
-    wanted = {n for n, _ in skeleton.named_parameters()}
+    wanted = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}  # tied ones once
+    written: set[str] = set()
     writer = ShardWriter(out)
     shard: dict[str, torch.Tensor] = {}
     size = 0
@@ -396,6 +406,9 @@ def gguf_to_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, sha
         if hf_name not in wanted:
             continue
         tensor = torch.from_numpy(result.weights.copy()).float()
+        if tuple(tensor.shape) != wanted[hf_name]:  # refused at once: nothing more is converted
+            refuse_incomplete(path, [], [(hf_name, tuple(tensor.shape), wanted[hf_name])])
+        written.add(hf_name)
         shard[hf_name] = tensor
         size += tensor.numel() * 4
         if size >= shard_bytes:
@@ -404,6 +417,7 @@ def gguf_to_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, sha
             shard, size = {}, 0
     if shard:
         writer.write(f"model-{count:05d}", shard)
+    refuse_incomplete(path, [n for n in wanted if n not in written], [])
     writer.finish()
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)

@@ -23,6 +23,7 @@ its checkpoint: the layers already written stay in the staging folder.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -279,8 +280,13 @@ def stream_source(spec: str, progress: bool = True) -> Path:
         target = cache_dir() / "gguf" / f"{path.stem}-{path.stat().st_size}"
         if not (target / "config.json").exists():
             print(f"converting {path.name} to safetensors in {target} (once, tensor by tensor)")
-            with atomic_dir(target, overwrite=True) as tmp:
-                gguf_to_safetensors(path, tmp, progress=progress)
+            try:
+                with atomic_dir(target, overwrite=True) as tmp:
+                    gguf_to_safetensors(path, tmp, progress=progress)
+            except BaseException:  # a refused file leaves nothing in the cache, not even an empty folder
+                with contextlib.suppress(OSError):
+                    target.parent.rmdir()
+                raise
         return target
     if not path.is_dir():
         raise ConfigError(f"stream reads a local model directory, a .gguf file or smollm2-135m, not {spec!r}", None,
