@@ -20,7 +20,7 @@ import torch
 from leanml.utils import LeanmlError
 
 __all__ = ["NonFiniteError", "check_finite_grads", "check_finite_loss", "check_finite_step",
-           "check_finite_tensors", "first_bad_grad", "first_non_finite", "lr_hint"]
+           "check_finite_tensors", "first_bad_grad", "first_non_finite", "lr_hint", "solver_error"]
 
 
 class NonFiniteError(LeanmlError):
@@ -123,3 +123,17 @@ def check_finite_tensors(named_tensors: Iterable[tuple[str, Any]], what: str, hi
         tail = f"; {hint}" if hint else ""
         raise NonFiniteError(f"refusing to save {what}: tensor {name} has {count} of {numel} values NaN or "
                              f"infinite{tail}; nothing was saved")
+
+
+def solver_error(solver: str, option: str, value: float, stats: torch.Tensor | None = None,
+                 where: str = "") -> NonFiniteError:
+    """The one-line error of a numerical solver that failed (a Cholesky factorisation, a least-squares
+    solve): the input statistics ``stats`` when they hold a NaN or infinity (the model's activations
+    overflow), else the option ``option`` (a flag such as ``--sparsegpt-damp``) set to ``value``."""
+    at = f" in {where}" if where else ""
+    if stats is not None and not bool(_finite(stats)):
+        return NonFiniteError(f"{solver} failed{at}: the input statistics hold NaN or infinite values (the model's "
+                              "activations overflow on the calibration text); check the model's weights and "
+                              "use --dtype float32")
+    return NonFiniteError(f"{solver} failed{at}: {option} {value:g} makes the damped matrix overflow or lose "
+                          f"positive definiteness; use a moderate {option} (the default is 0.01)")

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from leanml.config import option, require
+from leanml.finite import solver_error
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
 from leanml.prune.cores.magnitude import magnitude_prune
 from leanml.prune.cores.sparsegpt import hinv_upper, sparsegpt_prune_many
@@ -88,7 +89,11 @@ class SparseGPTPruner(_UnstructuredPruner):
         """All linears of the group in one OBS sweep (they share ``H`` and its factor)."""
         names = list(group.linears)
         o = self.options
-        U = hinv_upper(stats.H, o.damp)[0]
+        try:
+            U = hinv_upper(stats.H, o.damp)[0]
+        except torch.linalg.LinAlgError:  # the damped H is not positive definite (or overflowed)
+            raise solver_error("SparseGPT's Cholesky factorisation", "--sparsegpt-damp", o.damp, stats.H,
+                               f"group {group.name}") from None
         new = sparsegpt_prune_many([group.linears[n].weight.data for n in names], stats.H,
                                    [linear_spec(spec, n) for n in names], o.damp, o.blocksize, U=U)
         for n, W in zip(names, new):

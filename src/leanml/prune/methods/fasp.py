@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from leanml.config import ConfigError, option, require
+from leanml.finite import solver_error
 from leanml.models import surgery
 from leanml.models.layout import DecoderAdapter
 from leanml.prune.base import Group, GroupStats, Pruner
@@ -401,7 +402,11 @@ class FaspPruner(StructuredPairPruner):
         self, W: torch.Tensor, stats: GroupStats, keep_cols: torch.Tensor, prune_cols: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         G = stats.G if self.options.target == "dense" else None
-        return core.restore_least_squares(W, stats.H, keep_cols, G=G, damp=self.options.damp), None
+        try:
+            return core.restore_least_squares(W, stats.H, keep_cols, G=G, damp=self.options.damp), None
+        except (LeanmlError, torch.linalg.LinAlgError):  # the damped matrix is not positive definite
+            raise solver_error("FASP's least-squares restoration", "--fasp-damp", self.options.damp,
+                               stats.H) from None
 
 
 class WandaStructuredPruner(StructuredPairPruner):
