@@ -52,16 +52,16 @@ import torch
 from tqdm import tqdm
 
 from _common import replace_block
-from leanml.features.arena import Arena, NoArena
-from leanml.features.batch import FeatureBatch
-from leanml.features.data import generate_logs
-from leanml.features.extract import ExtractConfig, Extractor
-from leanml.features.graph import load_graph
-from leanml.features.model import CTROptimizer, model_for_graph
 from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
-from leanml.features.pipeline import evaluate, run_pipelined, train_on
-from leanml.features.scheduler import clear_caches
-from leanml.features.twostage import run_two_stage
+from leanml.features.read.data import generate_logs
+from leanml.features.run.arena import Arena, NoArena
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.run.extract import ExtractConfig, Extractor
+from leanml.features.run.graph import load_graph
+from leanml.features.run.scheduler import clear_caches
+from leanml.features.train.model import CTROptimizer, model_for_graph
+from leanml.features.train.pipeline import evaluate, run_pipelined, train_on
+from leanml.features.train.twostage import run_two_stage
 from leanml.utils import cache_dir, cores_available, machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).parent / "results"

@@ -460,10 +460,10 @@ def part_ctr(S: Sizes, device: str, assets: Path | None, emit: Emitter, args: ar
 
 
 def part_features(S: Sizes, device: str, assets: Path | None, emit: Emitter, args: argparse.Namespace) -> None:
-    from leanml.features.data import generate_logs
-    from leanml.features.extract import ExtractConfig
     from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
-    from leanml.features.pipeline import run_pipelined
+    from leanml.features.read.data import generate_logs
+    from leanml.features.run.extract import ExtractConfig
+    from leanml.features.train.pipeline import run_pipelined
 
     with tempfile.TemporaryDirectory() as tmp:
         generate_logs(tmp, S.feature_rows, seed=0)

@@ -13,7 +13,7 @@ import pytest
 
 from cli.conftest import assert_unchanged, run_cli, snapshot, start_cli
 from cli.parallel import Case, check_refused, readonly_dir, run_cases
-from leanml.features.data import generate_logs
+from leanml.features.read.data import generate_logs
 
 LOG = "logs/impressions_000.tsv"
 
@@ -237,9 +237,9 @@ def test_fuzzed_logs_train_or_fail_in_one_line(tmp_path) -> None:
 def test_gzip_damage_past_the_upfront_check_is_one_line(tmp_path, monkeypatch) -> None:
     """A .gz log too large to check up front and cut short fails, when the reader reaches the cut, with a
     LeanmlError naming the file and the last line read (so a worker passes it on as one line)."""
-    from leanml.features import checks
-    from leanml.features.data import LOG_SCHEMA
-    from leanml.features.readers import LogReader
+    from leanml.features.read import checks
+    from leanml.features.read.data import LOG_SCHEMA
+    from leanml.features.read.readers import LogReader
     from leanml.utils import LeanmlError
 
     generate_logs(tmp_path / "g", 3000, seed=4, progress=False)

@@ -62,7 +62,7 @@ def _raised(call) -> ConfigError:
 def test_library_refusals_name_fields_and_the_command_line_shows_flags(tmp_path) -> None:
     import torch
 
-    from leanml.features.readers import LogReader
+    from leanml.features.read.readers import LogReader
     from leanml.memory.train import batches
     from leanml.models import check_dtype, parse_dtype
     from leanml.prune.cores.fasp import num_kept

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leanml.cli import main as cli_main
-from leanml.features.arena import ALIGN, Arena
-from leanml.features.graph import FeatureGraph, graph, load_graph
 from leanml.features.ops import Cross, Filter, Hash, LogTransform, Normalize, Split, TruncatePad
-from leanml.features.scheduler import LayerwiseExecutor, make_plan
+from leanml.features.run.arena import ALIGN, Arena
+from leanml.features.run.graph import FeatureGraph, graph, load_graph
+from leanml.features.run.scheduler import LayerwiseExecutor, make_plan
 from leanml.utils import LeanmlError
 
 SCHEMA = {"a": "int", "b": "int", "s": "str", "y": "int"}
@@ -183,7 +183,7 @@ def test_arena_growth_and_reuse():
 
 # ------------------------------------------------------------------------------------ per-entity features
 def test_entity_scopes_of_the_movielens_graph():
-    from leanml.features.scheduler import entity_scopes
+    from leanml.features.run.scheduler import entity_scopes
 
     scope = entity_scopes(load_graph("movielens"))
     user = {"gender_id", "occupation_id", "zip_id", "age_bucket", "age_log"}
@@ -198,10 +198,10 @@ def test_entity_scopes_of_the_movielens_graph():
 
 def test_per_entity_execution_matches_per_row(tmp_path):
     """Entity mode (arrow reader, ops once per user/item, gathered) == every op per row (Python reader)."""
-    from leanml.features.batch import FeatureBatch
-    from leanml.features.data import generate_logs
-    from leanml.features.extract import ExtractConfig, Extractor
     from leanml.features.options import PipelineOptions
+    from leanml.features.read.data import generate_logs
+    from leanml.features.run.batch import FeatureBatch
+    from leanml.features.run.extract import ExtractConfig, Extractor
 
     generate_logs(tmp_path, 3000, seed=2, malformed_rate=0.01, unknown_item_rate=0.05, progress=False)
     (tmp_path / "users.jsonl").write_text("\n".join((tmp_path / "users.jsonl").read_text().splitlines()[::2]) + "\n")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from leanml.features.batch import FeatureBatch
-from leanml.features.model import CTROptimizer, FeatureDNN, FusedEmbedding
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.train.model import CTROptimizer, FeatureDNN, FusedEmbedding
 from leanml.utils import LeanmlError
 
 SPARSE, SEQ, DIM = [7, 50, 3], [40, 9], 4
@@ -158,7 +158,7 @@ def test_split_first_layer_is_one_linear_over_the_concatenation(hidden):
 
 def test_narrow_linear_matches_autograd_in_double():
     """The first layer's dense part (``h + x @ W.T`` with its own backward) against torch's gradcheck."""
-    from leanml.features.model import _AddNarrowLinear
+    from leanml.features.train.model import _AddNarrowLinear
 
     torch.manual_seed(0)
     h = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)

@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanml.features import hashing as H
 from leanml.features.ops import (
     Bucketize,
     ContentIdLookup,
@@ -30,6 +29,7 @@ from leanml.features.ops import (
     op_from_spec,
     write_content_id_table,
 )
+from leanml.features.ops import hashing as H
 from leanml.utils import LeanmlError
 
 FAST = settings(max_examples=40, deadline=None)
@@ -103,7 +103,7 @@ def test_cross_order_and_seed_matter():
 
 
 def test_hash_stable_across_processes():
-    code = ("import numpy as np; from leanml.features import hashing as H;"
+    code = ("import numpy as np; from leanml.features.ops import hashing as H;"
             "x=np.array([0,1,-1,2**62,123456789],dtype=np.int64);"
             "s=np.array(['','user 1','zürich','a|b'],dtype=object);"
             "print(H.to_sign(H.hash_values(x,5),1000003).tolist(), H.to_sign(H.hash_values(s,9)).tolist(),"

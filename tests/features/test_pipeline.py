@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from leanml.cli import main as cli_main
-from leanml.features.batch import FeatureBatch
-from leanml.features.data import movielens_logs
-from leanml.features.extract import ExtractConfig, Extractor
-from leanml.features.graph import FeatureGraph
 from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
-from leanml.features.pipeline import run_pipelined
-from leanml.features.producers import Prefetcher
-from leanml.features.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
+from leanml.features.read.data import movielens_logs
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.run.extract import ExtractConfig, Extractor
+from leanml.features.run.graph import FeatureGraph
+from leanml.features.run.producers import Prefetcher
+from leanml.features.train.pipeline import run_pipelined
+from leanml.features.train.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
 from leanml.utils import LeanmlError
 
 ROWS = 3000
@@ -107,8 +107,8 @@ def test_errors_reach_the_consumer(logs):
 def test_visual_graph_with_content_id_table(logs, tmp_path):
     import numpy as np
 
-    from leanml.features.model import model_for_graph
     from leanml.features.ops import write_content_id_table
+    from leanml.features.train.model import model_for_graph
 
     d = tmp_path / "data"
     d.mkdir()
@@ -249,8 +249,8 @@ def test_epochs_left_early_do_not_leak_ring_slots(logs):
 def test_producers_build_the_lookup_plans_for_the_model(logs):
     from dataclasses import replace
 
-    from leanml.features.lookup import build_plan
-    from leanml.features.model import model_for_graph
+    from leanml.features.train.lookup import build_plan
+    from leanml.features.train.model import model_for_graph
 
     base = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=256))
     sizes = model_for_graph(FeatureGraph.from_dict(base.graph)).emb.sizes

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from leanml.features.data import LOG_SCHEMA, generate_logs
-from leanml.features.logschema import Quarantine, Schema
-from leanml.features.readers import LogReader
+from leanml.features.read.data import LOG_SCHEMA, generate_logs
+from leanml.features.read.logschema import Quarantine, Schema
+from leanml.features.read.readers import LogReader
 from leanml.utils import LeanmlError
 
 SCHEMA = Schema.parse("ts:int,user:int,price:float,tags:str")
@@ -239,7 +239,7 @@ def test_arrow_engine_matches_python_engine_jsonl(tmp_path):
 def test_line_chunks_are_whole_lines(tmp_path):
     import io
 
-    from leanml.features.linelogs import iter_line_chunks
+    from leanml.features.read.linelogs import iter_line_chunks
 
     lines = [f"line {i}" * (i % 5) for i in range(1000)]
     data = "\n".join(lines).encode()  # no final newline

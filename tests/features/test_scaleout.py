@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from leanml.features.batch import FeatureBatch
-from leanml.features.data import generate_logs
-from leanml.features.extract import ExtractConfig, Extractor
 from leanml.features.options import PipelineOptions, TrainOptions
+from leanml.features.read.data import generate_logs
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.run.extract import ExtractConfig, Extractor
 
 TINY = """
 name: tiny
@@ -53,7 +53,7 @@ def _rows(b: FeatureBatch) -> np.ndarray:
 @pytest.mark.slow  # several processes
 def test_ray_data_matches_local_extraction(tiny, tmp_path):
     ray = pytest.importorskip("ray")
-    from leanml.features.ray_runner import run_ray
+    from leanml.features.train.ray_runner import run_ray
 
     d, log = tiny
     cfg = ExtractConfig.build(str(d / "tiny.yaml"), [log], PipelineOptions(batch_rows=512))
@@ -84,7 +84,7 @@ def test_torchrun_ddp_consumes_disjoint_shards(tiny, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(port),
-                           "-m", "leanml.features.ddp", "--graph", str(d / "tiny.yaml"), "--input", str(log),
+                           "-m", "leanml.features.train.ddp", "--graph", str(d / "tiny.yaml"), "--input", str(log),
                            "--batch-rows", "256", "--dim", "4", "--hidden", "8", "--out", str(tmp_path)],
                           timeout=240, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, f"torchrun exit {proc.returncode}:\n{proc.stderr[-4000:]}"

@@ -7,9 +7,9 @@ import gc
 
 import torch
 
-from leanml.features.batch import FeatureBatch
-from leanml.features.lookup import build_plan
-from leanml.features.shm import SlotRing
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.run.shm import SlotRing
+from leanml.features.train.lookup import build_plan
 
 
 def _batch(n: int, seed: int, widths: tuple[int, ...] = (3, 2)) -> FeatureBatch:

@@ -10,12 +10,6 @@ The two-stage baseline (extract to Parquet, then train) runs the same graph for 
 same graph runs on Ray Data and feeds ``torchrun`` DDP training. See docs/features.md.
 """
 
-from leanml.features.arena import Arena, NoArena
-from leanml.features.batch import FeatureBatch
-from leanml.features.extract import ExtractConfig, Extractor
-from leanml.features.graph import FeatureGraph, OutputSpec, graph, load_graph
-from leanml.features.logschema import Quarantine, Schema
-from leanml.features.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
 from leanml.features.ops import (
     OPS,
     Bucketize,
@@ -32,11 +26,17 @@ from leanml.features.ops import (
     TruncatePad,
 )
 from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
-from leanml.features.pipeline import run_pipelined
-from leanml.features.producers import FeatureStream, Prefetcher
-from leanml.features.readers import LogReader
-from leanml.features.scheduler import LayerwiseExecutor, Plan, make_plan
-from leanml.features.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
+from leanml.features.read.logschema import Quarantine, Schema
+from leanml.features.read.readers import LogReader
+from leanml.features.run.arena import Arena, NoArena
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.run.extract import ExtractConfig, Extractor
+from leanml.features.run.graph import FeatureGraph, OutputSpec, graph, load_graph
+from leanml.features.run.producers import FeatureStream, Prefetcher
+from leanml.features.run.scheduler import LayerwiseExecutor, Plan, make_plan
+from leanml.features.train.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
+from leanml.features.train.pipeline import run_pipelined
+from leanml.features.train.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
 
 __all__ = [
     "OPS", "Arena", "Bucketize", "CTROptimizer", "ContentIdLookup", "Cross", "DictJoin", "ExtractConfig", "Extractor",

@@ -7,11 +7,11 @@ import time
 
 import torch
 
-from leanml.features.data import movielens_logs
-from leanml.features.extract import ExtractConfig, Extractor
 from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
-from leanml.features.pipeline import evaluate, run_pipelined
-from leanml.features.twostage import run_two_stage
+from leanml.features.read.data import movielens_logs
+from leanml.features.run.extract import ExtractConfig, Extractor
+from leanml.features.train.pipeline import evaluate, run_pipelined
+from leanml.features.train.twostage import run_two_stage
 from leanml.utils import cache_dir, machine_line, write_json
 
 

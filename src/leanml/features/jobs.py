@@ -15,9 +15,9 @@ from leanml.features.options import ExtractJob, GenerateJob, Inputs, PipelineOpt
 from leanml.utils import LeanmlError, apply_threads, cache_dir, write_json
 
 if TYPE_CHECKING:  # the heavy modules load when a job runs
-    from leanml.features.extract import ExtractConfig
-    from leanml.features.graph import FeatureGraph
-    from leanml.features.scheduler import Plan
+    from leanml.features.run.extract import ExtractConfig
+    from leanml.features.run.graph import FeatureGraph
+    from leanml.features.run.scheduler import Plan
 
 
 def _flag(cls: type, name: str) -> str:
@@ -27,8 +27,8 @@ def _flag(cls: type, name: str) -> str:
 
 def plan_job(job: PlanJob) -> tuple[FeatureGraph, Plan]:
     """The graph and its plan (levels, placements, transfers) for this machine or, with ``assume_cuda``, a GPU one."""
-    from leanml.features.graph import load_graph
-    from leanml.features.scheduler import make_plan
+    from leanml.features.run.graph import load_graph
+    from leanml.features.run.scheduler import make_plan
 
     graph = load_graph(job.graph)
     return graph, make_plan(graph, cuda=True if job.assume_cuda else None)
@@ -38,10 +38,10 @@ def extract_config(inputs: Inputs, options: PipelineOptions, quarantine: Path,
                    test_logs: tuple[str, ...] = ()) -> tuple[ExtractConfig, int]:
     """The extraction config of ``inputs`` with every log (``test_logs`` too) and table checked; also the
     logs' estimated lines. No log given: the MovieLens-100k train log."""
-    from leanml.features.checks import check_logs
-    from leanml.features.data import movielens_logs
-    from leanml.features.extract import ExtractConfig
-    from leanml.features.graph import load_graph
+    from leanml.features.read.checks import check_logs
+    from leanml.features.read.data import movielens_logs
+    from leanml.features.run.extract import ExtractConfig
+    from leanml.features.run.graph import load_graph
 
     if inputs.data_dir is not None and not Path(inputs.data_dir).is_dir():
         raise LeanmlError(f"{_flag(Inputs, 'data_dir')} {inputs.data_dir} is not a folder; pass the folder that "
@@ -59,7 +59,7 @@ def extract_config(inputs: Inputs, options: PipelineOptions, quarantine: Path,
 
 def _check_tables(cfg: ExtractConfig, overrides: dict[str, str]) -> None:
     """Every table the graph reads exists (an override must name one of them)."""
-    from leanml.features.graph import FeatureGraph
+    from leanml.features.run.graph import FeatureGraph
 
     table, data_dir_flag = _flag(Inputs, "table"), _flag(Inputs, "data_dir")
     graph = FeatureGraph.from_dict(cfg.graph)
@@ -85,7 +85,7 @@ def _check_tables(cfg: ExtractConfig, overrides: dict[str, str]) -> None:
 
 
 def _quarantine_path(inputs: Inputs, default: Path) -> Path:
-    from leanml.features.checks import check_file_target
+    from leanml.features.read.checks import check_file_target
 
     return check_file_target(Path(inputs.quarantine) if inputs.quarantine else default, _flag(Inputs, "quarantine"))
 
@@ -93,7 +93,7 @@ def _quarantine_path(inputs: Inputs, default: Path) -> Path:
 def extract_job(job: ExtractJob, progress: bool = True) -> tuple[dict[str, Any], Path]:
     """Stage 1 of two-stage: the graph over the logs into ``job.out`` (Parquet + ``report.json``); returns the
     report and the folder."""
-    from leanml.features.twostage import extract_to_parquet
+    from leanml.features.train.twostage import extract_to_parquet
     from leanml.utils import check_output_dir
 
     out = check_output_dir(job.out, job.overwrite, _flag(ExtractJob, "out"))
@@ -107,12 +107,12 @@ def train_job(job: TrainJob, progress: bool = True) -> tuple[dict[str, Any], Pat
     the test logs. Writes the report (and the quarantine file beside it) atomically; returns both."""
     import torch
 
-    from leanml.features.checks import check_file_target, check_logs, staged_files, temp_sibling
-    from leanml.features.data import movielens_logs
-    from leanml.features.extract import ExtractConfig, Extractor, no_rows_message
-    from leanml.features.graph import load_graph
-    from leanml.features.pipeline import evaluate, run_pipelined
-    from leanml.features.twostage import check_features_dir, train_from_parquet
+    from leanml.features.read.checks import check_file_target, check_logs, staged_files, temp_sibling
+    from leanml.features.read.data import movielens_logs
+    from leanml.features.run.extract import ExtractConfig, Extractor, no_rows_message
+    from leanml.features.run.graph import load_graph
+    from leanml.features.train.pipeline import evaluate, run_pipelined
+    from leanml.features.train.twostage import check_features_dir, train_from_parquet
 
     report_path = check_file_target(Path(job.report) if job.report else cache_dir() / "features" /
                                     "train_report.json", _flag(TrainJob, "report"))
@@ -134,7 +134,7 @@ def train_job(job: TrainJob, progress: bool = True) -> tuple[dict[str, Any], Pat
             report["mode"] = "two_stage_train"
         else:
             if job.engine == "ray":
-                from leanml.features.ray_runner import run_ray
+                from leanml.features.train.ray_runner import run_ray
 
                 model, report = run_ray(cfg, job.train, quarantine_dir=str(report_path.parent / "ray_quarantine"),
                                         progress=progress)
@@ -160,8 +160,8 @@ def train_job(job: TrainJob, progress: bool = True) -> tuple[dict[str, Any], Pat
 
 def generate_job(job: GenerateJob, progress: bool = True) -> Path:
     """A seeded synthetic log set (impressions plus user/item tables) in ``job.out``; returns the folder."""
-    from leanml.features.checks import check_writable
-    from leanml.features.data import check_generate_target, generate_logs
+    from leanml.features.read.checks import check_writable
+    from leanml.features.read.data import check_generate_target, generate_logs
 
     check_writable(check_generate_target(job.out, job.overwrite).parent, _flag(GenerateJob, "out"))
     return generate_logs(job.out, job.rows, seed=job.seed, files=job.files, gz=job.gzip,

@@ -4,20 +4,10 @@ arithmetic, a torch implementation that runs on ``cuda`` when the scheduler plac
 Every op declares ``inputs``, ``outputs`` and ``placement`` (``cpu`` or ``gpu``; ``gpu`` means "torch
 on CUDA when present, else the CPU path"). Columns are 1-D numpy arrays (ints, floats or objects for
 strings), 1-D/2-D torch tensors, or :class:`Ragged` lists (flat values plus row offsets).
-Ops write their outputs into the per-batch :class:`~leanml.features.arena.Arena` where the size
+Ops write their outputs into the per-batch :class:`~leanml.features.run.arena.Arena` where the size
 is known, so intermediates reuse one buffer batch after batch.
 """
 
-from leanml.features.columns import (
-    Column,
-    Ragged,
-    column_nbytes,
-    copy_out,
-    is_torch,
-    num_rows,
-    select_rows,
-    to_device,
-)
 from leanml.features.ops.base import (
     OPS,
     Op,
@@ -27,6 +17,16 @@ from leanml.features.ops.base import (
     dumps_spec,
     op_from_spec,
     register_op,
+)
+from leanml.features.ops.columns import (
+    Column,
+    Ragged,
+    column_nbytes,
+    copy_out,
+    is_torch,
+    num_rows,
+    select_rows,
+    to_device,
 )
 from leanml.features.ops.content_ids import ContentIdLookup, read_content_id_table, write_content_id_table
 from leanml.features.ops.filter import Filter

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from leanml.config import ConfigError
-from leanml.features import hashing as H
-from leanml.features.arena import Arena, NoArena
-from leanml.features.columns import Column
+from leanml.features.ops import hashing as H
+from leanml.features.ops.columns import Column
+from leanml.features.run.arena import Arena, NoArena
 from leanml.utils import LeanmlError
 
 
@@ -57,7 +57,7 @@ class Op:
     ``rowwise``: output row i depends only on input row i (every bundled op). The scheduler then
     computes an op whose inputs all come from one joined table once per entity of that table, when
     the table is loaded, and gathers the results per log row. ``accepts_gathered``: :meth:`forward`
-    takes :class:`~leanml.features.columns.Gathered` inputs as they are (otherwise the scheduler
+    takes :class:`~leanml.features.ops.columns.Gathered` inputs as they are (otherwise the scheduler
     materialises them first).
     """
 

@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from leanml.features.columns import Column, is_arrow
 from leanml.features.ops.base import Op, OpContext, register_op
+from leanml.features.ops.columns import Column, is_arrow
 from leanml.utils import LeanmlError
 
 _ARROW_OPS = {"==": pc.equal, "!=": pc.not_equal, "<": pc.less, "<=": pc.less_equal, ">": pc.greater,

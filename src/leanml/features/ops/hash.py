@@ -1,5 +1,5 @@
 """Hashing ops: ``hash`` one field and ``cross`` several into 63-bit feature signs (bit-identical on
-numpy and torch, see :mod:`leanml.features.hashing`)."""
+numpy and torch, see :mod:`leanml.features.ops.hashing`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from leanml.features import hashing as H
-from leanml.features.columns import Column, Gathered, Ragged, copy_out, to_device
+from leanml.features.ops import hashing as H
 from leanml.features.ops.base import MapOp, Op, OpContext, default_seed, register_op
+from leanml.features.ops.columns import Column, Gathered, Ragged, copy_out, to_device
 from leanml.utils import LeanmlError
 
 

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow as pa
 
-from leanml.features.columns import Column, take_rows
 from leanml.features.ops.base import Op, OpContext, register_op
+from leanml.features.ops.columns import Column, take_rows
 from leanml.utils import LeanmlError
 
 _TABLES: dict[tuple[str, float], Any] = {}
@@ -153,7 +153,7 @@ class DictJoin(Op):
 
     ``columns`` maps table column -> output column; rows without a match get ``defaults`` (0 / "" /
     NaN by type) and, when ``found`` is set, a 0 in that 0/1 output column. The outputs are entity
-    columns: ops that only read them run once per table row (see :mod:`leanml.features.scheduler`).
+    columns: ops that only read them run once per table row (see :mod:`leanml.features.run.scheduler`).
     """
 
     kind: ClassVar[str] = "dict_join"

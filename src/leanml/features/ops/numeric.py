@@ -8,8 +8,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from leanml.features.columns import Column
 from leanml.features.ops.base import MapOp, OpContext, register_op
+from leanml.features.ops.columns import Column
 from leanml.utils import LeanmlError
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from leanml.features.columns import Column, Ragged, as_arrow_strings, string_lengths
 from leanml.features.ops.base import Op, OpContext, register_op
+from leanml.features.ops.columns import Column, Ragged, as_arrow_strings, string_lengths
 from leanml.utils import LeanmlError
 
 

@@ -1,6 +1,6 @@
 """The lookup plan of a batch: everything the fused embedding's forward and backward derive from the ids alone.
 
-For one batch the fused table (:class:`leanml.features.model.FusedEmbedding`) needs, besides the table
+For one batch the fused table (:class:`leanml.features.train.model.FusedEmbedding`) needs, besides the table
 itself: the table row of every valid slot, the bag every slot pools into, its mean weight, the first
 slot of every bag, and for the backward the slots sorted by row (the distinct rows, where each starts,
 the bags and weights in that order). None of it depends on the model's weights, only on the ids and on

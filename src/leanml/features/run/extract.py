@@ -11,14 +11,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from leanml.features.arena import Arena, NoArena
-from leanml.features.batch import FeatureBatch
-from leanml.features.graph import FeatureGraph, load_graph
-from leanml.features.logschema import Quarantine
-from leanml.features.lookup import build_plan
 from leanml.features.options import PipelineOptions
-from leanml.features.readers import LogReader
-from leanml.features.scheduler import ExecStats, LayerwiseExecutor
+from leanml.features.read.logschema import Quarantine
+from leanml.features.read.readers import LogReader
+from leanml.features.run.arena import Arena, NoArena
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.run.graph import FeatureGraph, load_graph
+from leanml.features.run.scheduler import ExecStats, LayerwiseExecutor
+from leanml.features.train.lookup import build_plan
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class ExtractConfig:
     quarantine: str | None = None
     shard: tuple[int, int] = (0, 1)
     # ids per field of the model's fused embedding table: when set, every batch carries its lookup plan
-    # (leanml.features.lookup), built here beside extraction instead of in the training step
+    # (leanml.features.train.lookup), built here beside extraction instead of in the training step
     lookup_sizes: tuple[int, ...] | None = None
 
     @classmethod

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from leanml.features.batch import FeatureBatch
-from leanml.features.extract import ExtractConfig, Extractor, ExtractReport, merge_reports
 from leanml.features.options import ProducerOptions
-from leanml.features.shm import SlotRef, SlotRing
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.run.extract import ExtractConfig, Extractor, ExtractReport, merge_reports
+from leanml.features.run.shm import SlotRef, SlotRing
 from leanml.utils import LeanmlError
 
 # ----------------------------------------------------------------------------------------- producers
@@ -161,7 +161,7 @@ class Prefetcher:
     queue depth). ``persistent``: keep the workers between iterations (epochs). ``warm``: load tables and
     per-entity features in this process before the workers fork, so every worker shares them (the CPU
     seconds go to :attr:`warm_cpu_s`). ``ring``: workers hand batches over through a ring of ``depth + 3``
-    shared-memory slots each (:mod:`leanml.features.shm`) instead of a fresh shared segment per batch
+    shared-memory slots each (:mod:`leanml.features.run.shm`) instead of a fresh shared segment per batch
     (``False``, and always when batches are pinned for CUDA: the DataLoader's ordinary tensor sharing).
     After each iteration :attr:`report` holds the merged :class:`ExtractReport` (``cpu_s`` = the producers'
     CPU seconds) and :attr:`handoff` counts the batches that came through the ring (``ring``) and the ordinary

@@ -1,5 +1,5 @@
 """FeatureBox training: a pass of CTR training over batches (:func:`train_on`), its evaluation, and the
-pipelined driver (:func:`run_pipelined`): producers (:mod:`leanml.features.producers`) extract batch
+pipelined driver (:func:`run_pipelined`): producers (:mod:`leanml.features.run.producers`) extract batch
 i+1 while the trainer trains on batch i; nothing touches disk.
 """
 
@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from leanml.ctr.metrics import auc as ctr_auc
-from leanml.features.batch import FeatureBatch
-from leanml.features.extract import ExtractConfig, merge_reports
-from leanml.features.graph import FeatureGraph
-from leanml.features.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
 from leanml.features.options import ProducerOptions, TrainOptions
-from leanml.features.producers import Prefetcher
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.run.extract import ExtractConfig, merge_reports
+from leanml.features.run.graph import FeatureGraph
+from leanml.features.run.producers import Prefetcher
+from leanml.features.train.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
 from leanml.utils import EtaBar, LeanmlError
 
 

@@ -17,12 +17,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from leanml.features.batch import FeatureBatch, split_ids
-from leanml.features.checks import temp_sibling
-from leanml.features.extract import ExtractConfig, Extractor, no_rows_message
-from leanml.features.graph import FeatureGraph
-from leanml.features.model import CTROptimizer, FeatureDNN, model_for_graph
-from leanml.features.pipeline import TrainOptions, train_on
+from leanml.features.read.checks import temp_sibling
+from leanml.features.run.batch import FeatureBatch, split_ids
+from leanml.features.run.extract import ExtractConfig, Extractor, no_rows_message
+from leanml.features.run.graph import FeatureGraph
+from leanml.features.train.model import CTROptimizer, FeatureDNN, model_for_graph
+from leanml.features.train.pipeline import TrainOptions, train_on
 from leanml.utils import EtaBar, LeanmlError, atomic_dir, clean_stale, write_json
 
 BATCHES_PER_FILE = 64

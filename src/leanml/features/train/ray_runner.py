@@ -17,15 +17,15 @@ import numpy as np
 import torch
 
 from leanml.extras import require_extra
-from leanml.features.arena import Arena
-from leanml.features.batch import FeatureBatch
-from leanml.features.extract import ExtractConfig
-from leanml.features.graph import FeatureGraph
-from leanml.features.linelogs import parse_lines
-from leanml.features.logschema import Quarantine
-from leanml.features.model import CTROptimizer, FeatureDNN, model_for_graph
-from leanml.features.pipeline import TrainOptions, train_on
-from leanml.features.scheduler import LayerwiseExecutor
+from leanml.features.read.linelogs import parse_lines
+from leanml.features.read.logschema import Quarantine
+from leanml.features.run.arena import Arena
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.run.extract import ExtractConfig
+from leanml.features.run.graph import FeatureGraph
+from leanml.features.run.scheduler import LayerwiseExecutor
+from leanml.features.train.model import CTROptimizer, FeatureDNN, model_for_graph
+from leanml.features.train.pipeline import TrainOptions, train_on
 from leanml.utils import LeanmlError
 
 

@@ -8,13 +8,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from leanml.features.columns import Column, Gathered, Ragged, is_arrow
+from leanml.features.ops.columns import Column, Gathered, Ragged, is_arrow
 
 
 @dataclass
 class FeatureBatch:
     """``label`` [n] float32, ``sparse`` [n, F] int64, ``dense`` [n, D] float32, ``seqs`` list of [n, L] int64;
-    ``plan``: the ids' :class:`~leanml.features.lookup.LookupPlan` when a producer built it (else None)."""
+    ``plan``: the ids' :class:`~leanml.features.train.lookup.LookupPlan` when a producer built it (else None)."""
 
     label: torch.Tensor
     sparse: torch.Tensor

@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from leanml.features.batch import FeatureBatch
-from leanml.features.graph import FeatureGraph
-from leanml.features.lookup import LookupPlan, build_plan
+from leanml.features.run.batch import FeatureBatch
+from leanml.features.run.graph import FeatureGraph
+from leanml.features.train.lookup import LookupPlan, build_plan
 from leanml.utils import LeanmlError
 
 
 class _BagLookup(torch.autograd.Function):
     """``out[b] = sum_j w_j * weight[gid_j]`` over the slots ``j`` of bag ``b`` (the tensors of a
-    :class:`~leanml.features.lookup.LookupPlan`). Backward sums each distinct row's gradient with the same bag
+    :class:`~leanml.features.train.lookup.LookupPlan`). Backward sums each distinct row's gradient with the same bag
     kernel over the plan's slots sorted by row and returns a coalesced sparse gradient of those rows (dense
     if not ``sparse``)."""
 

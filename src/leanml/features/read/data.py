@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from leanml.data.offline import widedeep_data_dir
-from leanml.features.logschema import Schema
+from leanml.features.read.logschema import Schema
 from leanml.utils import EtaBar, LeanmlError, atomic_dir, atomic_file, cache_dir
 
 LOG_SCHEMA = Schema((("ts", "int"), ("user_id", "int"), ("item_id", "int"), ("click", "int"), ("hist", "str")))

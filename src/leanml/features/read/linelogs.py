@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.json as pjson
 
-from leanml.features.logschema import (
+from leanml.features.read.logschema import (
     ARROW_TYPES,
     Chunk,
     Quarantine,

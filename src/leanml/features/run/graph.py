@@ -24,11 +24,11 @@ from typing import Any
 
 import yaml
 
-from leanml.features.logschema import Schema
 from leanml.features.ops import Op, TruncatePad, op_from_spec
+from leanml.features.read.logschema import Schema
 from leanml.utils import LeanmlError
 
-GRAPHS_DIR = Path(__file__).parent / "graphs"
+GRAPHS_DIR = Path(__file__).parents[1] / "graphs"
 
 
 @dataclass

@@ -12,7 +12,7 @@ item), and so does every row-wise op whose inputs all come from one join (title 
 a user's age bucket...). :func:`entity_scopes` finds those ops from their inputs; the executor runs
 them once over the whole table (plus the default row for unknown keys) when the table is loaded,
 and per batch only looks up each row's entity position, so their outputs reach the row level as
-:class:`~leanml.features.columns.Gathered` columns (per-entity values + row positions) that are
+:class:`~leanml.features.ops.columns.Gathered` columns (per-entity values + row positions) that are
 gathered where a row-level op or the collate step reads them. Filters on entity columns gather
 their per-entity mask. Results are identical to running every op per row (tested); ``entity=False``
 runs everything per row.
@@ -32,9 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from leanml.features.arena import Arena, NoArena
-from leanml.features.batch import FeatureBatch, collate
-from leanml.features.columns import (
+from leanml.features.ops import DictJoin, Op, OpContext
+from leanml.features.ops.columns import (
     Column,
     EntityColumn,
     Gathered,
@@ -44,8 +43,9 @@ from leanml.features.columns import (
     select_rows,
     to_device,
 )
-from leanml.features.graph import FeatureGraph
-from leanml.features.ops import DictJoin, Op, OpContext
+from leanml.features.run.arena import Arena, NoArena
+from leanml.features.run.batch import FeatureBatch, collate
+from leanml.features.run.graph import FeatureGraph
 
 
 @dataclass
@@ -415,7 +415,7 @@ class LayerwiseExecutor:
 
 
 def _as_torch_cpu(col: Column) -> Column:
-    from leanml.features.columns import Ragged
+    from leanml.features.ops.columns import Ragged
 
     if isinstance(col, Ragged):
         return Ragged(_as_torch_cpu(col.values), _as_torch_cpu(col.offsets))

@@ -3,7 +3,7 @@
 Each rank extracts its own shard (every ``world``-th chunk, see ``LogReader.shard``) with the same
 graph and trains a DDP replica; ``Join`` handles ranks whose shards end a few batches early.
 
-    torchrun --nproc_per_node 2 -m leanml.features.ddp --graph movielens \\
+    torchrun --nproc_per_node 2 -m leanml.features.train.ddp --graph movielens \\
         --input impressions_train.tsv --out ddp_report
 
 Each rank writes ``rank<r>.json`` (rows, steps, loss, a checksum of its final parameters) into ``--out``.
@@ -23,12 +23,12 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from leanml.config import add_options, from_args, option
-from leanml.features.extract import ExtractConfig
-from leanml.features.graph import FeatureGraph
-from leanml.features.model import model_for_graph
 from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
-from leanml.features.pipeline import train_on
-from leanml.features.producers import Prefetcher
+from leanml.features.run.extract import ExtractConfig
+from leanml.features.run.graph import FeatureGraph
+from leanml.features.run.producers import Prefetcher
+from leanml.features.train.model import model_for_graph
+from leanml.features.train.pipeline import train_on
 from leanml.utils import write_json
 
 # what a rank does differently from `leanml features train`: smaller batches, a producer thread, Adam's usual lr

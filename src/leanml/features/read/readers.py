@@ -1,9 +1,9 @@
 """Streaming readers for raw logs: TSV and JSON lines (optionally gzip) and Parquet, in chunks.
 
-:class:`LogReader` walks the files in order and yields typed chunks (see :mod:`leanml.features.logschema`
+:class:`LogReader` walks the files in order and yields typed chunks (see :mod:`leanml.features.read.logschema`
 for the row rules and the quarantine); each format family has its own module:
-:mod:`leanml.features.linelogs` (TSV and JSON lines, ``arrow`` or ``python`` engine) and
-:mod:`leanml.features.parquetlogs`. Both engines give the same rows, the same quarantine reasons and the
+:mod:`leanml.features.read.linelogs` (TSV and JSON lines, ``arrow`` or ``python`` engine) and
+:mod:`leanml.features.read.parquetlogs`. Both engines give the same rows, the same quarantine reasons and the
 same line numbers.
 """
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leanml.config import ConfigError
-from leanml.features.linelogs import line_chunks
-from leanml.features.logschema import Chunk, Quarantine, Schema
 from leanml.features.options import ENGINES
-from leanml.features.parquetlogs import parquet_chunks
+from leanml.features.read.linelogs import line_chunks
+from leanml.features.read.logschema import Chunk, Quarantine, Schema
+from leanml.features.read.parquetlogs import parquet_chunks
 from leanml.utils import LeanmlError
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from leanml.utils import LeanmlError, check_writable, clean_stale
 
 if TYPE_CHECKING:
-    from leanml.features.logschema import Schema
+    from leanml.features.read.logschema import Schema
 
 SNIFF_BYTES = 1 << 16  # decompressed bytes read to check a text log's first lines
 SNIFF_LINES = 200
@@ -75,9 +75,9 @@ def _gzip_size(path: Path) -> int:
 def check_log(path: str | os.PathLike, schema: Schema, what: str = "--log", sep: str = "\t") -> LogInfo:
     """Raise unless ``path`` is a readable, non-empty log with the fields of ``schema``, of which at least one
     of the first rows can be read (a log whose first rows all go to quarantine is the wrong file)."""
-    from leanml.features.linelogs import parse_lines
-    from leanml.features.logschema import Quarantine
-    from leanml.features.readers import detect_format
+    from leanml.features.read.linelogs import parse_lines
+    from leanml.features.read.logschema import Quarantine
+    from leanml.features.read.readers import detect_format
 
     names = schema.names
     path = Path(path)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from leanml.features.logschema import (
+from leanml.features.read.logschema import (
     ARROW_TYPES,
     Chunk,
     Quarantine,

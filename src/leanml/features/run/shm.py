@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from leanml.features.batch import FeatureBatch, split_ids
-from leanml.features.lookup import LookupPlan
+from leanml.features.run.batch import FeatureBatch, split_ids
+from leanml.features.train.lookup import LookupPlan
 
 _FREE, _SENT, _HELD = 0, 1, 2
 
