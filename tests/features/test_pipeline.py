@@ -95,6 +95,31 @@ def test_cli_extract_and_train_reports(logs, tmp_path):
     assert r3["lookup_plans"] is False and r3["train"][0]["losses"] == r2["train"][0]["losses"]
 
 
+def test_train_job_parses_the_graph_once_and_tests_with_the_jobs_options(logs, tmp_path, monkeypatch):
+    """One parse of the graph per run (the config carries the object), and the test log is extracted with
+    every pipeline option of the job (threads, arena, entity were once dropped there)."""
+    from leanml.features import jobs
+    from leanml.features.options import Inputs, TrainJob
+    from leanml.features.train import pipeline
+
+    parsed: list[str] = []
+    real_parse = FeatureGraph.from_dict.__func__
+    monkeypatch.setattr(FeatureGraph, "from_dict", classmethod(lambda cls, d: parsed.append(d["name"]) or
+                                                               real_parse(cls, d)))
+    tested = []
+    real_evaluate = pipeline.evaluate
+    monkeypatch.setattr(pipeline, "evaluate", lambda model, ex, *a, **k: tested.append(ex.cfg) or
+                        real_evaluate(model, ex, *a, **k))
+    opts = PipelineOptions(batch_rows=512, threads=2, arena=False, entity=False)
+    job = TrainJob(inputs=Inputs(log=(str(logs / "log.tsv"),)), options=opts,
+                   producer=ProducerOptions(producer="thread"), train=TrainOptions(dim=4, hidden=(8,)),
+                   test_log=(str(logs / "test.tsv"),), report=str(tmp_path / "r.json"))
+    report, _ = jobs.train_job(job, progress=False)
+    assert parsed == ["movielens"]
+    assert [cfg.options for cfg in tested] == [opts] and report["test"]["rows"] == 1000
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["options"]["entity"] is False
+
+
 def test_errors_reach_the_consumer(logs):
     cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=512), tables={"users": "nope.jsonl"})
     with pytest.raises(LeanmlError, match="table 'users' not found"):
@@ -124,7 +149,7 @@ def test_visual_graph_with_content_id_table(logs, tmp_path):
     item_ids = [int(x.split("\t")[2]) for x in (d / "test.tsv").read_text().splitlines()]
     ref = {int(i): c.tolist() for i, c in zip(items, codes)}
     assert vis.tolist() == [ref.get(i, [256] * 4) for i in item_ids]
-    model = model_for_graph(FeatureGraph.from_dict(cfg.graph), dim=4, hidden=(8,))
+    model = model_for_graph(cfg.graph, dim=4, hidden=(8,))
     assert model(batch).shape == (len(item_ids),)
 
 
@@ -253,7 +278,7 @@ def test_producers_build_the_lookup_plans_for_the_model(logs):
     from leanml.features.train.model import model_for_graph
 
     base = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=256))
-    sizes = model_for_graph(FeatureGraph.from_dict(base.graph)).emb.sizes
+    sizes = model_for_graph(base.graph).emb.sizes
     cfg = replace(base, lookup_sizes=sizes)
     ref = list(Extractor(base))
     for mode in ("process", "thread"):

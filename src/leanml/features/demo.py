@@ -7,9 +7,10 @@ import time
 
 import torch
 
-from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
+from leanml.features.options import SMALL_BATCH_ROWS, PipelineOptions, ProducerOptions, TrainOptions
 from leanml.features.read.data import movielens_logs
 from leanml.features.run.extract import ExtractConfig, Extractor
+from leanml.features.run.graph import load_graph
 from leanml.features.train.pipeline import evaluate, run_pipelined
 from leanml.features.train.twostage import run_two_stage
 from leanml.utils import cache_dir, machine_line, write_json
@@ -20,8 +21,9 @@ def run_demo(epochs: int = 1) -> None:
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # one core trains, the producer thread extracts
     d = movielens_logs()
-    cfg = ExtractConfig.build("movielens", [d / "impressions_train.tsv"], PipelineOptions(batch_rows=2048))
-    test = ExtractConfig.build("movielens", [d / "impressions_test.tsv"], PipelineOptions(batch_rows=4096))
+    graph = load_graph("movielens")  # parsed once, for both configs
+    cfg = ExtractConfig.build(graph, [d / "impressions_train.tsv"], PipelineOptions(batch_rows=SMALL_BATCH_ROWS))
+    test = ExtractConfig.build(graph, [d / "impressions_test.tsv"])  # evaluation batches: the default size
     train = TrainOptions(epochs=epochs, lr=3e-3, seed=0)
     print(f"FeatureBox on MovieLens-100k raw logs ({machine_line()})")
     m_pipe, pipe = run_pipelined(cfg, train, ProducerOptions(prefetch=2, producer="thread"), device="cpu")

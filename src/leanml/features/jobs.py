@@ -35,9 +35,10 @@ def plan_job(job: PlanJob) -> tuple[FeatureGraph, Plan]:
 
 
 def extract_config(inputs: Inputs, options: PipelineOptions, quarantine: Path,
-                   test_logs: tuple[str, ...] = ()) -> tuple[ExtractConfig, int]:
+                   test_logs: tuple[str, ...] = (), graph: FeatureGraph | None = None) -> tuple[ExtractConfig, int]:
     """The extraction config of ``inputs`` with every log (``test_logs`` too) and table checked; also the
-    logs' estimated lines. No log given: the MovieLens-100k train log."""
+    logs' estimated lines. No log given: the MovieLens-100k train log. ``graph``: ``inputs.graph`` already
+    parsed (the config carries it, so the run parses it once)."""
     from leanml.features.read.checks import check_logs
     from leanml.features.read.data import movielens_logs
     from leanml.features.run.extract import ExtractConfig
@@ -46,7 +47,7 @@ def extract_config(inputs: Inputs, options: PipelineOptions, quarantine: Path,
     if inputs.data_dir is not None and not Path(inputs.data_dir).is_dir():
         raise LeanmlError(f"{_flag(Inputs, 'data_dir')} {inputs.data_dir} is not a folder; pass the folder that "
                           "holds the tables")
-    graph = load_graph(inputs.graph)
+    graph = graph if graph is not None else load_graph(inputs.graph)
     logs = inputs.log or (str(movielens_logs() / "impressions_train.tsv"),)
     infos = check_logs(logs, graph.schema)
     if test_logs:
@@ -59,10 +60,8 @@ def extract_config(inputs: Inputs, options: PipelineOptions, quarantine: Path,
 
 def _check_tables(cfg: ExtractConfig, overrides: dict[str, str]) -> None:
     """Every table the graph reads exists (an override must name one of them)."""
-    from leanml.features.run.graph import FeatureGraph
-
     table, data_dir_flag = _flag(Inputs, "table"), _flag(Inputs, "data_dir")
-    graph = FeatureGraph.from_dict(cfg.graph)
+    graph = cfg.graph
     used = {t for t in (getattr(op, "table", None) for op in graph.ops) if isinstance(t, str)}
     known = set(graph.tables) | used
     data_dir = Path(cfg.data_dir) if cfg.data_dir else None
@@ -105,57 +104,88 @@ def extract_job(job: ExtractJob, progress: bool = True) -> tuple[dict[str, Any],
 def train_job(job: TrainJob, progress: bool = True) -> tuple[dict[str, Any], Path]:
     """Train the graph's CTR model pipelined from logs (or on Ray), or from Parquet features; evaluate it on
     the test logs. Writes the report (and the quarantine file beside it) atomically; returns both."""
-    import torch
-
-    from leanml.features.read.checks import check_file_target, check_logs, staged_files, temp_sibling
-    from leanml.features.read.data import movielens_logs
-    from leanml.features.run.extract import ExtractConfig, Extractor, no_rows_message
-    from leanml.features.run.graph import load_graph
-    from leanml.features.train.pipeline import evaluate, run_pipelined
-    from leanml.features.train.twostage import check_features_dir, train_from_parquet
+    from leanml.features.read.checks import check_file_target, staged_files
+    from leanml.features.run.extract import no_rows_message
 
     report_path = check_file_target(Path(job.report) if job.report else cache_dir() / "features" /
                                     "train_report.json", _flag(TrainJob, "report"))
     quarantine = _quarantine_path(job.inputs, report_path.with_name(report_path.stem + ".quarantine.jsonl"))
-    test_logs = job.test_log
-    if job.features:
-        rows_estimate = check_features_dir(job.features, _flag(TrainJob, "features"))
-        if test_logs:
-            check_logs(test_logs, load_graph(job.inputs.graph).schema, what=_flag(TrainJob, "test_log"))
-        cfg = None
-    else:  # quarantine records go to the temporary name staged_files publishes
-        if not job.inputs.log and not test_logs:
-            test_logs = (str(movielens_logs() / "impressions_test.tsv"),)
-        cfg, rows_estimate = extract_config(job.inputs, job.options, temp_sibling(quarantine), test_logs)
+    graph, cfg, test_logs, rows_estimate = _train_inputs(job, quarantine)
     apply_threads(job.train_threads)
     with staged_files(report_path, quarantine) as (tmp_report, _):
-        if cfg is None:
-            model, report = train_from_parquet(job.features, job.train, progress=progress, total_rows=rows_estimate)
-            report["mode"] = "two_stage_train"
-        else:
-            if job.engine == "ray":
-                from leanml.features.train.ray_runner import run_ray
-
-                model, report = run_ray(cfg, job.train, quarantine_dir=str(report_path.parent / "ray_quarantine"),
-                                        progress=progress)
-            else:
-                model, report = run_pipelined(cfg, job.train, job.producer, progress=progress,
-                                              total_rows=rows_estimate)
-            ext = report.get("extract") or {}
-            if ext.get("quarantine_file"):
-                ext["quarantine_file"] = str(quarantine)
+        model, report = _train(job, cfg, rows_estimate, report_path, quarantine, progress)
         if not report["rows"]:
             raise LeanmlError(no_rows_message(report.get("extract") or {}, "train on"))
         if test_logs:
-            tcfg = ExtractConfig.build(cfg.graph if cfg else job.inputs.graph, test_logs,
-                                       PipelineOptions(batch_rows=job.options.batch_rows, reader=job.options.reader),
-                                       data_dir=job.inputs.data_dir or (cfg.data_dir if cfg else None),
-                                       tables=job.inputs.tables)
-            report["test"] = evaluate(model, Extractor(tcfg), "cuda" if torch.cuda.is_available() else "cpu")
+            report["test"] = _test(model, job, graph, cfg, test_logs)
         report["config"] = {**as_dict(job), "logs": list(cfg.logs) if cfg else [], "test_logs": list(test_logs)}
         report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         write_json(tmp_report, report)
     return report, report_path
+
+
+def _train_inputs(job: TrainJob, quarantine: Path
+                  ) -> tuple[FeatureGraph | None, ExtractConfig | None, tuple[str, ...], int]:
+    """Every input of a training run checked: the graph (parsed once for the run; None when only Parquet
+    features and no test log are given), the extraction config (None for Parquet features), the test logs
+    (without any log: the MovieLens-100k test log) and the estimated rows per epoch."""
+    from leanml.features.read.checks import check_logs, temp_sibling
+    from leanml.features.read.data import movielens_logs
+    from leanml.features.run.graph import load_graph
+    from leanml.features.train.twostage import check_features_dir
+
+    test_logs = job.test_log
+    if job.features:
+        rows_estimate = check_features_dir(job.features, _flag(TrainJob, "features"))
+        graph = load_graph(job.inputs.graph) if test_logs else None
+        if graph is not None:
+            check_logs(test_logs, graph.schema, what=_flag(TrainJob, "test_log"))
+        return graph, None, test_logs, rows_estimate
+    if not job.inputs.log and not test_logs:
+        test_logs = (str(movielens_logs() / "impressions_test.tsv"),)
+    graph = load_graph(job.inputs.graph)
+    # quarantine records go to the temporary name staged_files publishes
+    cfg, rows_estimate = extract_config(job.inputs, job.options, temp_sibling(quarantine), test_logs, graph)
+    return graph, cfg, test_logs, rows_estimate
+
+
+def _train(job: TrainJob, cfg: ExtractConfig | None, rows_estimate: int, report_path: Path, quarantine: Path,
+           progress: bool) -> tuple[Any, dict[str, Any]]:
+    """The model and the training report: from Parquet features (``cfg`` None), on Ray, or pipelined."""
+    if cfg is None:
+        from leanml.features.train.twostage import train_from_parquet
+
+        model, report = train_from_parquet(job.features, job.train, progress=progress, total_rows=rows_estimate)
+        report["mode"] = "two_stage_train"
+        return model, report
+    if job.engine == "ray":
+        from leanml.features.train.ray_runner import run_ray
+
+        model, report = run_ray(cfg, job.train, quarantine_dir=str(report_path.parent / "ray_quarantine"),
+                                progress=progress)
+    else:
+        from leanml.features.train.pipeline import run_pipelined
+
+        model, report = run_pipelined(cfg, job.train, job.producer, progress=progress, total_rows=rows_estimate)
+    ext = report.get("extract") or {}
+    if ext.get("quarantine_file"):
+        ext["quarantine_file"] = str(quarantine)
+    return model, report
+
+
+def _test(model: Any, job: TrainJob, graph: FeatureGraph | None, cfg: ExtractConfig | None,
+          test_logs: tuple[str, ...]) -> dict[str, Any]:
+    """AUC and logloss of ``model`` on ``test_logs``, extracted with the job's own options (threads, arena,
+    per-entity ops as for training) and the run's graph."""
+    import torch
+
+    from leanml.features.run.extract import ExtractConfig, Extractor
+    from leanml.features.train.pipeline import evaluate
+
+    assert graph is not None  # _train_inputs parses it whenever there are test logs
+    tcfg = ExtractConfig.build(graph, test_logs, job.options, tables=job.inputs.tables,
+                               data_dir=job.inputs.data_dir or (cfg.data_dir if cfg else None))
+    return evaluate(model, Extractor(tcfg), "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def generate_job(job: GenerateJob, progress: bool = True) -> Path:

@@ -19,6 +19,11 @@ Engine = Literal["arrow", "python"]  # log parsers: native, and the line-by-line
 ENGINES: tuple[str, ...] = get_args(Engine)
 Producer = Literal["thread", "process"]
 PRODUCERS: tuple[str, ...] = get_args(Producer)
+#: rows per chunk = rows per training batch, the default of every FeatureBox job and reader (the batch-size
+#: sweep of bench/results/features.md)
+BATCH_ROWS = 8192
+#: the batches of the MovieLens-100k demo and of a DDP rank: a quarter, for more optimizer steps on small data
+SMALL_BATCH_ROWS = BATCH_ROWS // 4
 
 
 def _at_least_one(obj: object, *names: str) -> None:
@@ -31,7 +36,7 @@ def _at_least_one(obj: object, *names: str) -> None:
 class PipelineOptions:
     """How a producer extracts: chunk size, threads, memory arena, reader engine, per-entity ops, placement."""
 
-    batch_rows: int = option(8192, "rows per chunk / training batch")
+    batch_rows: int = option(BATCH_ROWS, "rows per chunk / training batch")
     threads: int = option(1, "threads for the CPU ops of one level")
     arena: bool = option(True, "reuse one memory arena per batch (--no-arena: plain allocation)")
     reader: Engine = option(

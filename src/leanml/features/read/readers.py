@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leanml.config import ConfigError
-from leanml.features.options import ENGINES
+from leanml.features.options import BATCH_ROWS, ENGINES
 from leanml.features.read.linelogs import line_chunks
 from leanml.features.read.logschema import Chunk, Quarantine, Schema
 from leanml.features.read.parquetlogs import parquet_chunks
@@ -44,7 +44,7 @@ class LogReader:
 
     paths: Sequence[str | Path]
     schema: Schema
-    chunk_rows: int = 4096
+    chunk_rows: int = BATCH_ROWS
     quarantine: Quarantine = field(default_factory=Quarantine)
     fmt: str | None = None
     shard: tuple[int, int] = (0, 1)

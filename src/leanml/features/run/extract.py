@@ -23,9 +23,11 @@ from leanml.features.train.lookup import build_plan
 
 @dataclass(frozen=True)
 class ExtractConfig:
-    """Everything a producer needs to turn logs into batches (picklable, so a process can rebuild it)."""
+    """Everything a producer needs to turn logs into batches (picklable, so a process can rebuild it).
+    ``graph`` is parsed once, by :meth:`build`, and every extractor, model and report of the run uses
+    this object."""
 
-    graph: dict[str, Any]
+    graph: FeatureGraph
     logs: tuple[str, ...]
     options: PipelineOptions = field(default_factory=PipelineOptions)
     data_dir: str | None = None
@@ -47,7 +49,7 @@ class ExtractConfig:
         logs = tuple(str(p) for p in logs)
         if kw.get("data_dir") is None and logs:
             kw["data_dir"] = str(Path(logs[0]).parent)
-        return cls(graph=g.to_dict(), logs=logs, options=options or PipelineOptions(), **kw)
+        return cls(graph=g, logs=logs, options=options or PipelineOptions(), **kw)
 
 
 @dataclass
@@ -75,7 +77,7 @@ class Extractor:
 
     def __init__(self, cfg: ExtractConfig) -> None:
         self.cfg = cfg
-        self.graph = FeatureGraph.from_dict(cfg.graph)
+        self.graph = cfg.graph
         self.quarantine = Quarantine(Path(cfg.quarantine) if cfg.quarantine else None)
         self.reader = LogReader(cfg.logs, self.graph.schema, chunk_rows=cfg.options.batch_rows,
                                 quarantine=self.quarantine, shard=tuple(cfg.shard), engine=cfg.options.reader,

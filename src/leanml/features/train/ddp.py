@@ -23,16 +23,15 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from leanml.config import add_options, from_args, option
-from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
+from leanml.features.options import SMALL_BATCH_ROWS, PipelineOptions, ProducerOptions, TrainOptions
 from leanml.features.run.extract import ExtractConfig
-from leanml.features.run.graph import FeatureGraph
 from leanml.features.run.producers import Prefetcher
 from leanml.features.train.model import model_for_graph
 from leanml.features.train.pipeline import train_on
 from leanml.utils import write_json
 
 # what a rank does differently from `leanml features train`: smaller batches, a producer thread, Adam's usual lr
-DEFAULTS = {"batch_rows": 2048, "producer": "thread", "lr": 1e-3}
+DEFAULTS = {"batch_rows": SMALL_BATCH_ROWS, "producer": "thread", "lr": 1e-3}
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ExtractConfig.build(job.graph, job.input, job.options, data_dir=job.data_dir, shard=(rank, world))
     torch.manual_seed(job.train.seed)
     # dense embedding gradients: DDP all-reduces them like any other parameter
-    model = model_for_graph(FeatureGraph.from_dict(cfg.graph), dim=job.train.dim, hidden=job.train.hidden,
+    model = model_for_graph(cfg.graph, dim=job.train.dim, hidden=job.train.hidden,
                             sparse_grad=False)
     model.to(device)
     ddp = DDP(model, device_ids=[device.index] if cuda else None)

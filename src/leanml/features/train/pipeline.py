@@ -18,7 +18,6 @@ from leanml.ctr.metrics import auc as ctr_auc
 from leanml.features.options import ProducerOptions, TrainOptions
 from leanml.features.run.batch import FeatureBatch
 from leanml.features.run.extract import ExtractConfig, merge_reports
-from leanml.features.run.graph import FeatureGraph
 from leanml.features.run.producers import Prefetcher
 from leanml.features.train.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
 from leanml.utils import EtaBar, LeanmlError
@@ -117,7 +116,7 @@ def run_pipelined(cfg: ExtractConfig, train: TrainOptions | None = None, produce
     """
     train, producer = train or TrainOptions(), producer or ProducerOptions()
     torch.manual_seed(train.seed)
-    graph = FeatureGraph.from_dict(cfg.graph)
+    graph = cfg.graph
     model = model or model_for_graph(graph, dim=train.dim, hidden=train.hidden)
     if not producer.plans:
         cfg = replace(cfg, lookup_sizes=None)

@@ -34,7 +34,7 @@ class RayExtract:
 
     def __init__(self, cfg: ExtractConfig, quarantine_dir: str | None = None) -> None:
         self.cfg = cfg
-        self.graph = FeatureGraph.from_dict(cfg.graph)
+        self.graph = cfg.graph
         qpath = Path(quarantine_dir) / f"quarantine-{os.getpid()}.jsonl" if quarantine_dir else None
         self.quarantine = Quarantine(qpath)
         opts = cfg.options
@@ -99,7 +99,7 @@ def run_ray(cfg: ExtractConfig, train: TrainOptions | None = None, *, actors: in
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     train = train or TrainOptions()
     torch.manual_seed(train.seed)
-    graph = FeatureGraph.from_dict(cfg.graph)
+    graph = cfg.graph
     model = model or model_for_graph(graph, dim=train.dim, hidden=train.hidden)
     opt = CTROptimizer(model, lr=train.lr)
     seqs = graph.outputs.sequence
