@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import re
 from typing import Literal
 
 import pytest
@@ -190,3 +192,104 @@ def test_cli_message_leaves_paths_and_quoted_values_alone() -> None:
     flags = {(object, "report"): "--report", (object, "features"): "--features"}
     assert cli_message(exc, flags) == ("--report /tmp/features/report/x.json is a folder; 'report' is taken; "
                                        "set --report")
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    rate: float = option(0.5, "a share", gt=0, le=1)
+    steps: int = option(3, "steps", ge=1)
+    scale: float = option(1.0, "any finite number")
+    cap: float = option(math.inf, "no cap by default", finite=False)
+    flag: bool = option(False, "a switch")
+    mode: Literal["a", "b"] = option("a", "mode")
+    limit: int | None = option(None, "an optional limit")
+    levels: tuple[float, ...] = option((), "levels")
+    inner: Inner = option(default_factory=Inner)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(rate=0.0), "rate must be in (0, 1], got 0.0"),
+    (dict(rate=1.5), "rate must be in (0, 1], got 1.5"),
+    (dict(steps=0), "steps must be at least 1, got 0"),
+    (dict(rate=math.nan), "rate must be a finite number, got nan"),
+    (dict(scale=math.inf), "scale must be a finite number, got inf"),
+    (dict(scale=-math.inf), "scale must be a finite number, got -inf"),
+    (dict(levels=(0.5, math.nan)), "levels must hold finite numbers, got nan"),
+    (dict(steps=2.5), "steps must be an integer, got 2.5 (float)"),
+    (dict(steps="2"), "steps must be an integer, got '2' (str)"),
+    (dict(steps=True), "steps must be an integer, got True (bool)"),
+    (dict(rate="0.5"), "rate must be a number, got '0.5' (str)"),
+    (dict(flag=1), "flag must be True or False, got 1 (int)"),
+    (dict(mode="c"), "mode must be a or b, got 'c'"),
+    (dict(limit=2.0), "limit must be an integer or None, got 2.0 (float)"),
+    (dict(levels=("x",)), "levels must be a tuple of a number, got ('x',) (tuple)"),
+    (dict(inner={"iters": 3}), "inner must be a Inner, got {'iters': 3} (dict)"),
+])
+def test_declared_types_ranges_and_finite_floats_are_checked_when_made(changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Declared(**changes)
+    assert str(err.value) == message and err.value.fields == (next(iter(changes)),)
+    with pytest.raises(ConfigError, match=re.escape(message)):  # a copy with a change is checked again
+        dataclasses.replace(Declared(), **changes)
+
+
+def test_what_the_declarations_allow_is_taken() -> None:
+    made = Declared(rate=1, steps=10**30, scale=-1e300, flag=True, mode="b", limit=None, levels=[0.1, 2])
+    assert made.rate == 1 and made.steps == 10**30 and made.levels == [0.1, 2]
+    assert Declared().cap == math.inf  # declared finite=False
+    assert Declared(inner=Inner(iters=4)).inner.iters == 4
+    with pytest.raises(ConfigError, match="iters must be >= 1"):  # the class's own checks still run, after
+        Declared(inner=Inner(iters=0))
+
+
+def test_a_subclass_checks_the_fields_it_inherits_and_its_own_hook_runs_once() -> None:
+    calls = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Child(Declared):
+        extra: int = option(1, "one more", ge=0)
+
+        def __post_init__(self) -> None:
+            calls.append(self.extra)
+
+    assert Child(extra=2).extra == 2 and calls == [2]
+    with pytest.raises(ConfigError, match="rate must be in"):
+        Child(rate=2.0)
+    with pytest.raises(ConfigError, match="extra must be at least 0"):
+        Child(extra=-1)
+
+
+def test_a_default_tells_a_given_value_apart_from_the_same_number() -> None:
+    import json
+    import pickle
+
+    from leanml.config import default, given
+
+    @dataclasses.dataclass(frozen=True)
+    class Opts:
+        share: float = option(default(0.5), "a share", gt=0, lt=1)
+
+    assert not given(Opts().share) and given(Opts(share=0.5).share) and Opts() == Opts(share=0.5)
+    assert json.dumps(Opts().share) == "0.5" and repr(Opts().share) == "0.5"
+    assert not given(pickle.loads(pickle.dumps(Opts().share)))
+    p = argparse.ArgumentParser()
+    add_options(p, Opts)
+    assert not given(from_args(Opts, p.parse_args([])).share)
+    assert given(from_args(Opts, p.parse_args(["--share", "0.5"])).share)
+
+
+def test_argument_checks_name_the_argument_and_what_it_takes() -> None:
+    import torch
+
+    from leanml.config import check_argument, check_token_ids
+
+    check_argument(None, "config", (dict, type(None)), "a dict or None")
+    with pytest.raises(TypeError, match=r"^config must be a dict or None, got list; use a dict$"):
+        check_argument([], "config", (dict, type(None)), "a dict or None", "use a dict")
+    check_token_ids(torch.zeros(2, 3, dtype=torch.long), "ids")
+    with pytest.raises(TypeError, match="ids must be a torch.Tensor of token ids"):
+        check_token_ids([[1, 2]], "ids")
+    with pytest.raises(ValueError, match=r"ids must be token ids \(n, seqlen\) \(2-D\), got shape \(3,\)"):
+        check_token_ids(torch.zeros(3, dtype=torch.long), "ids")
+    with pytest.raises(ValueError, match="ids must hold integer token ids, got dtype float32"):
+        check_token_ids(torch.zeros(2, 3), "ids")

@@ -97,6 +97,11 @@ class TrainJob:
         require(self, self.visual_ids is None or "raw" not in self.ctr.feature_set.split("+"),
                 ("visual_ids", "features", "content_ids"),
                 "visual_ids carries IDs only; drop 'raw' from features or use content_ids")
+        require(self, self.visual_ids is None or self.content_ids is None, ("visual_ids", "content_ids"),
+                "visual_ids already holds the IDs, so content_ids would be unused: give one of them")
+        require(self, self.seed_content is None or (self.visual_ids is None and self.content_ids is None),
+                ("seed_content", "content_ids", "visual_ids"),
+                "seed_content seeds a content-ID fit, which content_ids and visual_ids skip: drop one of them")
 
     @property
     def content_config(self) -> ContentIDConfig:

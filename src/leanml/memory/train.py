@@ -56,12 +56,12 @@ class TrainConfig:
         (), "adacc: also offer each layer as a compiled block (torch.compile; minutes of compile time) at these "
         f"recomputation budgets of the compiler (comma-separated, default {COMPILE_BUDGETS})",
         parse=parse_compile_budgets, nargs="?", const=COMPILE_BUDGETS, metavar="BUDGETS", show_default=False)
-    batch_size: int = option(4, "windows per step")
-    steps: int = option(50, "optimizer steps")
-    lr: float = option(1e-4, "learning rate (AdamW)")
+    batch_size: int = option(4, "windows per step", ge=1)
+    steps: int = option(50, "optimizer steps", ge=1)
+    lr: float = option(1e-4, "learning rate (AdamW)", gt=0)
     seed: int = option(0, "batch order seed")
-    max_error: float = option(0.05, "Adacc: cap on the relative error of lossy compressors")
-    warmup: int = option(2, "steps left out of the timing", cli=False)
+    max_error: float = option(0.05, "Adacc: cap on the relative error of lossy compressors", gt=0, le=1)
+    warmup: int = option(2, "steps left out of the timing", cli=False, ge=0)
     progress: bool = option(True, "show a progress bar", cli=False)
     compress_layers: list[int] | None = option(None, "Adacc: the layers whose activations may be compressed",
                                                cli=False)
@@ -71,11 +71,6 @@ class TrainConfig:
     def __post_init__(self) -> None:
         require(self, self.strategy in STRATEGIES, "strategy",
                 f"strategy {self.strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}")
-        require(self, self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
-        require(self, self.steps >= 1, "steps", f"must be at least 1, got {self.steps}")
-        require(self, self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        require(self, 0 < self.max_error <= 1, "max_error", f"must be in (0, 1], got {self.max_error}")
-        require(self, self.warmup >= 0, "warmup", f"must be at least 0, got {self.warmup}")
         require(self, self.budget is None or isinstance(self.budget, Budget), "budget",
                 f"must be a Budget (Budget.parse reads 0.5 or '2GB'), got {self.budget!r}")
         require(self, self.strategy != "compile" or self.memory_budget.kind == "fraction", "budget",

@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from leanml.config import ConfigError, option, require
+from leanml.config import ConfigError, default, given, option, require
 from leanml.eval.config import Compute, ModelInput
 from leanml.prune.engine.allocation import OwlOptions, check_profile
 from leanml.prune.engine.walk import check_spec
@@ -38,8 +38,9 @@ class PruneConfig(Compute):
     """One pruning run of the layer-wise engine (the model and calibration ids are given apart)."""
 
     method: str = option("sparsegpt", "pruning method", choices=tuple(available()))
-    sparsity: float = option(0.5, "fraction of weights to remove, in (0, 1)")
-    pattern: str | None = option(None, "N:M semi-structured pattern, e.g. 2:4 (overrides --sparsity)")
+    sparsity: float = option(default(0.5), "fraction of weights to remove, in (0, 1)")
+    pattern: str | None = option(None, "N:M semi-structured pattern, e.g. 2:4 (it sets the sparsity: 1 - N/M; "
+                                       "not with another --sparsity)")
     scope: Literal["row", "layer"] | None = option(
         None, "unstructured mask: same count per output row, or one threshold per matrix (default: the method's)")
     sparsity_profile: str | tuple[float, ...] = option(
@@ -47,10 +48,10 @@ class PruneConfig(Compute):
         "2024; the total stays exact); from Python also one sparsity per decoder layer", choices=("uniform", "owl"))
     owl: OwlOptions = option(default_factory=OwlOptions, prefix="owl-")
     calib: str = option("shakespeare", "calibration corpus (shakespeare, a .txt, wikitext2, c4, ptb)")
-    nsamples: int = option(64, "calibration windows")
+    nsamples: int = option(64, "calibration windows", ge=1)
     calib_samples: float = option(
         0.0, "share F in [0, 1] of the calibration windows sampled from the model itself (temperature 1, from its "
-        "BOS token; self-generated calibration beside --calib)", metavar="F")
+        "BOS token; self-generated calibration beside --calib)", metavar="F", ge=0, le=1)
     seed: int = option(0, "calibration sampling seed")
     mode: Literal["sequential", "dense"] = option(
         "sequential", "sequential: pruned outputs feed the next layer; dense: every layer sees dense inputs")
@@ -63,7 +64,7 @@ class PruneConfig(Compute):
         "pinned host memory), device, or cpu")
     checkpoint_interval: float = option(
         0.0, "write the activation streams for --resume at most every SECONDS (0: after every layer); finished "
-        "layers are always written; all writes run in the background", metavar="SECONDS")
+        "layers are always written; all writes run in the background", metavar="SECONDS", ge=0)
     options: Any = option(None, "the method's options object (None: its defaults)", cli=False)
 
     def __post_init__(self) -> None:
@@ -72,12 +73,15 @@ class PruneConfig(Compute):
         require(self, self.options is None or isinstance(self.options, cls.Options), "options",
                 f"{self.method} takes {cls.Options.__name__}, got {type(self.options).__name__}")
         require(self, self.mode in ("sequential", "dense"), "mode", f"must be sequential or dense, got {self.mode!r}")
-        require(self, self.nsamples >= 1, "nsamples", f"must be at least 1, got {self.nsamples}")
-        require(self, 0 <= self.calib_samples <= 1, "calib_samples",
-                f"is a share of the calibration windows in [0, 1], got {self.calib_samples}")
-        require(self, self.checkpoint_interval >= 0, "checkpoint_interval",
-                f"must be >= 0, got {self.checkpoint_interval}")
         check_spec(cls, self.spec)  # the engine's own checks, once (leanml.prune tells the engine they ran)
+        if self.spec.pattern is not None:  # the pattern sets the sparsity: refuse another one given beside it
+            n, m = self.spec.pattern
+            require(self, not given(self.sparsity) or abs(self.sparsity - (1 - n / m)) < 1e-9, ("sparsity", "pattern"),
+                    f"pattern {n}:{m} removes {1 - n / m:g} of the weights; sparsity {self.sparsity} conflicts with "
+                    "it: drop one of them")
+            require(self, self.scope is None, ("scope", "pattern"),
+                    f"scope {self.scope} is for unstructured masks; pattern {n}:{m} keeps N of every M weights: "
+                    "drop one of them")
         check_profile(self.sparsity_profile, self.spec, cls)
 
     @functools.cached_property

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from leanml.config import option, require
+from leanml.config import default, option, require
 from leanml.memory.train import TrainConfig
 
 #: the memory strategies recovery offers
@@ -29,17 +29,18 @@ class RecoverConfig:
     teacher). ``keep_masks=False`` fine-tunes every weight (the dense reference)."""
 
     train: TrainConfig = option(default_factory=recover_training, prefix="")
-    warmup: int = option(10, "linear warm-up steps, then cosine decay")
-    min_lr_ratio: float = option(0.1, "final learning rate / peak")
-    weight_decay: float = option(0.0, "AdamW weight decay")
-    max_grad_norm: float = option(1.0, "gradient clipping (0: off)")
-    kd_weight: float = option(0.5, "weight of the distillation term, in [0, 1]")
-    temperature: float = option(1.0, "distillation temperature", flag="--kd-temperature")
+    warmup: int = option(10, "linear warm-up steps, then cosine decay", ge=0)
+    min_lr_ratio: float = option(0.1, "final learning rate / peak", ge=0, le=1)
+    weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
+    max_grad_norm: float = option(1.0, "gradient clipping (0: off)", ge=0)
+    kd_weight: float = option(default(0.5), "weight of the distillation term, in [0, 1] (needs --teacher)", ge=0, le=1)
+    temperature: float = option(default(1.0), "distillation temperature (needs --teacher)", flag="--kd-temperature",
+                                gt=0)
     keep_masks: bool = option(True, "keep the model's zeros exactly (--no-mask: train every weight, a dense "
                                     "fine-tune; sparsity is not kept)", flag="--mask")
-    checkpoint_every: int = option(50, "steps between checkpoints (DIR.ckpt)")
-    measure_every: int = option(10, "steps between activation-peak measurements", cli=False)
-    eval_batch_size: int = option(4, "windows per forward pass of the perplexity", cli=False)
+    checkpoint_every: int = option(50, "steps between checkpoints (DIR.ckpt)", ge=1)
+    measure_every: int = option(10, "steps between activation-peak measurements", cli=False, ge=1)
+    eval_batch_size: int = option(4, "windows per forward pass of the perplexity", cli=False, ge=1)
 
     def __post_init__(self) -> None:
         train = self.train
@@ -48,15 +49,6 @@ class RecoverConfig:
         require(train, train.budget is None or train.strategy == "adacc", ("budget", "strategy"),
                 f"budget is Adacc's memory limit; strategy {train.strategy} takes none: drop budget or use "
                 "strategy adacc")
-        require(self, self.warmup >= 0, "warmup", f"must be at least 0, got {self.warmup}")
-        require(self, 0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        require(self, self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        require(self, self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
-        require(self, 0.0 <= self.kd_weight <= 1.0, "kd_weight", f"must be in [0, 1], got {self.kd_weight}")
-        require(self, self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
-        require(self, self.checkpoint_every >= 1, "checkpoint_every", f"must be at least 1, got {self.checkpoint_every}")
-        require(self, self.measure_every >= 1, "measure_every", f"must be at least 1, got {self.measure_every}")
-        require(self, self.eval_batch_size >= 1, "eval_batch_size", f"must be at least 1, got {self.eval_batch_size}")
 
 
 def lr_factor(step: int, cfg: RecoverConfig) -> float:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from leanml.config import option, require
+from leanml.config import given, option, require
 from leanml.eval.job import check_seqlen
 from leanml.finite import NonFiniteError
 from leanml.recover.config import RecoverConfig
@@ -69,6 +69,9 @@ class RecoverJob:
         require(self, self.teacher_samples_cache is None or self.teacher_samples > 0,
                 ("teacher_samples_cache", "teacher_samples"),
                 "teacher_samples_cache keeps the samples of teacher_samples: pass teacher_samples too")
+        require(self, self.teacher is not None or not (given(self.recover.kd_weight) or given(self.recover.temperature)),
+                ("kd_weight", "temperature", "teacher"),
+                "kd_weight and temperature set the distillation from a teacher: pass teacher too, or drop them")
         require(self, self.recover.keep_masks or self.pattern is None, "pattern",
                 "pattern cannot be kept while every weight trains (keep_masks=False, --no-mask); drop one of them")
         parse_nm(self.pattern)

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from leanml.config import option, require
+from leanml.config import option
 from leanml.finite import solver_error
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
 from leanml.prune.cores.magnitude import magnitude_prune
@@ -70,12 +70,8 @@ class SparseGPTOptions:
 
     prefix: ClassVar[str] = "sparsegpt-"
 
-    damp: float = option(0.01, "damping, fraction of mean diag(H)")
-    blocksize: int = option(128, "columns per lazy-update block")
-
-    def __post_init__(self) -> None:
-        require(self, self.damp >= 0, "damp", f"must be >= 0, got {self.damp}")
-        require(self, self.blocksize >= 1, "blocksize", f"must be >= 1, got {self.blocksize}")
+    damp: float = option(0.01, "damping, fraction of mean diag(H)", ge=0)
+    blocksize: int = option(128, "columns per lazy-update block", ge=1)
 
 
 class SparseGPTPruner(_UnstructuredPruner):

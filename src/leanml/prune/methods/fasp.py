@@ -65,20 +65,18 @@ class StructuredOptions:
     groups: int | None = option(None, "with --fasp-alloc score: remove exactly this many key/value groups per layer "
                                       "(default: chosen by score)", show_default=False)
     plan_samples: int = option(8, "with --fasp-alloc score: calibration windows the allocation's dense pre-pass "
-                                  "reads")
-    multiple: int = option(1, "round the kept units per layer to a multiple of this")
+                                  "reads", ge=1)
+    multiple: int = option(1, "round the kept units per layer to a multiple of this", ge=1)
     shrink: bool = option(True, "remove pruned units physically (smaller MLPs and attention); --fasp-no-shrink "
                                 "keeps them as zeros", negative="--fasp-no-shrink")
 
     def __post_init__(self) -> None:
         require(self, bool(self.pair_names) and all(p in PAIRS for p in self.pair_names), "pairs",
                 f"must list some of {', '.join(PAIRS)} (comma separated), got {self.pairs!r}")
-        require(self, self.multiple >= 1, "multiple", f"must be >= 1, got {self.multiple}")
         require(self, self.alloc in ALLOCS, "alloc", f"must be one of {', '.join(ALLOCS)}, got {self.alloc!r}")
         require(self, self.groups is None or (self.alloc == "score" and "attention" in self.pair_names
                                               and self.groups >= 0), ("groups", "alloc", "pairs"),
                 f"groups needs alloc score with attention among pairs and a count >= 0, got {self.groups}")
-        require(self, self.plan_samples >= 1, "plan_samples", f"must be >= 1, got {self.plan_samples}")
 
     @property
     def pair_names(self) -> tuple[str, ...]:
@@ -92,14 +90,13 @@ class FaspOptions(StructuredOptions):
     """structured pair pruning (fasp, wanda-sp, magnitude-sp, flap; --fasp-damp and --fasp-target: fasp only)"""
 
     damp: float = option(0.01, "fasp: least-squares damping towards the dense weights, relative to each feature's "
-                               "diag(H)")
+                               "diag(H)", ge=0)
     target: Literal["pruned", "dense"] = option(
         "pruned", "fasp: refit against the pruned-path input (W H[:,S] (H[S,S]+dI)^-1) or against the dense "
         "model's input (W G[:,S] ...; needs the dense statistics, slower)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self, self.damp >= 0, "damp", f"must be >= 0, got {self.damp}")
         require(self, self.target in ("dense", "pruned"), "target",
                 f"must be 'dense' or 'pruned', got {self.target!r}")
 
