@@ -144,7 +144,7 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path):
     assert [lay["layer"] for lay in report["layers"]] == [0, 1, 2]
     for a, b in zip(ref.state_dict().values(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b)
-    with pytest.raises(LeanmlError, match="different settings"):
+    with pytest.raises(LeanmlError, match="other settings: sparsity 0.5 -> 0.6"):
         prune_model(tiny_llama(seed=4, layers=3), IDS, SparseGPTPruner(), MaskSpec(0.6),
                     checkpoint_dir=tmp_path, progress=False)
 

@@ -4,10 +4,12 @@ with ``report.json`` (atomically). Streamed runs (:mod:`leanml.prune.stream`) ne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 
 from leanml.config import as_dict
 from leanml.prune.config import PruneConfig, PruneJob
+from leanml.prune.engine.checkpoint import CheckpointError, CheckpointMismatch, check_checkpoint
 from leanml.utils import LeanmlError, Timer, atomic_dir, machine_info, write_json
 
 
@@ -96,9 +99,6 @@ def _check_inputs(job: PruneJob, rank: int) -> tuple[Path, Path, int, torch.devi
     if rank == 0:
         check_output_dir(out, job.overwrite)
     ckpt = out.with_name(out.name + ".ckpt")
-    if ckpt.exists() and not job.resume and rank == 0:
-        raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; add --resume to continue it, "
-                          f"or delete {ckpt} to start over")
     if rank == 0:
         clean_stale_in(ckpt)
     threads = apply_threads(job.threads)
@@ -113,7 +113,25 @@ def _check_inputs(job: PruneJob, rank: int) -> tuple[Path, Path, int, torch.devi
     check_corpus(job.config.calib, "calib", "--calib")
     if job.eval:
         check_corpus(job.eval_data, "test", "--eval-data")
+    if rank == 0:  # last: only a run whose inputs pass clears a checkpoint (--overwrite)
+        check_checkpoint(ckpt, job.resume, job.overwrite)
     return out, ckpt, threads, device
+
+
+@contextlib.contextmanager
+def clear_failed_checkpoint(ckpt: Path) -> Iterator[None]:
+    """Remove the checkpoint ``ckpt`` when the run fails on its settings or its numbers (a refused option,
+    a solver that cannot go on): resuming it would fail the same way, and a rerun with other settings
+    must not find it in the way. Interrupts and I/O faults (a full disk) keep it for ``--resume``."""
+    try:
+        yield
+    except (CheckpointError, CheckpointMismatch):  # the checkpoint itself was refused: kept, as the message says
+        raise
+    except (LeanmlError, torch.linalg.LinAlgError) as exc:
+        io_fault = isinstance(exc.__cause__, OSError) or isinstance(exc.__context__, OSError)
+        if not io_fault and int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        raise
 
 
 def run_job(job: PruneJob) -> dict[str, Any] | None:
@@ -143,13 +161,8 @@ def run_job(job: PruneJob) -> dict[str, Any] | None:
         return result
 
     before = perplexity("dense") if job.eval and rank == 0 else None
-    try:
+    with clear_failed_checkpoint(ckpt):
         report = prune(model, calib, c, adapter=adapter, checkpoint_dir=ckpt, fingerprint=job.fingerprint())
-    except LeanmlError as exc:
-        if job.resume and "different settings" in str(exc):  # name the fixes the next checks accept
-            raise LeanmlError(f"the checkpoint in {ckpt} was made with other settings; rerun --resume with the "
-                              f"settings of the interrupted run, or delete {ckpt} to start over") from exc
-        raise
     if report is None:  # another rank of a torchrun run: rank 0 saves
         return None
     after = perplexity("pruned") if job.eval else None
@@ -203,7 +216,7 @@ def run_streamed(job: PruneJob, device: torch.device, out: Path, ckpt: Path) -> 
         print("--stream does not evaluate (the model is never whole in memory): run leanml eval on the output")
     settings = {k: v for k, v in c.engine_kwargs().items() if k in ("sequential", "intra_layer", "batch_size",
                                                                       "sparsity_profile")}
-    with atomic_dir(out, overwrite=job.overwrite) as tmp:
+    with atomic_dir(out, overwrite=job.overwrite) as tmp, clear_failed_checkpoint(ckpt):
         report = prune_streamed(src, tmp, calib, c.pruner(), c.spec, dtype=parse_dtype(job.dtype),
                                 max_memory=max_memory, device=device, checkpoint_dir=ckpt,
                                 fingerprint=job.fingerprint(), checked=True, **settings)

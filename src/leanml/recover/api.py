@@ -57,6 +57,7 @@ from leanml.eval.job import evaluate_windows
 from leanml.finite import check_finite_tensors, lr_hint
 from leanml.memory.runner import StrategyRunner
 from leanml.memory.train import batches
+from leanml.prune.engine.checkpoint import CheckpointError, check_settings, weights_fingerprint
 from leanml.recover.config import RecoverConfig, lr_factor
 from leanml.recover.masks import MaskKeeper, linear_sparsity
 from leanml.recover.source import MIN_UNDECLARED
@@ -152,7 +153,8 @@ def recover(
         "data": fingerprint({"shape": list(windows.shape), "head": windows[:4, :16].tolist(),
                              "sum": int(windows.sum())}),
         "masks": fingerprint(keeper.counts() if keeper is not None else None),
-        "teacher": teacher is not None,
+        "teacher": weights_fingerprint(teacher) if teacher is not None else None,
+        "weights": weights_fingerprint(model),
         "eval": sorted(eval_sets or {}),
     }
     settings = fingerprint(meta)
@@ -165,10 +167,12 @@ def recover(
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     state_path = ckpt / "state.pt" if ckpt is not None else None
     if state_path is not None and state_path.exists():
-        state = torch.load(state_path, map_location=device, weights_only=False)
-        if state["fingerprint"] != settings:
-            raise LeanmlError(f"the checkpoint in {ckpt} was made with other settings or data; delete it "
-                              f"or rerun with the settings of the interrupted run")
+        try:
+            state = torch.load(state_path, map_location=device, weights_only=False)
+        except Exception as exc:  # a truncated or foreign file
+            raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: its state.pt is corrupt or "
+                                  f"truncated; rerun without --resume and with --overwrite to clear it") from exc
+        check_settings(ckpt, state.get("settings") if isinstance(state, dict) else None, meta)
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         sched.load_state_dict(state["sched"])
@@ -217,7 +221,7 @@ def recover(
             done = step + 1
             if state_path is not None and done % cfg.checkpoint_every == 0 and done < train.steps:
                 _save_state(state_path, {
-                    "fingerprint": settings, "step": done, "model": model.state_dict(),
+                    "settings": meta, "fingerprint": settings, "step": done, "model": model.state_dict(),
                     "optim": optim.state_dict(), "sched": sched.state_dict(), "rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state_all() if device.type == "cuda" else None,
                     "before": before, "elapsed": elapsed, "log": log, "peaks": runner.peaks,

@@ -100,6 +100,7 @@ def run_recover_job(job: RecoverJob) -> dict[str, Any]:
     (a budget below the smallest plan) removes the checkpoint folder it made. Returns the report
     written to ``job.out``/report.json."""
     from leanml.models.compressed import require_compressed
+    from leanml.prune.engine.checkpoint import check_checkpoint
     from leanml.utils import apply_threads, check_output_dir, check_writable, clean_stale_in
 
     cache = job.teacher_samples_cache
@@ -111,13 +112,12 @@ def run_recover_job(job: RecoverJob) -> dict[str, Any]:
         require_compressed()
     out = check_output_dir(job.out, job.overwrite)
     ckpt = out.with_name(out.name + ".ckpt")
-    if ckpt.exists() and not job.resume:
-        raise LeanmlError(f"an interrupted run left a checkpoint in {ckpt}; add --resume to continue it, "
-                          f"or delete {ckpt} to start over")
+    clean_stale_in(ckpt)
     threads = apply_threads(job.threads)
     device = parse_device(job.device)
     _check_inputs(job)
-    clean_stale_in(ckpt)
+    # last: only a run whose inputs pass clears a checkpoint (--overwrite); teacher samples alone resume
+    check_checkpoint(ckpt, job.resume, job.overwrite, partial=("teacher_samples.pt",))
     # from here on a refused run removes the checkpoint folder it made (teacher samples) before training began
     fresh_ckpt = not ckpt.exists()
     try:

@@ -28,6 +28,8 @@ from leanml.prune.engine.checkpoint import (
     Checkpointer,
     restore_layers,
     resume_state,
+    weights_fingerprint,
+    windows_fingerprint,
 )
 from leanml.prune.engine.finished import nbytes
 from leanml.prune.engine.layer import prune_layer
@@ -161,13 +163,18 @@ def prune_model(
         "version": CHECKPOINT_VERSION,
         "method": pruner.name,
         "method_config": pruner.config(),
-        "spec": [spec.sparsity, spec.pattern, spec.scope],
+        "sparsity": spec.sparsity,
+        "pattern": spec.describe() if spec.pattern is not None else None,
+        "scope": spec.scope,
         "profile": layer_sparsity,
         "sequential": sequential,
         "intra_layer": intra_layer,
+        "batch_size": batch_size,
         "layers": sorted(todo),
-        "calib": settings_fingerprint({"ids": calib_ids[:, :8].tolist(), "shape": list(calib_ids.shape)}),
         **(fingerprint or {}),
+        # after the caller's settings, so a caller's key of the same name (a corpus name) never hides them
+        "calib_windows": windows_fingerprint(calib_ids),
+        "weights": weights_fingerprint(model, layer_store.index.dir if layer_store is not None else None),
     }
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     start_layer = 0
@@ -243,7 +250,8 @@ def prune_model(
             if writer is not None:
                 writer.layer(idx, layer)
                 writer.state(lambda idx=idx, streams=streams: {
-                    "fingerprint": settings_fingerprint(meta), "next_layer": idx + 1, "reports": list(layer_reports),
+                    "settings": meta, "fingerprint": settings_fingerprint(meta), "next_layer": idx + 1,
+                    "reports": list(layer_reports),
                     "pruned": streams.pruned, "dense": streams.dense, "kwargs": kwargs,
                     "pruner": pruner.state_dict(), "seconds": seconds_before + time.perf_counter() - t_start,
                 }, last=idx == max(todo))
