@@ -20,7 +20,8 @@ import torch
 from leanml.utils import LeanmlError
 
 __all__ = ["NonFiniteError", "check_finite_grads", "check_finite_loss", "check_finite_step",
-           "check_finite_tensors", "first_bad_grad", "first_non_finite", "lr_hint", "solver_error"]
+           "check_finite_tensors", "check_finite_weights", "first_bad_grad", "first_non_finite", "lr_hint",
+           "solver_error"]
 
 
 class NonFiniteError(LeanmlError):
@@ -137,3 +138,13 @@ def solver_error(solver: str, option: str, value: float, stats: torch.Tensor | N
                               "use --dtype float32")
     return NonFiniteError(f"{solver} failed{at}: {option} {value:g} makes the damped matrix overflow or lose "
                           f"positive definiteness; use a moderate {option} (the default is 0.01)")
+
+
+def check_finite_weights(named_tensors: Iterable[tuple[str, Any]], where: str) -> None:
+    """Raise :class:`NonFiniteError` when a model's weights as loaded from ``where`` (a directory, a
+    file) hold a NaN or infinity: one line naming the first such tensor. One pass, tensor by tensor."""
+    bad = first_non_finite(named_tensors)
+    if bad is not None:
+        name, count, numel = bad
+        raise NonFiniteError(f"the weights of {where} hold NaN or infinite values (tensor {name}: {count} of "
+                             f"{numel}); the model is damaged or was saved from a diverged run: use another copy")

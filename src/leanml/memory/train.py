@@ -153,10 +153,12 @@ def run_training(model: nn.Module, windows: torch.Tensor, cfg: TrainConfig,
         runner.setup(data[0])
         # a bar updated by hand: it prints the estimated time for the rest after the first step
         bar = EtaBar(total=len(data), desc=f"train[{cfg.label}]", unit="step", disable=not cfg.progress, leave=False)
-        for x in data:
-            bar.set_postfix(loss=f"{runner.step(x):.3f}")
-            bar.update(1)
-        bar.close()
+        try:
+            for x in data:
+                bar.set_postfix(loss=f"{runner.step(x):.3f}")
+                bar.update(1)
+        finally:  # also on an error (a diverged step): the bar's line is cleared before the error is printed
+            bar.close()
     finally:
         runner.close()
     out = runner.result()

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from leanml.config import ConfigError
-from leanml.finite import check_finite_tensors
+from leanml.finite import check_finite_tensors, check_finite_weights
 from leanml.utils import LeanmlError, atomic_dir, cache_dir
 
 BUNDLED = {"smollm2-135m"}
@@ -125,6 +125,7 @@ def load_model(
                 f"directory, a .gguf file, or the bundled smollm2-135m"
             ) from exc
         model = _loaded(spec, model, info)
+    check_finite_weights(model.named_parameters(), spec)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.use_cache = False

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from leanml.finite import check_finite_tensors
+from leanml.finite import check_finite_tensors, check_finite_weights
 from leanml.models.check import check_gguf, refuse_incomplete, safetensors_header
 from leanml.utils import LeanmlError, atomic_file, write_json
 
@@ -238,6 +238,7 @@ class ShardIndex:
                                       "copy it back and rerun with --resume") from exc
                 read_header(path)  # names the tensor a truncated file lost
                 raise LeanmlError(f"cannot read {group[0]} from {file}: {str(exc).splitlines()[0]}") from exc
+        check_finite_weights(out.items(), self.dir)
         return out
 
 
