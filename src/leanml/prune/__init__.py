@@ -27,9 +27,22 @@ def prune(model: Any, calibration: Any, config: Any = None, *, adapter: Any = No
     ``fingerprint`` and the config). Under ``torchrun`` (``WORLD_SIZE`` > 1) the layers are split over the
     ranks (:func:`leanml.prune.parallel.prune_distributed`); the other ranks return ``None``.
     """
+    import torch
+
+    from leanml.config import check_argument, check_token_ids
     from leanml.prune.config import PruneConfig
     from leanml.utils import parse_device
 
+    swapped = "the order is leanml.prune(model, calibration, config)"
+    check_argument(model, "model", torch.nn.Module, "a torch.nn.Module (a causal LM)",
+                   swapped if isinstance(model, torch.Tensor) else "")
+    check_token_ids(calibration, "calibration", "(nsamples, seqlen)",
+                    swapped if isinstance(calibration, (torch.nn.Module, PruneConfig)) else "")
+    check_argument(config, "config", (PruneConfig, type(None)), "a leanml.prune.config.PruneConfig or None",
+                   "build one with PruneConfig(**options)" if isinstance(config, dict) else "")
+    check_argument(checkpoint_dir, "checkpoint_dir", (str, os.PathLike, type(None)), "a path or None")
+    check_argument(fingerprint, "fingerprint", (dict, type(None)), "a dict or None")
+    check_argument(progress, "progress", bool, "True or False")
     config = PruneConfig() if config is None else config
     kwargs = dict(config.engine_kwargs(), adapter=adapter, device=parse_device(config.device),
                   checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, progress=progress,

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from leanml.config import check_argument, check_token_ids
 from leanml.eval.job import evaluate_windows
 from leanml.finite import check_finite_tensors, lr_hint
 from leanml.memory.runner import StrategyRunner
@@ -130,10 +131,9 @@ def recover(
     step (1-based). Returns the JSON-ready report (config, sparsity in/out, losses, memory, timings,
     perplexities). The model is left in eval mode on ``device`` with no hooks installed.
     """
+    _check_arguments(model, windows, config, teacher, masks, eval_sets, checkpoint_dir, device, progress, on_step)
     cfg = config or RecoverConfig()
     train = cfg.train
-    if windows.dim() != 2:
-        raise LeanmlError(f"training windows must be (n, seqlen) token ids, got shape {tuple(windows.shape)}")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     t_total = time.perf_counter()
     model.to(device)
@@ -276,6 +276,28 @@ def recover(
         },
         "resumed_from_step": resumed_from,
     }
+
+
+def _check_arguments(model: Any, windows: Any, config: Any, teacher: Any, masks: Any, eval_sets: Any,
+                     checkpoint_dir: Any, device: Any, progress: Any, on_step: Any) -> None:
+    """:func:`recover`'s arguments, each of the kind it takes (``TypeError``/``ValueError`` naming it)."""
+    swapped = "the order is recover(model, windows, config)"
+    none = type(None)
+    check_argument(model, "model", nn.Module, "a torch.nn.Module (a causal LM)",
+                   swapped if isinstance(model, torch.Tensor) else "")
+    check_token_ids(windows, "windows", hint=swapped if isinstance(windows, (nn.Module, RecoverConfig)) else "")
+    check_argument(config, "config", (RecoverConfig, none), "a leanml.recover.config.RecoverConfig or None",
+                   "build one with RecoverConfig(**options)" if isinstance(config, dict) else "")
+    check_argument(teacher, "teacher", (nn.Module, none), "a torch.nn.Module or None")
+    check_argument(masks, "masks", (MaskKeeper, none), "a leanml.recover.masks.MaskKeeper or None")
+    check_argument(eval_sets, "eval_sets", (dict, none), "a dict of name -> token ids (n, seqlen), or None")
+    for name, ids in (eval_sets or {}).items():
+        check_token_ids(ids, f"eval_sets[{name!r}]")
+    check_argument(checkpoint_dir, "checkpoint_dir", (str, os.PathLike, none), "a path or None")
+    check_argument(device, "device", (str, torch.device, none), "a str, a torch.device or None")
+    check_argument(progress, "progress", bool, "True or False")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step must be a function (step, log) or None, got {type(on_step).__name__}")
 
 
 def _state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
 from transformers import TrainerCallback
 
+from leanml.config import check_argument
 from leanml.recover.masks import MaskKeeper
 from leanml.recover.source import MIN_UNDECLARED
 from leanml.utils import LeanmlError
@@ -34,6 +36,10 @@ class KeepMasksCallback(TrainerCallback):
     """
 
     def __init__(self, masks: MaskKeeper | None = None, require: bool = True) -> None:
+        check_argument(masks, "masks", (MaskKeeper, type(None)), "a leanml.recover.masks.MaskKeeper or None",
+                       "the callback reads the model's zeros when training begins" if isinstance(masks, nn.Module)
+                       else "")
+        check_argument(require, "require", bool, "True or False")
         self.keeper = masks
         self.require = require
         self.violations_at_end: int | None = None
