@@ -64,6 +64,7 @@ def evaluate_job(job: EvalJob) -> dict[str, Any]:
     """``leanml eval``: every input checked before the model is loaded, then the perplexity record (written
     to ``job.json`` when given)."""
     from leanml.data.text import check_corpus
+    from leanml.eval.sparsity import model_sparsity
     from leanml.models import check_dtype, load_model, parse_dtype
     from leanml.models.check import check_model_input
     from leanml.utils import apply_threads, machine_info, parse_device, write_json
@@ -77,6 +78,7 @@ def evaluate_job(job: EvalJob) -> dict[str, Any]:
     model, tokenizer = load_model(job.model, dtype=parse_dtype(job.dtype))  # stays on the CPU; layers visit
     check_seqlen(model, job.seqlen, job)
     result = evaluate_text(model, tokenizer, job.data, job.seqlen, job.max_windows, job.batch_size, device)
+    result["sparsity"] = model_sparsity(model)  # of the weights evaluated, measured
     result.update({"model": job.model, "dtype": job.dtype, "threads": threads, "machine": machine_info()})
     if json_out is not None:
         write_json(json_out, result)

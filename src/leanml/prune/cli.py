@@ -113,9 +113,11 @@ def run_prune(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     from leanml.eval.config import EvalJob
     from leanml.eval.job import evaluate_job
+    from leanml.eval.sparsity import sparsity_line
 
     job = from_args(EvalJob, args)
     result = evaluate_job(job)
     print(f"perplexity {result['ppl']:.3f}  ({job.data} test, {result['windows']} x {job.seqlen} tokens)"
           + (f"  -> {result['json']}" if job.json else ""))
+    print(sparsity_line(result["sparsity"]))
     return 0
