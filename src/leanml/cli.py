@@ -25,6 +25,7 @@ from pathlib import Path
 
 from leanml import extras
 from leanml.config import ConfigError, cli_message
+from leanml.locks import output_lock
 from leanml.utils import LeanmlError, SigtermInterrupt, interrupt_on_sigterm
 
 # Modules that provide ``register(subparsers)``; order is the order shown in --help.
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with interrupt_on_sigterm():
+        # one writer per output: a second run on the same --out (or its checkpoint) is refused, naming the first
+        with interrupt_on_sigterm(), output_lock(getattr(args, "out", None)):
             result = args.func(args)
     except LeanmlError as exc:
         if debug():
