@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from leanml.memory import ActivationMeter, Adacc, Budget
+from leanml.memory import ActivationMeter, Adacc, AdaccOptions, Budget
 from leanml.memory.meter import param_tensors
 from leanml.memory.profiler import profile_step
 from leanml.memory.runtime import RECOMPUTE, AppliedPlan, apply_strategy
@@ -101,7 +101,7 @@ def test_hf_attention_recompute_measured_as_modelled() -> None:
     model.config.use_cache = False
     blocks = find_blocks(model)
     prof = profile_step(model, blocks, lambda: model(input_ids=IDS, labels=IDS).loss, compressors=())
-    problem, names, _ = build_problem(prof)
+    problem, names, _ = build_problem(prof, AdaccOptions().max_error)
     choices = [[opts.index(RECOMPUTE) if key.child == "self_attn" else 0 for key, opts in layer] for layer in names]
     predicted = evaluate(problem, [-1] * len(blocks), choices, 0)[0]
     options = {GroupKey(i, "self_attn"): RECOMPUTE for i in range(len(blocks))}

@@ -9,14 +9,14 @@ error, outliers or step time drift. ``AdaccCallback`` does the same inside a ``t
 
 from typing import Any
 
-from leanml.memory.adacc import Adacc
+from leanml.memory.adacc import Adacc, AdaccOptions
 from leanml.memory.budget import Budget
 from leanml.memory.compressors import make_compressor
 from leanml.memory.meter import ActivationMeter
 from leanml.memory.planner import solve_plan
 from leanml.memory.problem import build_problem
 
-__all__ = ["Adacc", "AdaccCallback", "ActivationMeter", "Budget", "build_problem", "make_compressor", "solve_plan"]
+__all__ = ["Adacc", "AdaccCallback", "AdaccOptions", "ActivationMeter", "Budget", "build_problem", "make_compressor", "solve_plan"]
 
 
 def __getattr__(name: str) -> Any:

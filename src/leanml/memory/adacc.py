@@ -25,13 +25,15 @@ batch shapes together).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from leanml.memory.budget import Budget, BudgetLike
+from leanml.config import option, require
+from leanml.memory.budget import DEFAULT_BUDGET, Budget, BudgetLike
 from leanml.memory.calibrate import MIB, Calibration
 from leanml.memory.compiled import (
     DEFAULT_COMPILE_BUDGETS,
@@ -68,6 +70,22 @@ def default_loss(output: Any) -> torch.Tensor:
     return output.float().square().mean()
 
 
+def _options(options: AdaccOptions | None, values: dict[str, Any]) -> AdaccOptions:
+    """``options`` with the fields given by name changed (checked: an unknown name is a TypeError)."""
+    if options is not None and not isinstance(options, AdaccOptions):
+        raise TypeError(f"Adacc options must be an AdaccOptions, got {type(options).__name__}; give other settings "
+                        "by name (budget=0.5, max_error=0.05, ...)")
+    unknown = sorted(set(values) - OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"Adacc got unknown argument(s) {', '.join(unknown)}; its options are "
+                        f"{', '.join(sorted(OPTION_NAMES))}")
+    return replace(options, **values) if options is not None else AdaccOptions(**values)
+
+
+def _layers(layers: list[int] | tuple[int, ...] | None) -> list[int] | None:
+    return None if layers is None else list(layers)
+
+
 def shape_signature(args: tuple, kwargs: dict) -> str:
     """The shapes and dtypes of a forward call's tensor inputs, e.g. ``input_ids=2x256:int64 labels=...``."""
     parts = []
@@ -82,8 +100,12 @@ def _shape(t: torch.Tensor) -> str:
     return "x".join(str(d) for d in t.shape) + ":" + str(t.dtype).removeprefix("torch.")
 
 
-class Adacc:
-    """Plans and applies retain / recompute / compress per activation group under ``budget``.
+@dataclass(frozen=True)
+class AdaccOptions:
+    """Adacc's settings, each declared once (the real objects, the model, its blocks, the loss function, a
+    given profile and the timer, are :class:`Adacc`'s own arguments). Checked when made: a value of the
+    wrong kind raises :class:`TypeError`, one out of range a :class:`~leanml.config.ConfigError`, both
+    naming the field.
 
     ``budget``: bytes, a size string ("2GB", "512MiB") or a fraction in (0, 1] of the unoptimized
     activation peak of the batch being planned (parsed once, see :class:`~leanml.memory.budget.Budget`).
@@ -95,69 +117,118 @@ class Adacc:
     its saved tensors retained or compressed (needs a working ``torch.compile``). ``on_new_shape``:
     ``"replan"`` (default: profile and plan a batch of a new shape before running it, plans cached per
     shape) or ``"error"``. ``measure_steps``: measure every training step's peak (``step_peaks``).
-    ``profile``: a profile of the same architecture and input shape (``other.profile``, e.g. from an Adacc
-    on a model sharing these weights, with the same compressors and ``compile_blocks``) to plan the first
-    batch of that shape from instead of profiling again. ``pool_layers``: plan from times pooled over
-    layers that do the same work (median over the measured ones, :func:`~leanml.memory.costs.pool_timings`)
-    rather than each layer's own, noisier, timing. ``compile_loss``: run a Hugging Face model's loss
-    function (log-softmax and NLL over the vocabulary) as compiled kernels; default: when
-    ``compile_blocks`` is on. Its saved bytes are those of the eager loss; only its time drops.
-    ``timer``: how device work is timed (default: a :class:`~leanml.memory.timing.DeviceTimer` of the
-    model's device, which waits for the device before reading the clock).
+    ``pool_layers``: plan from times pooled over layers that do the same work (median over the measured
+    ones, :func:`~leanml.memory.costs.pool_timings`) rather than each layer's own, noisier, timing.
+    ``compile_loss``: run a Hugging Face model's loss function (log-softmax and NLL over the vocabulary) as
+    compiled kernels; default: when ``compile_blocks`` is on. Its saved bytes are those of the eager loss;
+    only its time drops.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        budget: BudgetLike = 0.5,
-        blocks: list[nn.Module] | None = None,
-        loss_fn: Callable[[Any], torch.Tensor] = default_loss,
-        max_error: float = 0.05,
-        error_caps: dict[str, float] | None = None,
-        compressors: tuple[str, ...] = FLOAT_COMPRESSORS,
-        outlier_frac: float = 0.01,
-        compress_head: bool = False,
-        time_limit: float = 5.0,
-        check_every: int = 50,
-        thresholds: DriftThresholds | None = None,
-        calibrate: bool = True,
-        compress_layers: list[int] | None = None,
-        compile_blocks: bool | Sequence[float] = False,
-        on_new_shape: str = "replan",
-        measure_steps: bool = True,
-        max_calibrations: int = 4,
-        progress: bool = False,
-        profile: Profile | None = None,
-        pool_layers: bool = True,
-        compile_loss: bool | None = None,
-        timer: DeviceTimer | None = None,
-    ) -> None:
-        if on_new_shape not in ("replan", "error"):
-            raise LeanmlError(f"on_new_shape must be 'replan' or 'error', got {on_new_shape!r}")
+    budget: BudgetLike = option(DEFAULT_BUDGET, "activation memory budget: a fraction of the unoptimized peak "
+                                "or a size", cli=False)
+    max_error: float = option(0.05, "cap on the relative error of lossy compressors", cli=False)
+    error_caps: dict[str, float] | None = option(None, "per-compressor caps overriding max_error", cli=False)
+    compressors: tuple[str, ...] = option(FLOAT_COMPRESSORS, "the compressors a plan may use", cli=False)
+    outlier_frac: float = option(0.01, "share of channels kept exact as outliers by the int compressors", cli=False)
+    compress_head: bool = option(False, "allow compressing the activations after the last block", cli=False)
+    time_limit: float = option(5.0, "seconds the MILP solver may take", cli=False)
+    check_every: int = option(50, "steps between drift checks (0: none)", cli=False)
+    thresholds: DriftThresholds = option(default_factory=DriftThresholds, help="when to re-plan", cli=False)
+    calibrate: bool = option(True, "measure a plan's peak and tighten it until it holds", cli=False)
+    max_calibrations: int = option(4, "plans tried per calibration", cli=False)
+    compress_layers: list[int] | tuple[int, ...] | None = option(
+        None, "the layers whose activations may be compressed (default all)", cli=False)
+    compile_blocks: bool | tuple[float, ...] = option(False, "offer compiled blocks at these compiler budgets",
+                                                      cli=False)
+    on_new_shape: Literal["replan", "error"] = option("replan", "what a batch of a new shape does", cli=False)
+    measure_steps: bool = option(True, "measure every training step's peak", cli=False)
+    progress: bool = option(False, "show progress bars while profiling", cli=False)
+    pool_layers: bool = option(True, "plan from times pooled over identical layers", cli=False)
+    compile_loss: bool | None = option(None, "run the model's loss as compiled kernels (default: with "
+                                       "compile_blocks)", cli=False)
+
+    def __post_init__(self) -> None:
+        _kinds(self, bool, "compress_head", "calibrate", "measure_steps", "progress", "pool_layers")
+        _kinds(self, int, "check_every", "max_calibrations")
+        _kinds(self, (int, float), "max_error", "outlier_frac", "time_limit")
+        _kind(self, "compile_loss", (bool, type(None)), "True, False or None")
+        _kind(self, "thresholds", DriftThresholds, "a DriftThresholds")
+        _kind(self, "compressors", (tuple, list), "a tuple of compressor names")
+        _kind(self, "error_caps", (dict, type(None)), "a dict of compressor name -> cap, or None")
+        _kind(self, "compress_layers", (list, tuple, type(None)), "a list of layer indices, or None")
+        _kind(self, "compile_blocks", (bool, tuple, list), "True, False or a sequence of compiler budgets")
+        object.__setattr__(self, "budget", Budget.parse(self.budget))
+        object.__setattr__(self, "compressors", tuple(self.compressors))
+        if isinstance(self.compile_blocks, list):
+            object.__setattr__(self, "compile_blocks", tuple(self.compile_blocks))
+        require(self, 0 < self.max_error <= 1, "max_error", f"must be in (0, 1], got {self.max_error}")
+        require(self, 0 <= self.outlier_frac < 1, "outlier_frac", f"must be in [0, 1), got {self.outlier_frac}")
+        require(self, self.time_limit > 0, "time_limit", f"must be > 0 seconds, got {self.time_limit}")
+        require(self, self.check_every >= 0, "check_every", f"must be >= 0 (0: no drift checks), got "
+                f"{self.check_every}")
+        require(self, self.max_calibrations >= 1, "max_calibrations", f"must be >= 1, got {self.max_calibrations}")
+        require(self, self.on_new_shape in ("replan", "error"), "on_new_shape",
+                f"must be 'replan' or 'error', got {self.on_new_shape!r}")
+        blocks = () if isinstance(self.compile_blocks, bool) else self.compile_blocks
+        require(self, all(isinstance(b, int | float) and 0.0 <= b <= 1.0 for b in blocks), "compile_blocks",
+                f"takes compiler budgets in [0, 1], got {self.compile_blocks}")
+
+    @property
+    def compile_budgets(self) -> tuple[float, ...]:
+        """The compiler budgets ``compile_blocks`` asks for (``True``: the defaults)."""
+        return DEFAULT_COMPILE_BUDGETS if self.compile_blocks is True else tuple(self.compile_blocks or ())
+
+
+def _kind(obj: AdaccOptions, name: str, kinds: type | tuple[type, ...], what: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
+        raise TypeError(f"Adacc {name} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _kinds(obj: AdaccOptions, kinds: type | tuple[type, ...], *names: str) -> None:
+    what = {bool: "True or False", int: "an integer"}.get(kinds, "a number")  # type: ignore[call-overload]
+    for name in names:
+        _kind(obj, name, kinds, what)
+
+
+OPTION_NAMES = frozenset(f.name for f in fields(AdaccOptions))
+
+
+class Adacc:
+    """Plans and applies retain / recompute / compress per activation group under ``options.budget``.
+
+    ``options``: an :class:`AdaccOptions`; its fields may also be given by name (``Adacc(model,
+    budget=0.5, compressors=("bf16",))``), alone or as changes to ``options``. The real objects:
+    ``blocks`` (the repeated layers; default: found in the model), ``loss_fn`` (the loss of a forward's
+    output), ``profile``: a profile of the same architecture and input shape (``other.profile``, e.g. from
+    an Adacc on a model sharing these weights, with the same compressors and ``compile_blocks``) to plan the
+    first batch of that shape from instead of profiling again, and ``timer``: how device work is timed
+    (default: a :class:`~leanml.memory.timing.DeviceTimer` of the model's device, which waits for the device
+    before reading the clock).
+    """
+
+    def __init__(self, model: nn.Module, options: AdaccOptions | None = None, *,
+                 blocks: list[nn.Module] | None = None, loss_fn: Callable[[Any], torch.Tensor] = default_loss,
+                 profile: Profile | None = None, timer: DeviceTimer | None = None, **option_values: Any) -> None:
+        self.options = _options(options, option_values)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Adacc model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"Adacc loss_fn must be callable, got {type(loss_fn).__name__}")
+        if profile is not None and not isinstance(profile, Profile):
+            raise TypeError(f"Adacc profile must be a Profile (another Adacc's .profile), got {type(profile).__name__}")
         self.model = model
         self.timer = timer if timer is not None else DeviceTimer.for_module(model)
-        self.budget = Budget.parse(budget)
         self.blocks = blocks if blocks is not None else find_blocks(model)
         if not self.blocks:
             raise LeanmlError("Adacc needs at least one block; pass blocks=[...] with the model's repeated layers")
         self.loss_fn = loss_fn
-        self.max_error = max_error
-        self.error_caps = dict(error_caps or {})
-        self.compressors = tuple(compressors)
-        self.outlier_frac = outlier_frac
-        self.compress_head = compress_head
-        self.time_limit = time_limit
-        self.check_every = check_every
-        self.calibrate = calibrate
-        self.max_calibrations = max(1, max_calibrations)
-        self.compress_layers = compress_layers
-        self.pool_layers = pool_layers
-        self.compile_budgets: tuple[float, ...] = supported_budgets(
-            DEFAULT_COMPILE_BUDGETS if compile_blocks is True else tuple(compile_blocks or ()))
-        self.on_new_shape = on_new_shape
-        self.measure_steps = measure_steps
-        self.progress = progress
-        self.monitor = DriftMonitor(thresholds or DriftThresholds())
+        self.compile_budgets: tuple[float, ...] = supported_budgets(self.options.compile_budgets)
+        self.monitor = DriftMonitor(self.options.thresholds)
         self.profile: Profile | None = None
         self.plan: PlanRecord | None = None
         self.history: list[dict[str, Any]] = []
@@ -179,17 +250,25 @@ class Adacc:
         self._step_meter: ActivationMeter | None = None
         self._last_loss: torch.Tensor | None = None
         disable_kv_cache(model)
-        self._loss: CompiledLoss | None = None
-        if compile_loss is None:
-            compile_loss = bool(self.compile_budgets)
-        if compile_loss:
-            self._loss = compile_loss_function(model)
-            if self._loss is None:
-                log.info("adacc: the model has no settable loss_function; its loss runs eagerly")
+        self._loss = self._compiled_loss(model)
         self._handles = [
             model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             model.register_forward_hook(self._post_forward, always_call=True),
         ]
+
+    def _compiled_loss(self, model: nn.Module) -> CompiledLoss | None:
+        compile_loss = self.options.compile_loss
+        if not (bool(self.compile_budgets) if compile_loss is None else compile_loss):
+            return None
+        loss = compile_loss_function(model)
+        if loss is None:
+            log.info("adacc: the model has no settable loss_function; its loss runs eagerly")
+        return loss
+
+    @property
+    def budget(self) -> Budget:
+        """The budget (parsed): ``options.budget``."""
+        return self.options.budget  # type: ignore[return-value]
 
     @property
     def compiled_loss(self) -> bool:
@@ -209,7 +288,7 @@ class Adacc:
                 self._switch(sig)
             elif self.plan is None and not self._plans:
                 self._plan(sig, "first training step")
-            elif self.on_new_shape == "error":
+            elif self.options.on_new_shape == "error":
                 raise LeanmlError(
                     f"input shape changed from [{self._sig}] to [{sig}] and re-planning is off "
                     "(on_new_shape='error'); keep batch shapes fixed (pad or drop the last batch), plan each shape "
@@ -217,7 +296,7 @@ class Adacc:
             else:
                 self._plan(sig, "new input shape")
             self.last_step_replan_s += self.timer.now() - t0
-        if self.measure_steps and self._step_meter is None:
+        if self.options.measure_steps and self._step_meter is None:
             self._step_meter = ActivationMeter(param_tensors(self.model))
             self._step_meter.__enter__()
         if self._applied is not None:
@@ -305,14 +384,14 @@ class Adacc:
 
     def _profile(self, args: tuple, kwargs: dict) -> Profile:
         return self._isolated(lambda: profile_step(
-            self.model, self.blocks, lambda: self._run(args, kwargs), self.compressors, self.outlier_frac,
-            self.compress_layers, measure_outside=self.compress_head, compile_budgets=self.compile_budgets,
-            progress=self.progress, timer=self.timer))
+            self.model, self.blocks, lambda: self._run(args, kwargs), self.options.compressors, self.options.outlier_frac,
+            _layers(self.options.compress_layers), measure_outside=self.options.compress_head, compile_budgets=self.compile_budgets,
+            progress=self.options.progress, timer=self.timer))
 
     def _plan_from(self, profile: Profile, sig: str, reason: str, t0: float) -> None:
         budget = self.budget.to_bytes(profile.peak_bytes)
-        problem, names, post_names = build_problem(pool_timings(profile) if self.pool_layers else profile,
-                                                   self.max_error, self.error_caps, self.compress_head)
+        problem, names, post_names = build_problem(pool_timings(profile) if self.options.pool_layers else profile,
+                                                   self.options.max_error, self.options.error_caps or {}, self.options.compress_head)
         entry = ShapePlan(profile, None, problem, names, post_names, min_peak(problem))  # type: ignore[arg-type]
         entry.record = self._calibration().plan(entry, budget)
         self._plans[sig] = entry
@@ -332,15 +411,15 @@ class Adacc:
             args, kwargs = self._inputs  # type: ignore[misc]
             return self.measure(*args, **kwargs)
 
-        return Calibration(self._install, self.remove_plan, measure, self.time_limit, self.max_calibrations,
-                           self.calibrate)
+        return Calibration(self._install, self.remove_plan, measure, self.options.time_limit, self.options.max_calibrations,
+                           self.options.calibrate)
 
     def _install(self, record: PlanRecord, profile: Profile) -> None:
         self.remove_plan()
         masks = {k for k, g in profile.groups.items() if g.mask_bytes}
         modes = [m if m.startswith("compiled@") else "" for m in record.layer_modes]
         self._applied = AppliedPlan(self.model, self.blocks, record.layer_checkpoint, record.options,
-                                    self.outlier_frac, mask_groups=masks, layer_modes=modes, model_hooks=False)
+                                    self.options.outlier_frac, mask_groups=masks, layer_modes=modes, model_hooks=False)
 
     def _switch(self, sig: str) -> None:
         """Install the cached plan of another input shape."""
@@ -352,7 +431,7 @@ class Adacc:
 
     def _reset_monitor(self) -> None:
         assert self.profile is not None and self.plan is not None
-        self.monitor.reset(*self.plan.drift_references(self.profile, self.error_caps, self.max_error))
+        self.monitor.reset(*self.plan.drift_references(self.profile, self.options.error_caps or {}, self.options.max_error))
 
     # ------------------------------------------------------------------ measuring
     def measure(self, *args: Any, **kwargs: Any) -> int:
@@ -392,7 +471,7 @@ class Adacc:
                 self._tighten(over)
         hooks = self._applied.hooks if self._applied is not None else None
         sampled = hooks is not None and self._sampling
-        checked = sampled or bool(self.check_every and self._steps % self.check_every == 0)
+        checked = sampled or bool(self.options.check_every and self._steps % self.options.check_every == 0)
         drift: list[str] = []
         if sampled:
             hooks.sample = False

@@ -24,7 +24,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from leanml.memory.adacc import Adacc
-from leanml.memory.budget import Budget, BudgetLike
+from leanml.memory.budget import DEFAULT_BUDGET, Budget, BudgetLike
 from leanml.utils import write_json
 
 MIB = 2**20
@@ -35,7 +35,7 @@ class AdaccCallback(TrainerCallback):
     into ``args.output_dir`` at the end of training (None: none). Other keyword arguments go to
     :class:`~leanml.memory.adacc.Adacc`."""
 
-    def __init__(self, budget: BudgetLike = 0.5, report_name: str | None = "adacc.json", **adacc_kwargs: Any) -> None:
+    def __init__(self, budget: BudgetLike = DEFAULT_BUDGET, report_name: str | None = "adacc.json", **adacc_kwargs: Any) -> None:
         self.budget = Budget.parse(budget)
         self.report_name = report_name
         self.adacc_kwargs = adacc_kwargs

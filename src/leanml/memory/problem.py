@@ -34,7 +34,7 @@ def _compiled_alternatives(profile: Profile, layer: int, max_error: float, caps:
     return opts
 
 
-def build_problem(profile: Profile, max_error: float = 0.05, caps: dict[str, float] | None = None,
+def build_problem(profile: Profile, max_error: float, caps: dict[str, float] | None = None,
                   compress_head: bool = False) -> tuple[Problem, list[list[tuple[GroupKey, list[str]]]], list[str]]:
     """Planner instance from a profile. Returns the problem, per layer the (group, option names) in the
     problem's order, and the option names of the ``post`` group. Each layer's whole-layer options are
