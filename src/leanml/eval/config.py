@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from leanml.config import option, require
+from leanml.eval.tasks.runner import parse_task_list
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,21 @@ class Compute:
 
 @dataclass(frozen=True)
 class EvalJob(Compute, ModelInput):
-    """``leanml eval``: perplexity of ``model`` on the test split of ``data``."""
+    """``leanml eval``: perplexity of ``model`` on the test split of ``data``, and/or its zero-shot accuracy
+    on lm-eval ``tasks``. Without ``tasks`` perplexity runs on ``data`` (default shakespeare); with
+    ``tasks`` perplexity runs only when ``data`` is given."""
 
-    data: str = option("shakespeare", "corpus (shakespeare, reviews, a .txt file, wikitext2, ptb, c4)")
+    data: str | None = option(None, "corpus for perplexity (shakespeare, reviews, a .txt file, wikitext2, ptb, "
+                                    "c4; default shakespeare, and with --tasks no perplexity unless given)",
+                              show_default=False)
     max_windows: int | None = option(None, "evaluate the first N windows only")
+    tasks: tuple[str, ...] = option((), "zero-shot accuracy through lm-eval on these tasks: the offline "
+                                        "reviews-recommend, reviews-rating, shakespeare-next-line, a task .yaml "
+                                        "file, or an lm-eval task name (needs the hub)", parse=parse_task_list,
+                                    metavar="NAME[,NAME...]", show_default=False)
+    limit: int | None = option(None, "with --tasks: the first N items of each task only", metavar="N")
+    num_fewshot: int | None = option(None, "with --tasks: examples put before each item (default: the task's "
+                                           "own, 0 for the offline tasks)", metavar="N", show_default=False)
     json: str | None = option(None, "also write the result as JSON to FILE (default: print it only, write nothing)",
                               metavar="FILE", show_default=False)
 
@@ -59,6 +71,17 @@ class EvalJob(Compute, ModelInput):
         Compute.__post_init__(self)
         require(self, self.max_windows is None or self.max_windows >= 1, "max_windows",
                 f"must be at least 1, got {self.max_windows}")
+        require(self, isinstance(self.tasks, tuple), "tasks", "must be a tuple of task names")
+        require(self, self.limit is None or self.limit >= 1, "limit", f"must be at least 1, got {self.limit}")
+        require(self, self.num_fewshot is None or self.num_fewshot >= 0, "num_fewshot",
+                f"must be at least 0, got {self.num_fewshot}")
+        for name in ("limit", "num_fewshot"):
+            require(self, getattr(self, name) is None or bool(self.tasks), (name, "tasks"), f"{name} needs tasks")
+
+    @property
+    def corpus(self) -> str | None:
+        """The corpus perplexity runs on: ``data``, else shakespeare unless only tasks were asked."""
+        return self.data if self.data is not None else None if self.tasks else "shakespeare"
 
 
 @dataclass(frozen=True)

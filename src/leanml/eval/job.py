@@ -61,26 +61,56 @@ def evaluate_text(model: nn.Module, tokenizer: Any, data: str, seqlen: int, max_
 
 
 def evaluate_job(job: EvalJob) -> dict[str, Any]:
-    """``leanml eval``: every input checked before the model is loaded, then the perplexity record (written
-    to ``job.json`` when given)."""
+    """``leanml eval``: every input checked before the model is loaded (the tasks' data built then), then
+    the perplexity record and/or the tasks' accuracies under ``tasks`` (written to ``job.json`` when
+    given)."""
     from leanml.data.text import check_corpus
     from leanml.eval.sparsity import model_sparsity
+    from leanml.faults import check_model_cache
     from leanml.models import check_dtype, load_model, parse_dtype
-    from leanml.models.check import check_model_input
+    from leanml.models.check import check_model_input, check_model_spec
     from leanml.utils import apply_threads, machine_info, parse_device, write_json
 
     json_out = check_json_out(job.json)
     threads = apply_threads(job.threads)
     device = parse_device(job.device)
     check_dtype(parse_dtype(job.dtype), device)
-    check_model_input(job.model, job.seqlen)
-    check_corpus(job.data, "test", "--data")
+    if job.corpus is not None:
+        check_model_input(job.model, job.seqlen)
+        check_corpus(job.corpus, "test", "--data")
+    else:  # tasks only: --seqlen plays no part
+        check_model_spec(job.model)
+    check_model_cache(job.model)  # a first use converts the bundled model into the cache: writable, with room
+    plan = None
+    if job.tasks:
+        from leanml.eval.tasks.runner import check_tasks
+
+        plan = check_tasks(job.tasks)
     model, tokenizer = load_model(job.model, dtype=parse_dtype(job.dtype))  # stays on the CPU; layers visit
-    check_seqlen(model, job.seqlen, job)
-    result = evaluate_text(model, tokenizer, job.data, job.seqlen, job.max_windows, job.batch_size, device)
+    result: dict[str, Any] = {}
+    if job.corpus is not None:
+        check_seqlen(model, job.seqlen, job)
+        result = evaluate_text(model, tokenizer, job.corpus, job.seqlen, job.max_windows, job.batch_size, device)
+    if plan is not None:
+        result.update(evaluate_tasks(model, tokenizer, plan, job, device))
     result["sparsity"] = model_sparsity(model)  # of the weights evaluated, measured
     result.update({"model": job.model, "dtype": job.dtype, "threads": threads, "machine": machine_info()})
     if json_out is not None:
         write_json(json_out, result)
         result["json"] = str(json_out)
     return result
+
+
+def evaluate_tasks(model: nn.Module, tokenizer: Any, plan: Any, job: EvalJob,
+                   device: torch.device | str) -> dict[str, Any]:
+    """The tasks' records (``tasks``: accuracy and stderr per task) through lm-eval; the whole model
+    moves to ``device`` for them (lm-eval runs it whole, not layer by layer)."""
+    from leanml.eval.tasks import LM_EVAL_VERSION
+    from leanml.eval.tasks.runner import run_tasks
+
+    model.to(device)
+    t0 = time.perf_counter()
+    tasks = run_tasks(model, tokenizer, plan, limit=job.limit, num_fewshot=job.num_fewshot,
+                      batch_size=job.batch_size)
+    return {"tasks": tasks, "tasks_seconds": time.perf_counter() - t0, "limit": job.limit,
+            "lm_eval": LM_EVAL_VERSION}

@@ -26,8 +26,10 @@ EVAL_EPILOG = """examples:
   leanml eval --model smollm2-135m --data shakespeare --seqlen 512
   leanml eval --model out/sgpt50 --data shakespeare --seqlen 512 --max-windows 20 --json ppl.json
   leanml eval --model ./big-model --dtype bfloat16 --device cuda   # layer by layer: the model stays on the CPU
+  leanml eval --model out/sgpt50 --tasks reviews-recommend,shakespeare-next-line --limit 200   # lm-eval accuracy
 
-eval prints the perplexity and writes nothing unless --json FILE is given.
+eval prints the perplexity and writes nothing unless --json FILE is given. With --tasks (needs
+pip install 'leanml[eval]') perplexity runs only when --data is given; see docs/tasks.md.
 """
 
 
@@ -117,7 +119,14 @@ def run_eval(args: argparse.Namespace) -> int:
 
     job = from_args(EvalJob, args)
     result = evaluate_job(job)
-    print(f"perplexity {result['ppl']:.3f}  ({job.data} test, {result['windows']} x {job.seqlen} tokens)"
-          + (f"  -> {result['json']}" if job.json else ""))
+    if "ppl" in result:
+        print(f"perplexity {result['ppl']:.3f}  ({job.corpus} test, {result['windows']} x {job.seqlen} tokens)")
     print(sparsity_line(result["sparsity"]))
+    for name, rec in result.get("tasks", {}).items():
+        score = "n/a" if rec["score"] is None else f"{rec['score']:.3f}"
+        se = "" if rec["score_stderr"] is None else f" +- {rec['score_stderr']:.3f}"
+        chance = "" if rec["chance"] is None else f", chance {rec['chance']:.2f}"
+        print(f"{name}: {rec['metric']} {score}{se}  ({rec['n']} of {rec['size']} items{chance})")
+    if job.json:
+        print(f"-> {result['json']}")
     return 0
