@@ -120,6 +120,26 @@ def test_train_job_parses_the_graph_once_and_tests_with_the_jobs_options(logs, t
     assert json.loads((tmp_path / "r.json").read_text())["config"]["options"]["entity"] is False
 
 
+def test_training_stops_at_the_first_non_finite_loss(logs):
+    """A batch whose loss is NaN stops FeatureBox training before its optimizer step, naming the step and
+    the learning rate; the steps before it were taken, the bad one was not."""
+    from leanml.features.train.model import CTROptimizer, model_for_graph
+    from leanml.features.train.pipeline import train_on
+    from leanml.finite import NonFiniteError
+
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=512))
+    batches = list(Extractor(cfg))[:3]
+    batches[2].label[5] = float("nan")
+    torch.manual_seed(0)
+    model = model_for_graph(cfg.graph, dim=4, hidden=(8,))
+    opt = CTROptimizer(model, lr=2e-3)
+    train_on(model, batches[:2], opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NonFiniteError, match=r"loss is nan at step 1 of FeatureBox training: .*learning rate .*0\.002"):
+        train_on(model, batches[2:], opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 def test_errors_reach_the_consumer(logs):
     cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=512), tables={"users": "nope.jsonl"})
     with pytest.raises(LeanmlError, match="table 'users' not found"):

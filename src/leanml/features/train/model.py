@@ -214,6 +214,7 @@ class CTROptimizer:
     tables), ``Adam`` for the MLP, driven as one optimizer."""
 
     def __init__(self, model: nn.Module, lr: float = 1e-3) -> None:
+        self.lr = lr
         fused = [m.weight for m in model.modules() if isinstance(m, FusedEmbedding) and m.sparse]
         sparse = [p for m in model.modules() if isinstance(m, nn.Embedding) and m.sparse for p in m.parameters()]
         ids = {id(p) for p in fused + sparse}

@@ -20,6 +20,7 @@ from leanml.features.run.batch import FeatureBatch
 from leanml.features.run.extract import ExtractConfig, merge_reports
 from leanml.features.run.producers import Prefetcher
 from leanml.features.train.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
+from leanml.finite import check_finite_loss, lr_hint
 from leanml.utils import EtaBar, LeanmlError
 
 
@@ -67,8 +68,9 @@ def train_on(model: FeatureDNN, batches: Iterable[FeatureBatch], opt: CTROptimiz
         loss = loss_fn(model(b), b.label)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
         lv = float(loss.detach())
+        check_finite_loss(lv, rep.steps + 1, lr_hint(opt.lr), "FeatureBox training")
+        opt.step()
         rep.train_s += time.perf_counter() - t1
         rep.cpu_s += time.thread_time() - c1
         rep.steps += 1
