@@ -144,6 +144,8 @@ class PruneJob(ModelInput):
         super().__post_init__()
         require(self, self.eval_windows is None or self.eval_windows >= 1, "eval_windows",
                 f"must be at least 1, got {self.eval_windows}")
+        require(self, self.eval_windows is None or (self.eval and not self.streamed), ("eval_windows", "eval"),
+                "eval_windows sets the perplexity's windows, which --no-eval and --stream skip: drop one of them")
         if self.streamed:
             require(self, not self.config.calib_samples, ("calib_samples", "stream"),
                     "calib_samples samples from the whole model, which stream never holds; drop one of them")

@@ -61,6 +61,8 @@ class RecoverJob:
         require(self, self.eval_seqlen >= 2, "eval_seqlen", f"must be at least 2, got {self.eval_seqlen}")
         require(self, self.eval_windows is None or self.eval_windows >= 1, "eval_windows",
                 f"must be at least 1, got {self.eval_windows}")
+        require(self, self.eval_windows is None or self.evaluate, ("eval_windows", "evaluate"),
+                "eval_windows sets the perplexity's windows, which --no-eval skips: drop one of them")
         require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
         require(self, 0.0 <= self.teacher_samples <= 1.0, "teacher_samples",
                 f"is a share of the training windows in [0, 1], got {self.teacher_samples}")
