@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from leanml.config import option, require
+from leanml.config import check_argument, option, require
 from leanml.memory.budget import DEFAULT_BUDGET, Budget, BudgetLike
 from leanml.memory.calibrate import MIB, Calibration
 from leanml.memory.compiled import (
@@ -72,9 +72,8 @@ def default_loss(output: Any) -> torch.Tensor:
 
 def _options(options: AdaccOptions | None, values: dict[str, Any]) -> AdaccOptions:
     """``options`` with the fields given by name changed (checked: an unknown name is a TypeError)."""
-    if options is not None and not isinstance(options, AdaccOptions):
-        raise TypeError(f"Adacc options must be an AdaccOptions, got {type(options).__name__}; give other settings "
-                        "by name (budget=0.5, max_error=0.05, ...)")
+    check_argument(options, "options", (AdaccOptions, type(None)), "an AdaccOptions or None",
+                   "give other settings by name (budget=0.5, max_error=0.05, ...)")
     unknown = sorted(set(values) - OPTION_NAMES)
     if unknown:
         raise TypeError(f"Adacc got unknown argument(s) {', '.join(unknown)}; its options are "
@@ -215,12 +214,10 @@ class Adacc:
                  blocks: list[nn.Module] | None = None, loss_fn: Callable[[Any], torch.Tensor] = default_loss,
                  profile: Profile | None = None, timer: DeviceTimer | None = None, **option_values: Any) -> None:
         self.options = _options(options, option_values)
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"Adacc model must be a torch.nn.Module, got {type(model).__name__}")
+        check_argument(model, "model", nn.Module, "a torch.nn.Module")
+        check_argument(profile, "profile", (Profile, type(None)), "a Profile (another Adacc's .profile) or None")
         if not callable(loss_fn):
-            raise TypeError(f"Adacc loss_fn must be callable, got {type(loss_fn).__name__}")
-        if profile is not None and not isinstance(profile, Profile):
-            raise TypeError(f"Adacc profile must be a Profile (another Adacc's .profile), got {type(profile).__name__}")
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.model = model
         self.timer = timer if timer is not None else DeviceTimer.for_module(model)
         self.blocks = blocks if blocks is not None else find_blocks(model)
