@@ -10,19 +10,20 @@ with compiled blocks among its options: ``compile_blocks``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
 from leanml.config import ConfigError, option, require
+from leanml.memory.adacc import AdaccOptions
 from leanml.memory.budget import DEFAULT_BUDGET, Budget
 from leanml.memory.compiled import DEFAULT_COMPILE_BUDGETS
 from leanml.memory.runner import StrategyRunner
 from leanml.utils import EtaBar, LeanmlError
 
 Strategy = Literal["none", "checkpoint", "sac", "compile", "adacc"]
-STRATEGIES: tuple[str, ...] = ("none", "checkpoint", "sac", "compile", "adacc")
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
 #: the compiler budgets ``--compile-blocks`` offers without a value
 COMPILE_BUDGETS = ",".join(f"{b:g}" for b in DEFAULT_COMPILE_BUDGETS)
 
@@ -60,7 +61,8 @@ class TrainConfig:
     steps: int = option(50, "optimizer steps", ge=1)
     lr: float = option(1e-4, "learning rate (AdamW)", gt=0)
     seed: int = option(0, "batch order seed")
-    max_error: float = option(0.05, "Adacc: cap on the relative error of lossy compressors", gt=0, le=1)
+    max_error: float = option(AdaccOptions.max_error, "Adacc: cap on the relative error of lossy compressors",
+                              gt=0, le=1)
     warmup: int = option(2, "steps left out of the timing", cli=False, ge=0)
     progress: bool = option(True, "show a progress bar", cli=False)
     compress_layers: list[int] | None = option(None, "Adacc: the layers whose activations may be compressed",
