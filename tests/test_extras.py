@@ -168,7 +168,7 @@ def test_version_prints_the_versions_and_the_device(tmp_path: Path) -> None:
     assert lines["device"] == "cpu" if not torch.cuda.is_available() else lines["device"].startswith("cuda (")
 
 
-@pytest.mark.parametrize("package, old, floor", [("torch", "2.5.1", "2.6"), ("transformers", "4.55.4", "4.56")])
+@pytest.mark.parametrize("package, old, floor", [("torch", "2.5.1", "2.6"), ("transformers", "4.57.6", "5.0")])
 def test_an_old_torch_or_transformers_is_refused_in_one_line(tmp_path: Path, package: str, old: str,
                                                              floor: str) -> None:
     """Before any work, even before the subcommands are imported: one line naming the pip command."""
@@ -185,7 +185,7 @@ def test_an_old_torch_or_transformers_is_refused_in_one_line(tmp_path: Path, pac
 
 
 def test_library_import_of_an_old_transformers_raises() -> None:
-    with pytest.raises(leanml.TorchVersionError, match=r"needs transformers >= 4\.56, found transformers 4\.46\.3"):
-        leanml.check_transformers_version("4.46.3")
-    for ok in ("4.56.0", "5.25.0", None, "dev"):
+    with pytest.raises(leanml.TorchVersionError, match=r"needs transformers >= 5\.0, found transformers 4\.57\.6"):
+        leanml.check_transformers_version("4.57.6")
+    for ok in ("5.0.0", "5.25.0", None, "dev"):
         leanml.check_transformers_version(ok)

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 # the oldest torch and transformers the test suite ran on (`make test-floor`; pyproject.toml admits no older)
 TORCH_FLOOR = (2, 6)
-TRANSFORMERS_FLOOR = (4, 56)  # from_pretrained(dtype=...) is new in 4.56
+TRANSFORMERS_FLOOR = (5, 0)  # transformers.conversion_mapping (streamed pruning), from_pretrained(dtype=...)
 
 
 class TorchVersionError(ImportError):
