@@ -217,7 +217,8 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
     from leanml.prune.masks import MaskSpec
 
     base = {"iters": 20, "rounds": 3, "xi": 0.3, "lam": 1e-3, "precondition": True, "refine_iters": 0,
-            "lambda_scope": "row", "damp": 0.0}  # fmt: skip
+            "lambda_scope": "row", "damp": 0.0, "refine_method": "apg", "correction": 1.0, "ridge": 0.0,
+            "tol": 0.0, "refit_start": True}  # the settings this study ran with  # fmt: skip
     variants: list[tuple[str, str, dict[str, Any]]] = [("default", "", {})]
     variants += [("K", str(k), {"iters": k}) for k in (5, 10, 40)]
     variants += [("T", str(t), {"rounds": t}) for t in (1, 2, 5)]
@@ -256,12 +257,22 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
                         spec = MaskSpec(0.5, pattern, "layer")
                         Ws = sg if warm == "sparsegpt" else W
                     t0 = time.perf_counter()
-                    res = fista_prune(W, fit["H"], spec, G=fit["G"], Hd=fit["Hd"], W_start=Ws, **cfg)
+                    res = fista_prune(W, fit["H"], spec, _options(cfg), G=fit["G"], Hd=fit["Hd"], W_start=Ws)
                     sec = time.perf_counter() - t0 + (sg_s if warm == "sparsegpt" else 0.0)
                     out.append({**common, "method": f"fista/{warm}", "ablation": abl, "value": val, "seconds": sec,
                                 "fit_error": _rel_err(res.W, W, fit), "heldout_error": _rel_err(res.W, W, held)})  # fmt: skip
                     print(out[-1], flush=True)
     return out
+
+
+def _options(fields: dict[str, Any]) -> Any:
+    """FistaOptions with ``fields`` changed (``refine_iters`` names ``refine``)."""
+    from leanml.prune.methods.fista import FistaOptions
+
+    fields = dict(fields)
+    if "refine_iters" in fields:
+        fields["refine"] = fields.pop("refine_iters")
+    return FistaOptions(**fields)
 
 
 def _rel_err(Wn: torch.Tensor, W: torch.Tensor, st: dict[str, torch.Tensor]) -> float:
@@ -283,11 +294,8 @@ def calib_size_study(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any]
     from leanml.prune.cores.fista import fista_prune
     from leanml.prune.cores.sparsegpt import sparsegpt_prune
     from leanml.prune.masks import MaskSpec
-    from leanml.prune.methods.fista import FistaPruner
 
-    d = FistaPruner()
-    cfg = {"iters": d.iters, "rounds": d.rounds, "xi": d.xi, "lam": d.lam, "precondition": d.precondition,
-           "refine_iters": d.refine, "lambda_scope": d.lambda_scope, "damp": d.damp}  # fmt: skip
+    cfg = _options({})  # leanml prune --method fista's defaults
     out: list[dict[str, Any]] = []
     for target in ("qkv", "down"):
         for n_fit in args.calib_sizes:
@@ -301,7 +309,7 @@ def calib_size_study(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any]
                     sg = sparsegpt_prune(W, fit["H"], spec)
                     sg_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    fi = fista_prune(W, fit["H"], spec, G=fit["G"], Hd=fit["Hd"], W_start=sg, **cfg).W
+                    fi = fista_prune(W, fit["H"], spec, cfg, G=fit["G"], Hd=fit["Hd"], W_start=sg).W
                     fi_s = time.perf_counter() - t0 + sg_s
                     row = {"target": target, "shape": list(W.shape), "fit_windows": n_fit, "seed": seed,
                            "pattern": "2:4" if pattern else "unstructured",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import leanml.prune.cores.refine as refine
+from builders import fista_options
 from leanml.prune.cores.fista import fista_prune
 from leanml.prune.cores.lasso import fista_solve
 from leanml.prune.cores.refine import refine_apg, refine_cg, row_blocks
@@ -50,9 +51,9 @@ def test_blocked_prune_equals_one_block(monkeypatch, spec, lambda_scope):
     W, H = _problem()
     kw = dict(rounds=2, iters=6, refine_iters=3, refine_method="cg", precondition=True, ridge=0.1,
               correction=0.5, lambda_scope=lambda_scope, lam=1e-2)
-    whole = fista_prune(W, H, spec, **kw)
+    whole = fista_prune(W, H, spec, fista_options(**kw))
     _tiny_blocks(monkeypatch)
-    blocked = fista_prune(W, H, spec, **kw)
+    blocked = fista_prune(W, H, spec, fista_options(**kw))
     assert torch.equal(whole.W != 0, blocked.W != 0)
     torch.testing.assert_close(blocked.W, whole.W, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(blocked.error, whole.error, rtol=1e-9, atol=1e-12)
@@ -65,12 +66,12 @@ def test_blocked_prune_in_bfloat16_keeps_its_error(monkeypatch):
     """Products in bfloat16 on float32 weights: a blocked run's error stays within the rounding of the
     single block's, and (a per-layer mask: the layer's sum) never above the start's."""
     W, H = _problem(m=96, n=32, dtype=torch.float32)
-    kw = dict(rounds=1, iters=10, refine_iters=5, refine_method="cg", precondition=True, ridge=0.1,
-              correction=0.5, low_dtype=torch.bfloat16)
+    o = fista_options(rounds=1, iters=10, refine_iters=5, refine_method="cg", precondition=True, ridge=0.1,
+                      correction=0.5)
     spec = MaskSpec(0.5, scope="layer")
-    whole = fista_prune(W, H, spec, **kw)
+    whole = fista_prune(W, H, spec, o, low_dtype=torch.bfloat16)
     _tiny_blocks(monkeypatch)
-    blocked = fista_prune(W, H, spec, **kw)
+    blocked = fista_prune(W, H, spec, o, low_dtype=torch.bfloat16)
     assert float(blocked.error.sum()) <= float(blocked.start_error.sum())
     torch.testing.assert_close(blocked.error.sum(), whole.error.sum(), rtol=1e-3, atol=0.0)
 

@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.linear_model import Lasso
 
+from builders import fista_options
+from leanml.config import ConfigError
 from leanml.prune.cores.fista import fista_prune, tune_lambda
 from leanml.prune.cores.lasso import (
     fista_solve,
@@ -16,6 +18,7 @@ from leanml.prune.cores.lasso import (
     lasso_objective,
     power_iteration,
     soft_threshold,
+    stationarity,
 )
 from leanml.prune.cores.refine import refine_apg, refine_cg, row_output_errors
 from leanml.prune.masks import MaskSpec, satisfies_nm, sparsity_of
@@ -73,11 +76,17 @@ def test_objective_never_rises_with_restart_and_does_without():
 
 
 def test_fista_warm_start_and_tolerance():
+    """``tol`` stops on the minimal subgradient relative to ``C``'s norm: a solve stopped so is stationary
+    to that accuracy, and a warm start at its result stops at once with the same weights."""
     _, W, H, C = _problem()
-    cold = fista_solve(H, C, 0.05, iters=2000, tol=1e-12)
-    warm = fista_solve(H, C, 0.05, W0=cold.W, iters=2000, tol=1e-9)
-    assert warm.iters < 50
+    cold = fista_solve(H, C, 0.05, iters=5000, tol=1e-7)
+    assert cold.iters < 5000
+    assert stationarity(cold.W, cold.W @ H - C, 0.05) <= (1e-7) ** 2 * float((C * C).sum())
+    warm = fista_solve(H, C, 0.05, W0=cold.W, iters=2000, tol=1e-5)
+    assert warm.iters <= 2
     assert torch.allclose(warm.W, cold.W, atol=1e-6)
+    looser = fista_solve(H, C, 0.05, iters=5000, tol=1e-3)
+    assert looser.iters < cold.iters
     with pytest.raises(ValueError):
         fista_solve(H, C, -1.0)
 
@@ -142,17 +151,17 @@ def test_tune_lambda_bisection_direction_and_best_candidate():
     spec = MaskSpec(0.5)
     lam0 = 1e-3 * C.abs().amax(1)
     # xi = 0: every ratio exceeds it -> lambda rises x10 each round (no upper bound yet)
-    up = tune_lambda(W, H, C, const, spec, lam0, rounds=3, iters=5, xi=0.0)
+    up = tune_lambda(W, H, C, const, spec, lam0, fista_options(rounds=3, iters=5, xi=0.0))
     assert torch.allclose(up.lam, lam0 * 1000)
     # xi huge: lambda falls /10 each round
-    down = tune_lambda(W, H, C, const, spec, lam0, rounds=2, iters=5, xi=1e9)
+    down = tune_lambda(W, H, C, const, spec, lam0, fista_options(rounds=2, iters=5, xi=1e9))
     assert torch.allclose(down.lam, lam0 / 100)
     # a rise then a fall bisects geometrically between the two bounds
-    res = tune_lambda(W, H, C, const, spec, lam0, rounds=1, iters=5, xi=0.0)
+    res = tune_lambda(W, H, C, const, spec, lam0, fista_options(rounds=1, iters=5, xi=0.0))
     assert torch.allclose(res.lam, lam0 * 10)
     # the result is exact, never worse than the start rounded, and more rounds never hurt
-    one = tune_lambda(W, H, C, const, spec, lam0, rounds=1, iters=20)
-    three = tune_lambda(W, H, C, const, spec, lam0, rounds=3, iters=20)
+    one = tune_lambda(W, H, C, const, spec, lam0, fista_options(rounds=1, iters=20))
+    three = tune_lambda(W, H, C, const, spec, lam0, fista_options(rounds=3, iters=20))
     assert (three.error <= one.error + 1e-12).all()
     assert (three.error <= three.start_error + 1e-12).all()
     assert ((three.W != 0).sum(1) == 16).all()
@@ -163,7 +172,7 @@ def test_tune_lambda_bisects_between_bounds():
     _, W, H, C = _problem(n=32, m=1)
     const = ((W @ H) * W).sum(1)
     lam0 = torch.tensor([0.01], dtype=torch.float64)
-    res = tune_lambda(W, H, C, const, MaskSpec(0.5), lam0, rounds=4, iters=10, xi=0.3)
+    res = tune_lambda(W, H, C, const, MaskSpec(0.5), lam0, fista_options(rounds=4, iters=10, xi=0.3))
     lams = [h["lambda_mean"] for h in res.history] + [float(res.lam)]
     ratios = [h["ratio_mean"] for h in res.history]
     lo, hi = 0.0, float("inf")
@@ -182,14 +191,14 @@ def test_fista_prune_beats_magnitude_and_is_exact(pattern, scope):
     spec = MaskSpec(0.5, pattern=pattern, scope=scope)
     const = ((W @ H) * W).sum(1)
     mag = row_output_errors(hard_threshold(W, spec), H, C, const).sum()
-    res = fista_prune(W.float(), H.float(), spec, rounds=3, iters=20)
+    res = fista_prune(W.float(), H.float(), spec, fista_options(rounds=3, iters=20))
     assert res.W.dtype == torch.float32
     err = row_output_errors(res.W.double(), H, C, const).sum()
     assert err < 0.8 * mag
     if pattern:
         assert satisfies_nm(res.W, *pattern)
     assert sparsity_of(res.W) == pytest.approx(0.5)
-    lam_layer = fista_prune(W.float(), H.float(), spec, lambda_scope="layer")
+    lam_layer = fista_prune(W.float(), H.float(), spec, fista_options(lambda_scope="layer"))
     assert lam_layer.lam.unique().numel() == 1
     assert sparsity_of(lam_layer.W) == pytest.approx(0.5)
 
@@ -218,9 +227,9 @@ def test_fista_prune_from_cross_product_equals_from_G(refine_method):
     Xp = X + 0.1 * torch.randn(X.shape, generator=g, dtype=X.dtype)
     Hp, G = Xp.T @ Xp / len(X), X.T @ Xp / len(X)
     const = ((W @ H) * W).sum(1)
-    kw = dict(rounds=2, iters=10, refine_iters=5, dense_const=const, precondition=True, refine_method=refine_method)
-    a = fista_prune(W, Hp, MaskSpec(0.5), G=G, **kw)
-    b = fista_prune(W, Hp, MaskSpec(0.5), C=W @ G, **kw)
+    o = fista_options(rounds=2, iters=10, refine_iters=5, precondition=True, refine_method=refine_method)
+    a = fista_prune(W, Hp, MaskSpec(0.5), o, G=G, dense_const=const)
+    b = fista_prune(W, Hp, MaskSpec(0.5), o, C=W @ G, dense_const=const)
     torch.testing.assert_close(a.W, b.W)
     torch.testing.assert_close(a.error, b.error)
     direct = ((Xp @ b.W.T - X @ W.T) ** 2).mean(0)
@@ -238,14 +247,14 @@ def test_correction_blends_the_target(beta):
     Hp = Xp.T @ Xp / N
     Y = beta * X @ W.T + (1 - beta) * Xp @ W.T  # the blended target, token by token
     kw = dict(rounds=2, iters=10, refine_iters=5, precondition=True)
-    got = fista_prune(W, Hp, MaskSpec(0.5), C=W @ (X.T @ Xp / N), dense_const=((X @ W.T) ** 2).mean(0),
-                      correction=beta, **kw)
-    ref = fista_prune(W, Hp, MaskSpec(0.5), C=Y.T @ Xp / N, dense_const=(Y**2).mean(0), **kw)
+    got = fista_prune(W, Hp, MaskSpec(0.5), fista_options(correction=beta, **kw), C=W @ (X.T @ Xp / N),
+                      dense_const=((X @ W.T) ** 2).mean(0))
+    ref = fista_prune(W, Hp, MaskSpec(0.5), fista_options(**kw), C=Y.T @ Xp / N, dense_const=(Y**2).mean(0))
     torch.testing.assert_close(got.W, ref.W)
     torch.testing.assert_close(got.error, ref.error)
     torch.testing.assert_close(got.error, ((Xp @ got.W.T - Y) ** 2).mean(0))
-    with pytest.raises(ValueError, match="correction"):
-        fista_prune(W, Hp, MaskSpec(0.5), correction=1.5)
+    with pytest.raises(ConfigError, match="correction"):  # refused where the options are made
+        fista_options(correction=1.5)
 
 
 def test_ridge_equals_appended_calibration_rows():
@@ -261,18 +270,20 @@ def test_ridge_equals_appended_calibration_rows():
     Xa = torch.cat([Xp, (N * r) ** 0.5 * torch.eye(n, dtype=X.dtype)])
     Ya = torch.cat([X @ W.T, (N * r) ** 0.5 * W.T])
     kw = dict(rounds=2, iters=10, refine_iters=5, precondition=True)
-    got = fista_prune(W, Hp, MaskSpec(0.5), C=W @ (X.T @ Xp / N), dense_const=((X @ W.T) ** 2).mean(0), ridge=rho,
-                      L=power_iteration(Hp) * 1.001, **kw)
-    ref = fista_prune(W, Xa.T @ Xa / N, MaskSpec(0.5), C=Ya.T @ Xa / N, dense_const=(Ya**2).sum(0) / N, **kw)
+    got = fista_prune(W, Hp, MaskSpec(0.5), fista_options(ridge=rho, **kw), C=W @ (X.T @ Xp / N),
+                      dense_const=((X @ W.T) ** 2).mean(0), L=power_iteration(Hp) * 1.001)
+    ref = fista_prune(W, Xa.T @ Xa / N, MaskSpec(0.5), fista_options(**kw), C=Ya.T @ Xa / N,
+                      dense_const=(Ya**2).sum(0) / N)
     torch.testing.assert_close(got.W, ref.W)
     torch.testing.assert_close(got.error, ref.error)
     torch.testing.assert_close(got.error, ((Xa @ got.W.T - Ya) ** 2).sum(0) / N)
     # the pull shows: kept weights move less from the dense ones than without it
-    free = fista_prune(W, Hp, MaskSpec(0.5), C=W @ (X.T @ Xp / N), dense_const=((X @ W.T) ** 2).mean(0), **kw)
+    free = fista_prune(W, Hp, MaskSpec(0.5), fista_options(**kw), C=W @ (X.T @ Xp / N),
+                       dense_const=((X @ W.T) ** 2).mean(0))
     keep = got.W != 0
     assert ((got.W - W)[keep] ** 2).sum() < ((free.W - W)[free.W != 0] ** 2).sum()
-    with pytest.raises(ValueError, match="ridge"):
-        fista_prune(W, Hp, MaskSpec(0.5), ridge=-1.0)
+    with pytest.raises(ConfigError, match="ridge"):
+        fista_options(ridge=-1.0)
 
 
 def test_preconditioned_tuning_solves_the_same_problem():
@@ -293,7 +304,7 @@ def test_preconditioned_tuning_solves_the_same_problem():
     few_pre = fista_solve(Hp, Cp, 0.05, iters=20, col_weights=1 / d)
     assert lasso_objective(few_pre.W / d, H, C, 0.05).sum() < lasso_objective(few.W, H, C, 0.05).sum()
     const = ((W @ H) * W).sum(1)
-    a = tune_lambda(W, H, C, const, MaskSpec(0.5), 1e-2 * C.abs().amax(1), precondition=True)
+    a = tune_lambda(W, H, C, const, MaskSpec(0.5), 1e-2 * C.abs().amax(1), fista_options(precondition=True))
     assert (a.error <= a.start_error + 1e-12).all() and ((a.W != 0).sum(1) == 16).all()
 
 
@@ -303,11 +314,11 @@ def test_shared_cache_gives_the_same_weights(precondition, ridge, damp, method):
     call without it, and the cache is filled once."""
     X, W, H, _ = _problem(N=400, n=32, m=10, seed=3)
     W2 = torch.randn(7, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    kw = dict(refine_iters=4, refine_method=method, precondition=precondition, ridge=ridge, damp=damp,
-              correction=0.5, iters=6)
+    o = fista_options(refine_iters=4, refine_method=method, precondition=precondition, ridge=ridge, damp=damp,
+                      correction=0.5, iters=6)
     cache: dict = {}
     for Wi in (W, W2):
-        alone = fista_prune(Wi.float(), H.float(), MaskSpec(0.5), **kw)
-        shared = fista_prune(Wi.float(), H.float(), MaskSpec(0.5), cache=cache, **kw)
+        alone = fista_prune(Wi.float(), H.float(), MaskSpec(0.5), o)
+        shared = fista_prune(Wi.float(), H.float(), MaskSpec(0.5), o, cache=cache)
         assert torch.equal(alone.W, shared.W) and torch.equal(alone.error, shared.error)
     assert ("Hp" in cache) == precondition and ("L" in cache) == (not precondition)

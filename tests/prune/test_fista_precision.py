@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import leanml.prune.methods.fista as fista_method
+from builders import fista_options
 from leanml.prune.cores.fista import fista_prune
 from leanml.prune.cores.lasso import hard_threshold
 from leanml.prune.cores.refine import gram_product, refine_apg, refine_cg, row_output_errors
@@ -76,9 +77,9 @@ def test_fista_prune_in_bfloat16_against_float32(pattern):
         const = ((W @ H) * W).sum(1)
         start = hard_threshold(W32, spec)
         start_err = row_output_errors(start.double(), H, W @ H, const)
-        kw = dict(W_start=start, iters=10, refine_iters=5, refine_method="cg", precondition=True)
-        r16 = fista_prune(W32, H32, spec, low_dtype=torch.bfloat16, **kw)
-        r32 = fista_prune(W32, H32, spec, **kw)
+        o = fista_options(iters=10, refine_iters=5, refine_method="cg", precondition=True)
+        r16 = fista_prune(W32, H32, spec, o, W_start=start, low_dtype=torch.bfloat16)
+        r32 = fista_prune(W32, H32, spec, o, W_start=start)
         assert sparsity_of(r16.W) == pytest.approx(0.5)
         e16 = row_output_errors(r16.W.double(), H, W @ H, const)
         e32 = row_output_errors(r32.W.double(), H, W @ H, const)

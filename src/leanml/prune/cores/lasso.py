@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from leanml.prune.cores.refine import gram_product, keep_rows, momentum, row_blocks, row_dot
+from leanml.prune.cores.refine import converged, gram_product, keep_rows, momentum, row_blocks, row_dot
 from leanml.prune.masks import MaskSpec, keep_mask
 
 
@@ -133,6 +133,14 @@ class FistaResult:
     WH: torch.Tensor | None = None
 
 
+def stationarity(W: torch.Tensor, grad: torch.Tensor, lam: torch.Tensor | float) -> float:
+    """Squared norm of the minimal subgradient of ``1/2 w H w^T - c w^T + sum_j lam_j |w_j|`` at ``W``
+    (``grad = W H - C``; ``lam`` per weight or broadcastable): zero exactly at the minimiser."""
+    lam = torch.as_tensor(lam, dtype=grad.dtype, device=grad.device)
+    sub = torch.where(W != 0, grad + lam * torch.sign(W), (grad.abs() - lam).clamp_min(0.0))
+    return float(row_dot(sub, sub).sum())
+
+
 def fista_solve(
     H: torch.Tensor,
     C: torch.Tensor,
@@ -154,9 +162,10 @@ def fista_solve(
     momentum is reset (``t = 1``), so the next step is a plain proximal-gradient step from there: the
     per-row objective never rises. One ``n x n`` product per iteration (``Y H`` is carried as a linear
     combination of ``W_k H``); ``W0H`` may pass ``W0 @ H``, and the result carries ``W @ H``. Stops
-    after ``iters`` iterations or when the relative change ``||W_k - W_{k-1}||_F / ||W_{k-1}||_F`` falls
-    below ``tol`` (measured per block of rows: on CPU the rows run in blocks, see
-    :func:`~leanml.prune.cores.refine.row_blocks`, and each block stops on its own). ``col_weights`` (n,)
+    after ``iters`` iterations or when the minimal subgradient (:func:`stationarity`) falls below ``tol``
+    times the norm of ``C`` (:func:`~leanml.prune.cores.refine.converged`; over a block of rows: on CPU
+    the rows run in blocks, see :func:`~leanml.prune.cores.refine.row_blocks`, and each block stops on
+    its own). ``iters`` of the result: the most any block ran. ``col_weights`` (n,)
     turns the penalty into the weighted ``lambda_r sum_j u_j |w_rj|`` (used by the diagonal preconditioner). ``H_low`` (``H`` in a narrower dtype, e.g. bfloat16) runs each
     iteration's product in that dtype on the step ``W_k - W_{k-1}`` (see
     :func:`~leanml.prune.cores.refine.gram_product`).
@@ -218,6 +227,7 @@ def _fista_rows(
     tau = lam_r / L if u is None else (lam_r / L) * u.reshape(1, n)
     restarts = 0
     done = 0
+    ref = float(row_dot(C, C).sum()) if tol > 0.0 else 0.0
     for k in range(iters):
         V = torch.add(Y, YH - C, alpha=-1.0 / L)  # gradient step
         Z = soft_threshold(V, tau)
@@ -234,13 +244,12 @@ def _fista_rows(
                 keep_rows(bad, [Z, ZH], [W_prev, WH_prev])
                 F = torch.where(bad, F_prev, F)
         t_next, beta = momentum(t, bad)
-        change = float((Z - W_prev).norm()) / max(float(W_prev.norm()), 1e-30) if tol > 0.0 else 1.0
         Y = torch.lerp(Z, W_prev, -beta)  # Z + beta (Z - W_prev)
         YH = torch.lerp(ZH, WH_prev, -beta)
         W_prev, WH_prev, F_prev, t = Z, ZH, F, t_next
         done = k + 1
         if track:
             history.append(float(F.sum()))
-        if tol > 0.0 and change < tol:
+        if tol > 0.0 and converged(stationarity(Z, ZH - C, tau * L), ref, tol):
             break
     return FistaResult(W=W_prev, objective=history, iters=done, restarts=restarts, row_objective=F_prev, WH=WH_prev)

@@ -56,6 +56,14 @@ def gram_product(X: torch.Tensor, H: torch.Tensor, low: torch.Tensor | None = No
     return (X.to(low.dtype) @ low).to(X.dtype)
 
 
+def converged(residual_sq: float, reference_sq: float, tol: float) -> bool:
+    """The stopping rule every iterative solver here shares: the optimality residual (the gradient on
+    the support, or FISTA's minimal subgradient) is at most ``tol`` times the norm of the problem's
+    cross moment ``C`` on the same rows (both given squared). Relative to the problem's own scale, it
+    holds alike at every width and magnitude of the statistics, and from any start point."""
+    return residual_sq <= tol * tol * reference_sq
+
+
 def momentum(t: torch.Tensor, bad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """FISTA's ``t_{k+1}`` and ``beta = (t_k - 1) / t_{k+1}`` per row; restarted rows get ``t = 1``,
     ``beta = 0``."""
@@ -119,7 +127,8 @@ def _no_worse(
 
 def refine_apg(
     W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, L: float, iters: int,
-    WH: torch.Tensor | None = None, H_low: torch.Tensor | None = None,
+    WH: torch.Tensor | None = None, H_low: torch.Tensor | None = None, tol: float = 0.0,
+    used: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Refit the kept weights: minimise ``1/2 tr(W H W^T) - tr(C W^T)`` over ``W`` supported on ``mask``.
 
@@ -128,13 +137,14 @@ def refine_apg(
     Returns the refit weights and their product ``W @ H``; ``WH`` may pass the product of the start
     (``W``, then already zero off ``mask``). ``H_low``: the iterations' products run in that dtype (see
     :func:`gram_product`); the result's product is then recomputed exactly and a row worse than its
-    start keeps the start (``WH`` must then be exact)."""
+    start keeps the start (``WH`` must then be exact). ``tol`` > 0 stops a block of rows once its
+    gradient on the support is within ``tol`` of ``C``'s norm there (:func:`converged`); ``used`` (a list) receives the iterations each block ran."""
     if WH is None:
         W = W * mask
         WH = W @ H
     if iters <= 0 or L <= 0.0:
         return W, WH
-    return _blocked(_apg_rows, W, mask, H, C, WH, H_low, L, iters)
+    return _blocked(_apg_rows, W, mask, H, C, WH, H_low, L, iters, tol, used)
 
 
 def _blocked(
@@ -150,16 +160,18 @@ def _blocked(
 
 def _apg_rows(
     W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, WH: torch.Tensor,
-    H_low: torch.Tensor | None, L: float, iters: int,
+    H_low: torch.Tensor | None, L: float, iters: int, tol: float, used: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_apg` on one block of rows (``W`` zero off ``mask``, ``WH`` its product)."""
     keep = mask.to(W.dtype)
     W0, W0H = W, WH
     res_W = W
     F_prev = 0.5 * row_dot(WH, W) - row_dot(C, W)
+    ref = float(row_dot(C * keep, C).sum()) if tol > 0.0 else 0.0
     Y, YH = W, WH
     t = torch.ones(W.shape[0], 1, dtype=W.dtype, device=W.device)
-    for _ in range(iters):
+    done = 0
+    for k in range(iters):
         Z = torch.add(Y, YH - C, alpha=-1.0 / L).mul_(keep)
         ZH = Z @ H if H_low is None else WH + gram_product(Z - res_W, H, H_low)
         F = 0.5 * row_dot(ZH, Z) - row_dot(C, Z)
@@ -173,6 +185,13 @@ def _apg_rows(
         Y = torch.lerp(Z, res_W, -beta)
         YH = torch.lerp(ZH, WH, -beta)
         res_W, WH, F_prev, t = Z, ZH, F, t_next
+        done = k + 1
+        if tol > 0.0:
+            grad = (ZH - C).mul_(keep)
+            if converged(float(row_dot(grad, grad).sum()), ref, tol):
+                break
+    if used is not None:
+        used.append(done)
     if H_low is not None:  # the iterations' products were rounded: the result's, exactly
         res_W, WH = _no_worse(res_W, res_W @ H, W0, W0H, C)
     return res_W, WH
@@ -180,7 +199,8 @@ def _apg_rows(
 
 def refine_cg(
     W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, iters: int,
-    WH: torch.Tensor | None = None, H_low: torch.Tensor | None = None,
+    WH: torch.Tensor | None = None, H_low: torch.Tensor | None = None, tol: float = 0.0,
+    used: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_apg` by conjugate gradients: the same least-squares refit of the kept weights.
 
@@ -189,18 +209,18 @@ def refine_cg(
     step and reaches the minimum on the support after at most ``|support|`` steps; a row whose
     objective ends above its start (rounding) keeps its start. Returns the weights and ``W @ H``;
     ``WH`` may pass the product of the start (``W``, then already zero off ``mask``). ``H_low`` as in
-    :func:`refine_apg`."""
+    :func:`refine_apg`; so are ``tol`` and ``used``."""
     if WH is None:
         W = W * mask
         WH = W @ H
     if iters <= 0:
         return W, WH
-    return _blocked(_cg_rows, W, mask, H, C, WH, H_low, iters)
+    return _blocked(_cg_rows, W, mask, H, C, WH, H_low, iters, tol, used)
 
 
 def _cg_rows(
     W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, WH: torch.Tensor,
-    H_low: torch.Tensor | None, iters: int,
+    H_low: torch.Tensor | None, iters: int, tol: float, used: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_cg` on one block of rows (``W`` zero off ``mask``, ``WH`` its product)."""
     keep = mask.to(W.dtype)
@@ -208,10 +228,15 @@ def _cg_rows(
     R = (C - WH).mul_(keep)  # minus the gradient, on the support
     P = R.clone()
     rr = row_dot(R, R)
-    for _ in range(iters):
+    ref = float(row_dot(C * keep, C).sum()) if tol > 0.0 else 0.0
+    done = 0
+    for k in range(iters):
+        if tol > 0.0 and converged(float(rr.sum()), ref, tol):
+            break
         Q = gram_product(P, H, H_low)
         pq = row_dot(P, Q)
         alpha = torch.where(pq > 0, rr / pq.clamp_min(1e-30), torch.zeros_like(pq)).unsqueeze(1)
+        done = k + 1
         X.add_(alpha * P)
         XH.add_(alpha * Q)
         R.sub_(Q.mul_(keep).mul_(alpha))
@@ -219,6 +244,8 @@ def _cg_rows(
         beta = torch.where(rr > 0, rr_new / rr.clamp_min(1e-30), torch.zeros_like(rr)).unsqueeze(1)
         P = torch.addcmul(R, beta, P)
         rr = rr_new
+    if used is not None:
+        used.append(done)
     if H_low is not None:
         XH = X @ H  # the iterations' products were rounded: the result's, exactly
     return _no_worse(X, XH, W, WH, C)

@@ -8,7 +8,6 @@ hard-thresholds to the exact target. The numeric work lives in :mod:`leanml.prun
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
 
@@ -68,63 +67,75 @@ def warm_start_weights(name: str, W: torch.Tensor, stats: GroupStats, spec: Mask
     raise LeanmlError(f"unknown FISTA warm start {name!r}; choose one of: {', '.join(WARM_STARTS)}")
 
 
+#: the named settings: every field a preset sets, and its value there (``None`` in :class:`FistaOptions`
+#: means "the preset's"). ``default``: the best quality at its cost; ``fast``: the cheapest setting
+#: that still beats SparseGPT (bench/results/prune_frontier.md).
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {"iters": 10, "refine": 5, "tol": 0.0, "warm_start": "sparsegpt", "correction": 0.5,
+                "refit_start": True},
+    "fast": {"iters": 1, "refine": 10, "tol": 0.0, "warm_start": "wanda", "correction": 0.0,
+             "refit_start": False},
+}
+Preset = Literal["default", "fast"]
+
+
 @dataclass(frozen=True)
 class FistaOptions:
     """fista (FISTAPruner)"""
 
     prefix: ClassVar[str] = "fista-"
 
+    preset: Preset | None = option(None, "named setting: default (the best quality at its cost) or fast (the "
+                                         "cheapest setting that beats SparseGPT; see docs/fista.md); it fills "
+                                         "iters, refine, tol, warm-start, correction and refit-start, and refuses "
+                                         "an explicit one that differs", show_default=False)
     lam: float = option(1e-3, "initial l1 weight, relative to each row's zeroing lambda max|C| (C: the cross "
-                              "moment of its target; W G for the paper's)", flag="--fista-lambda")
-    iters: int = option(10, "K: FISTA iterations per round")
+                              "moment of its target; W G for the paper's)", flag="--fista-lambda", ge=0)
+    iters: int | None = option(None, "K: most FISTA iterations per round (default: the preset's)", ge=1,
+                               show_default=False)
     rounds: int = option(1, "T: lambda-tuning rounds (1: one FISTA run at the initial lambda; the paper's 3 "
-                            "cost about 3x the solve)")
-    xi: float = option(0.3, "xi: lambda rises while E_round/E_total exceeds it, else falls")
-    warm_start: WarmStart = option("sparsegpt", "start point of FISTA")
+                            "cost about 3x the solve)", ge=1)
+    xi: float = option(0.3, "xi: lambda rises while E_round/E_total exceeds it, else falls", ge=0)
+    warm_start: WarmStart | None = option(None, "start point of FISTA (default: the preset's)", show_default=False)
     lambda_scope: Literal["row", "layer"] = option("row", "one lambda per output row or one per linear")
-    damp: float = option(0.0, "damping of H, fraction of mean diag")
-    refine: int = option(5, "least-squares refit iterations of the kept weights after each hard threshold "
-                             "(0 = the paper's procedure)")
+    damp: float = option(0.0, "damping of H, fraction of mean diag", ge=0)
+    refine: int | None = option(None, "most least-squares refit iterations of the kept weights after each hard "
+                                      "threshold (0 = the paper's procedure; default: the preset's)", ge=0,
+                                show_default=False)
     refine_method: str = option("cg", "how the kept weights are refit: cg (conjugate gradients, per row on its "
                                       "support) or apg (accelerated projected gradient)", choices=REFINE_METHODS)
-    tol: float = option(0.0, "stop a FISTA run early when the relative change falls below this (0: run K)")
+    tol: float | None = option(None, "stop FISTA and the refit of a block of rows once its optimality residual is "
+                                     "below this fraction of the norm of its target's cross moment (0: run the "
+                                     "most iterations; default: the preset's)", ge=0, show_default=False)
     precondition: bool = option(True, "solve in diagonally rescaled variables (same minimiser, much faster "
                                       "convergence); --fista-no-precondition runs FISTA on H itself",
                                 negative="--fista-no-precondition")
-    correction: float = option(0.5, "weight in [0, 1] of the dense model's outputs in each layer's target: 1 = "
-                                    "the dense model's activations (corrects the error of the layers pruned "
-                                    "before; the paper's), 0 = the dense layer on the pruned model's inputs "
-                                    "(SparseGPT's target), between = a blend")
+    correction: float | None = option(None, "weight in [0, 1] of the dense model's outputs in each layer's "
+                                            "target: 1 = the dense model's activations (corrects the error of "
+                                            "the layers pruned before; the paper's), 0 = the dense layer on the "
+                                            "pruned model's inputs (SparseGPT's target, and no dense pass), "
+                                            "between = a blend (default: the preset's)", ge=0, le=1,
+                                      show_default=False)
     precision: Precision = option("auto", "dtype of the solver's matrix products (applied to steps, so the "
                                           "weights keep float32): bfloat16 is several times faster where the "
                                           "hardware has bfloat16 matrix units; auto = bfloat16 on CUDA GPUs of compute "
                                           "capability 8 or more and on CPUs with AVX512-BF16 or AMX, float32 "
                                           "elsewhere")
     ridge: float = option(0.1, "pull the kept weights toward the dense ones: adds R * mean(diag H) * ||W* - W||^2 "
-                               "to each layer's objective")
+                               "to each layer's objective", ge=0)
+    refit_start: bool | None = option(None, "refit the warm start's kept weights too, as a second candidate per "
+                                            "row (default: the preset's)", show_default=False)
 
     def __post_init__(self) -> None:
-        def finite(x: float) -> bool:
-            return math.isfinite(x)
-
-        require(self, finite(self.ridge) and self.ridge >= 0, "ridge", f"must be a finite number >= 0, got {self.ridge}")
-        require(self, finite(self.correction) and 0.0 <= self.correction <= 1.0, "correction",
-                f"must be a number in [0, 1], got {self.correction}")
-        require(self, finite(self.lam) and self.lam >= 0, "lam", f"must be a finite number >= 0, got {self.lam}")
-        require(self, self.iters >= 1, "iters", f"(K) must be >= 1, got {self.iters}")
-        require(self, self.rounds >= 1, "rounds", f"(T) must be >= 1, got {self.rounds}")
-        require(self, finite(self.xi) and self.xi > 0, "xi", f"must be a finite number > 0, got {self.xi}")
-        require(self, self.warm_start in WARM_STARTS, "warm_start",
-                f"{self.warm_start!r} is unknown; choose one of: {', '.join(WARM_STARTS)}")
-        require(self, self.lambda_scope in ("row", "layer"), "lambda_scope",
-                f"must be 'row' or 'layer', got {self.lambda_scope!r}")
-        require(self, finite(self.damp) and self.damp >= 0, "damp", f"must be a finite number >= 0, got {self.damp}")
-        require(self, self.refine >= 0, "refine", f"must be >= 0, got {self.refine}")
-        require(self, finite(self.tol) and self.tol >= 0, "tol", f"must be a finite number >= 0, got {self.tol}")
-        require(self, self.precision in get_args(Precision), "precision",
-                f"{self.precision!r} is unknown; choose one of: {', '.join(get_args(Precision))}")
-        require(self, self.refine_method in REFINE_METHODS, "refine_method",
-                f"{self.refine_method!r} is unknown; choose one of: {', '.join(REFINE_METHODS)}")
+        chosen = PRESETS[self.preset or "default"]
+        for name, value in chosen.items():
+            mine = getattr(self, name)
+            if mine is None:
+                object.__setattr__(self, name, value)  # filled once, where the options are made
+            else:
+                require(self, self.preset is None or mine == value, ("preset", name),
+                        f"preset {self.preset} sets {name} to {value!r}; {name} {mine!r} conflicts with it: "
+                        f"drop one of the two")
         require(self, not (self.lam == 0 and self.rounds > 1), ("lam", "rounds"),
                 "lam 0 cannot be tuned by bisection; give a positive value or rounds 1")
 
@@ -134,10 +145,14 @@ class FistaPruner(Pruner):
     the options of :class:`FistaOptions` (flags ``--fista-*``)."""
 
     name: ClassVar[str] = "fista"
-    needs_dense: ClassVar[bool] = True
     accepts_cross: ClassVar[bool] = True
     default_scope: ClassVar[str] = "layer"
     Options: ClassVar[type] = FistaOptions
+
+    @property
+    def needs_dense(self) -> bool:  # type: ignore[override]
+        """The dense model's statistics only serve a target that blends in its outputs (``correction > 0``)."""
+        return bool(self.options.correction)
 
     def prune_group(self, group: Group, stats: GroupStats, spec: LinearSpecs) -> dict[str, dict[str, Any]]:
         """Prune every linear of the group; what depends on ``H`` alone (its damped, ridged and
@@ -157,37 +172,32 @@ class FistaPruner(Pruner):
             lspec = linear_spec(spec, name)
             start = warm_start_weights(o.warm_start, W, stats, lspec, shared)
             res = fista_prune(
-                W,
-                H,
-                lspec,
-                G=stats.G,
-                C=stats.C[name] if stats.C and name in stats.C else None,
-                Hd=stats.Hd,
-                dense_const=stats.out_sq[name] if stats.out_sq and name in stats.out_sq else None,
-                W_start=start,
-                lam=o.lam,
-                rounds=o.rounds,
-                iters=o.iters,
-                xi=o.xi,
-                lambda_scope=o.lambda_scope,
-                damp=o.damp,
-                refine_iters=o.refine,
-                tol=o.tol,
-                precondition=o.precondition,
-                refine_method=o.refine_method,
-                correction=o.correction,
-                ridge=o.ridge,
-                low_dtype=low,
-                cache=cache,
+                W, H, lspec, o,
+                G=stats.G if self.needs_dense else None,
+                C=stats.C[name] if self.needs_dense and stats.C and name in stats.C else None,
+                Hd=stats.Hd if self.needs_dense else None,
+                dense_const=stats.out_sq[name] if self.needs_dense and stats.out_sq and name in stats.out_sq else None,
+                W_start=start, low_dtype=low, cache=cache,
             )
             lin.weight.data.copy_(res.W.to(W.dtype))
-            err, start_err = float(res.error.sum()), float(res.start_error.sum())
-            out[name] = {
-                "fista_error": err,
-                "warm_start_error": start_err,
-                "fista_gain": 1.0 - err / start_err if start_err > 0 else 0.0,
-                "lambda_final_mean": float(res.lam.mean()),
-                "product_dtype": str(low or H.dtype).removeprefix("torch."),
-                "rounds": [{k: v for k, v in h.items() if k != "round"} for h in res.history],
-            }
+            out[name] = self._report(res, low or H.dtype)
         return out
+
+    @staticmethod
+    def _report(res: Any, product_dtype: torch.dtype) -> dict[str, Any]:
+        err, start_err = float(res.error.sum()), float(res.start_error.sum())
+        report = {
+            "fista_error": err,
+            "warm_start_error": start_err,
+            "fista_gain": 1.0 - err / start_err if start_err > 0 else 0.0,
+            "lambda_final_mean": float(res.lam.mean()),
+            "product_dtype": str(product_dtype).removeprefix("torch."),
+            "fista_iters": sum(res.fista_iters),
+            "refine_iters_used": res.refine_iters_used,
+            "rounds": [{k: v for k, v in h.items() if k != "round"} for h in res.history],
+        }
+        if res.fallback_rows:
+            report["fallback_rows"] = res.fallback_rows
+            report["warning"] = (f"{res.fallback_rows} row(s) gave a non-finite solve and kept their warm start; "
+                                 "raise damp or use precision float32")
+        return report
