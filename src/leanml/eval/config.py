@@ -18,10 +18,7 @@ class Runtime:
         "float32", "weight dtype to load (pruning's statistics and solves stay float32; sparse kernels need "
                    "bfloat16 or float16)")
     threads: int | None = option(None, "torch threads (default: the cores this process may use); lower it when "
-                                       "other jobs share the machine", metavar="N")
-
-    def __post_init__(self) -> None:
-        require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
+                                       "other jobs share the machine", metavar="N", ge=1)
 
 
 @dataclass(frozen=True)
@@ -35,15 +32,11 @@ class ModelInput(Runtime):
 class Compute:
     """How the windows run: their length, how many per forward pass, and where each layer works."""
 
-    seqlen: int = option(512, "tokens per window (512 on CPU)")
-    batch_size: int = option(4, "windows per forward pass")
+    seqlen: int = option(512, "tokens per window (512 on CPU)", ge=2)
+    batch_size: int = option(4, "windows per forward pass", ge=1)
     device: str | None = option(None, "where each decoder layer does its work: cpu or cuda (default: cuda when "
                                       "present); the model's weights stay on the CPU and visit the device layer by "
                                       "layer", show_default=False)
-
-    def __post_init__(self) -> None:
-        require(self, self.seqlen >= 2, "seqlen", f"must be at least 2, got {self.seqlen}")
-        require(self, self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
 
 
 @dataclass(frozen=True)
@@ -88,19 +81,13 @@ class EvalJob(Compute, ModelInput):
 class SpeedSettings:
     """How :func:`leanml.eval.speed.measure_speeds` times models: lengths, batch, repeats."""
 
-    prompt_len: int = option(256, "prefill tokens per sequence")
-    gen_len: int = option(32, "decode steps timed (0: skip decode)")
-    gen_prompt_len: int = option(32, "prompt put in the KV cache before decoding")
-    batch_size: int = option(1, "sequences per run")
-    repeats: int = option(5, "timed runs per model (median reported)")
-    warmup: int = option(1, "untimed runs per model first")
+    prompt_len: int = option(256, "prefill tokens per sequence", ge=1)
+    gen_len: int = option(32, "decode steps timed (0: skip decode)", ge=0)
+    gen_prompt_len: int = option(32, "prompt put in the KV cache before decoding", ge=1)
+    batch_size: int = option(1, "sequences per run", ge=1)
+    repeats: int = option(5, "timed runs per model (median reported)", ge=1)
+    warmup: int = option(1, "untimed runs per model first", ge=0)
     seed: int = option(0, "seed of the random token ids", cli=False)
-
-    def __post_init__(self) -> None:
-        for name, low in (("prompt_len", 1), ("gen_len", 0), ("gen_prompt_len", 1), ("batch_size", 1),
-                          ("repeats", 1), ("warmup", 0)):
-            value = getattr(self, name)
-            require(self, value >= low, name, f"must be at least {low}, got {value}")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from leanml.config import option, require
+from leanml.config import option
 from leanml.memory.train import TrainConfig
 
 
@@ -20,18 +20,14 @@ class TrainJob:
 
     model: str = option("smollm2-135m", "smollm2-135m, a model directory, a .gguf file or a hub id")
     data: str = option("shakespeare", "text corpus (training split)")
-    seqlen: int = option(256, "tokens per window")
+    seqlen: int = option(256, "tokens per window", ge=2)
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "weights and activations dtype")
     train: TrainConfig = option(default_factory=TrainConfig, prefix="")
     out: str | None = option(None, "output directory (default out/train-<memory>)", show_default=False)
     overwrite: bool = option(False, "replace an existing output directory")
     save: bool = option(False, "also save the fine-tuned model into the output directory")
     threads: int | None = option(None, "torch threads (default: the cores this process may use); lower it when "
-                                       "other jobs share the machine", metavar="N")
-
-    def __post_init__(self) -> None:
-        require(self, self.seqlen >= 2, "seqlen", f"must be at least 2, got {self.seqlen}")
-        require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
+                                       "other jobs share the machine", metavar="N", ge=1)
 
     @property
     def out_dir(self) -> str:
