@@ -162,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a file that cannot be read or written, a full disk: the machine's, not a bug
         if debug():
             traceback.print_exc()
-        where = f": {exc.filename}" if exc.filename else ""
-        print(f"leanml: error: {exc.strerror or exc}{where}; check the path, its permissions and the free space",
-              file=sys.stderr)
+        print(f"leanml: error: {os_error_line(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:  # a bug: one line by default, the traceback on request
         missing = extras.missing_extra(exc, args.command) if isinstance(exc, ModuleNotFoundError) else None
@@ -180,6 +178,22 @@ def main(argv: list[str] | None = None) -> int:
               "report the traceback)", file=sys.stderr)
         return 1
     return int(result or 0)
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an ``OSError`` no command turned into a message: the path, and for a full disk
+    the bytes free there; a path inside the cache names ``LEANML_CACHE``."""
+    from leanml.faults import cache_root, free_bytes, is_disk_full, size
+
+    path = exc.filename
+    where = f": {path}" if path else ""
+    cache = ""
+    if path and str(Path(path).expanduser().absolute()).startswith(str(cache_root().absolute())):
+        cache = " (the cache, LEANML_CACHE: set it to a writable folder with room)"
+    if is_disk_full(exc):
+        free = f", {size(free_bytes(path))} free there" if path else ""
+        return f"disk full{where}{free}{cache}; free space there or choose another folder"
+    return f"{exc.strerror or exc}{where}{cache}; check the path, its permissions and the free space"
 
 
 if __name__ == "__main__":

@@ -29,7 +29,11 @@ class LeanmlError(Exception):
 def cache_dir() -> Path:
     """The cache directory: ``$LEANML_CACHE`` or ``~/.cache/leanml``. Created on first use."""
     path = Path(os.environ.get("LEANML_CACHE") or Path.home() / ".cache" / "leanml").expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LeanmlError(f"the cache {path} (LEANML_CACHE) cannot be created ({exc.strerror or exc}); set "
+                          "LEANML_CACHE to a writable folder") from exc
     return path
 
 

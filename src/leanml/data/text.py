@@ -128,6 +128,28 @@ def _load_text(name: str, split: str, stamp: tuple[int, int] | None) -> str:
     return text[cut:] if split == "test" else text[:cut]
 
 
+#: byte-order marks, longest first (UTF-32's little-endian mark starts with UTF-16's)
+BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"),
+        (b"\xfe\xff", "UTF-16BE"))
+
+
+def detect_encoding(data: bytes) -> tuple[str, str]:
+    """The likely encoding of bytes that are not UTF-8, for the conversion hint, and why: a byte-order
+    mark (UTF-16 or UTF-32), else NUL bytes in every other position (UTF-16 without a mark), else
+    latin1 (any byte decodes; the usual single-byte case)."""
+    for bom, name in BOMS:
+        if data.startswith(bom):  # iconv reads the mark itself given the family name
+            return name[:6], f"; it starts with the {name} byte-order mark"
+    head = data[:4096]
+    if len(head) >= 4:
+        even, odd = head[0::2].count(0), head[1::2].count(0)
+        if odd > len(head) // 4 and even == 0:
+            return "UTF-16LE", "; every other byte is NUL: UTF-16 without a byte-order mark"
+        if even > len(head) // 4 and odd == 0:
+            return "UTF-16BE", "; every other byte is NUL: UTF-16 without a byte-order mark"
+    return "latin1", ""
+
+
 def read_utf8(path: Path) -> str:
     """A text file's contents, refusing (:class:`LeanmlError`) a file that is empty or not UTF-8."""
     try:
@@ -137,10 +159,17 @@ def read_utf8(path: Path) -> str:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
+        encoding, why = detect_encoding(data)
         raise LeanmlError(
-            f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); convert it first, "
-            f"e.g. iconv -f latin1 -t utf-8 {path} > {path.with_suffix('.utf8.txt').name}"
+            f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}{why}); convert it "
+            f"first, e.g. iconv -f {encoding} -t utf-8 {path} > {path.with_suffix('.utf8.txt').name}"
         ) from exc
+    if "\x00" in text:  # ASCII text in UTF-16 or UTF-32 without a mark decodes as UTF-8 full of NULs
+        encoding, why = detect_encoding(data)
+        raise LeanmlError(
+            f"{path} is not UTF-8 text (NUL bytes, first at offset {data.index(0)}{why}); convert it first, "
+            f"e.g. iconv -f {encoding} -t utf-8 {path} > {path.with_suffix('.utf8.txt').name}"
+        )
     if not text.strip():
         raise LeanmlError(f"{path} is empty; pass a text file with the corpus")
     return text

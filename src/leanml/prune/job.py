@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from leanml.config import as_dict
+from leanml.faults import check_model_cache, check_space, write_fault
 from leanml.prune.config import PruneConfig, PruneJob
 from leanml.prune.engine.checkpoint import CheckpointError, CheckpointMismatch, check_checkpoint
 from leanml.utils import LeanmlError, Timer, atomic_dir, machine_info, write_json
@@ -29,6 +30,12 @@ def measured_sparsity(model: torch.nn.Module, adapter: Any) -> float:
             zeros += int((lin.weight == 0).sum())
             total += lin.weight.numel()
     return zeros / max(total, 1)
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's tensors as saved (shared ones, e.g. tied embeddings, once)."""
+    seen = {(t.data_ptr(), t.numel()): t for t in model.state_dict().values()}
+    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 def peek_config(spec: str) -> dict[str, Any]:
@@ -109,6 +116,7 @@ def _check_inputs(job: PruneJob, rank: int) -> tuple[Path, Path, int, torch.devi
 
         require_compressed()
     check_model_input(job.model, job.config.seqlen)
+    check_model_cache(job.model)
     check_model_type(job.model, pruner_class(job.config.method).structured)
     check_corpus(job.config.calib, "calib", "--calib")
     if job.eval:
@@ -151,6 +159,9 @@ def run_job(job: PruneJob) -> dict[str, Any] | None:
         model, tokenizer = load_model(job.model, dtype=parse_dtype(job.dtype))  # stays on the CPU
     adapter = get_adapter(model)
     check_seqlen(model, c.seqlen, c)
+    need = weights_bytes(model)
+    if job.save_format == "safetensors" and rank == 0:  # before the work: the save needs about the weights' bytes
+        check_space(out.parent, need, "the pruned model", "free space there or choose another --out")
     with Timer() as t_calib:
         calib, calib_info = calibration(model, tokenizer, c, device)
     params_before = count_parameters(model)
@@ -186,7 +197,12 @@ def run_job(job: PruneJob) -> dict[str, Any] | None:
     with atomic_dir(out, overwrite=job.overwrite) as tmp:
         model.config.use_cache = True
         # the mask's structure as written in the compressed format's config: "2:4", "4:8", ... or unstructured
-        sizes = save_model(model, tokenizer, tmp, job.save_format, sparse, sparsity, c.spec.describe())
+        try:
+            sizes = save_model(model, tokenizer, tmp, job.save_format, sparse, sparsity, c.spec.describe())
+        except Exception as exc:  # a full disk or a permission error, also inside safetensors' own error
+            if isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError":
+                raise write_fault(exc, out, need, "the pruned model") from exc
+            raise
         report["save"] = {"format": job.save_format, **(sizes or {}),
                           "weights_bytes": sum(f.stat().st_size for f in tmp.glob("*.safetensors"))}
         write_json(tmp / "report.json", report)

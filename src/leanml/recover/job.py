@@ -141,9 +141,10 @@ def _check_inputs(job: RecoverJob) -> None:
     check_model_input(job.model, job.seqlen)
     if job.eval_names:
         check_model_input(job.model, job.eval_seqlen, "--eval-seqlen")
+    report = read_report(job.model)  # a report.json of the wrong shape is refused before any loading
     teacher = job.teacher
     if teacher == "source":
-        teacher = declaration(read_report(job.model)).source_model  # none: refused after loading, as before
+        teacher = declaration(report).source_model  # none: refused after loading, as before
     if teacher:
         check_model_spec(teacher, flag="--teacher")
     check_corpus(job.data, "train", "--data")

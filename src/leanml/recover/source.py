@@ -73,9 +73,40 @@ def read_report(model_dir: str | Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LeanmlError(f"cannot read {path} ({type(exc).__name__}); repair or delete it") from exc
+    check_report_types(report, path)
+    return report
+
+
+#: the fields of a prune report that recovery reads, and the JSON types each may have (None: null)
+REPORT_FIELDS: dict[str, tuple[type, ...]] = {
+    "method": (str,), "mask": (dict,), "model": (dict,), "finalize": (dict,), "config": (dict,),
+    "mask.pattern": (str,), "mask.sparsity": (int, float), "mask.structured": (bool,),
+    "model.params_before": (int,), "model.params_after": (int,), "model.source": (str,),
+    "finalize.intermediate_size": (int,), "config.model": (str,),
+}
+
+
+def check_report_types(report: Any, path: Path) -> None:
+    """Refuse (one line) a ``report.json`` that is valid JSON but not a report: not an object, or a field
+    recovery reads holding another type (``"mask": "2:4"``, ``"sparsity": "half"``)."""
+    if not isinstance(report, dict):
+        raise LeanmlError(f"{path} is not a leanml report (a JSON {type(report).__name__}, not an object); repair "
+                          "or delete it")
+    for name, kinds in REPORT_FIELDS.items():
+        owner, _, key = name.rpartition(".")
+        holder = report.get(owner) if owner else report
+        value = holder.get(key) if isinstance(holder, dict) else None
+        if value is None:
+            continue
+        bad = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
+        if bad:
+            wanted = " or ".join({"str": "a string", "dict": "an object", "int": "an integer", "float": "a number",
+                                  "bool": "true or false"}[k.__name__] for k in kinds)
+            raise LeanmlError(f"{path}: field {name} is {json.dumps(value)[:40]} ({type(value).__name__}), "
+                              f"expected {wanted}; repair or delete it")
 
 
 def declaration(report: dict[str, Any] | None, pattern: str | None = None) -> MaskDeclaration:
