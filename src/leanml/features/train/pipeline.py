@@ -54,6 +54,8 @@ def train_on(model: FeatureDNN, batches: Iterable[FeatureBatch], opt: CTROptimiz
     loss_fn = torch.nn.BCEWithLogitsLoss()
     total_loss = 0.0
     bar = EtaBar(total=total, desc=desc, unit="row", disable=not progress, leave=False)
+    # a CTROptimizer, or a torch optimizer (DDP training uses Adam)
+    hint = lr_hint(opt.lr if isinstance(opt, CTROptimizer) else opt.param_groups[0]["lr"])
     it = iter(batches)
     while True:
         t0 = time.perf_counter()
@@ -69,7 +71,7 @@ def train_on(model: FeatureDNN, batches: Iterable[FeatureBatch], opt: CTROptimiz
         opt.zero_grad(set_to_none=True)
         loss.backward()
         lv = float(loss.detach())
-        check_finite_loss(lv, rep.steps + 1, lr_hint(opt.lr), "FeatureBox training")
+        check_finite_loss(lv, rep.steps + 1, hint, "FeatureBox training")
         opt.step()
         rep.train_s += time.perf_counter() - t1
         rep.cpu_s += time.thread_time() - c1
