@@ -270,3 +270,24 @@ def test_missing_lm_eval_is_refused_naming_the_extra(inputs, monkeypatch, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("leanml: error:")
     assert "pip install 'leanml[eval]'" in err[0]
+
+
+def test_ptb_is_read_from_a_parquet_export_not_a_loading_script(monkeypatch) -> None:
+    """datasets >= 4 refuses loading scripts (ptb_text_only is one): ptb goes through the parquet builder."""
+    import datasets
+
+    from leanml.data import text
+    from leanml.models import check
+
+    calls = []
+
+    def load_dataset(path, *args, **kwargs):
+        calls.append((path, args, kwargs))
+        return {"sentence": ["a b", "c d"]}
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(check, "hub_reachable", lambda timeout=3.0: True)
+    assert text._hub_text("ptb", "test") == "a b c d"
+    (path, args, kwargs), = calls
+    assert path == "parquet" and not args
+    assert kwargs["split"] == "test" and kwargs["data_files"]["test"].startswith(text.PTB_PARQUET + "/test/")

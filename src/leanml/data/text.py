@@ -53,6 +53,8 @@ SPLITS = ("calib", "test", "train", "val")
 REVIEWS_TEST = 300
 REVIEWS_VAL = 300
 HUB_CORPORA = ("wikitext2", "ptb", "c4")
+#: the Parquet export of the ``ptb_text_only`` dataset (whose loading script datasets >= 4 refuses)
+PTB_PARQUET = "hf://datasets/ptb-text-only/ptb_text_only@refs%2Fconvert%2Fparquet/penn_treebank"
 
 
 def corpora() -> list[str]:
@@ -202,7 +204,10 @@ def _hub_text(name: str, split: str) -> str:
             ds = load_dataset("wikitext", "wikitext-2-raw-v1", split=hf_split)
             return "\n\n".join(ds["text"])
         if name == "ptb":
-            ds = load_dataset("ptb_text_only", "penn_treebank", split=hf_split)
+            # ptb_text_only is a loading script, which datasets >= 4 no longer runs: read the hub's Parquet
+            # export of it (the same sentences) through datasets' own parquet builder
+            files = f"{PTB_PARQUET}/{hf_split}/*.parquet"
+            ds = load_dataset("parquet", data_files={hf_split: files}, split=hf_split)
             return " ".join(ds["sentence"])
         # c4: the validation shard SparseGPT uses for both (calibration takes random documents)
         shard = "en/c4-train.00000-of-01024.json.gz" if hf_split == "train" else "en/c4-validation.00000-of-00008.json.gz"

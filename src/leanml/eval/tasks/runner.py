@@ -38,8 +38,9 @@ def require_lm_eval(found: str | None | bool = False) -> None:
     imported. ``found`` stands for the installed version (tests); by default it is looked up."""
     found = installed_version() if found is False else found
     if found is None:
-        raise LeanmlError(f"--tasks needs lm-eval, which is not installed; run `{INSTALL}` "
-                          f"(lm-eval=={LM_EVAL_VERSION})")
+        from leanml.extras import MissingExtraError, missing_message
+
+        raise MissingExtraError(f"--tasks: {missing_message('eval', 'lm_eval', 'eval')}")
     if found != LM_EVAL_VERSION:
         raise LeanmlError(f"lm-eval {found} is installed but leanml's tasks need lm-eval=={LM_EVAL_VERSION}; "
                           f"run `pip install 'lm-eval=={LM_EVAL_VERSION}'` or `{INSTALL}`")
