@@ -83,6 +83,45 @@ def parse_memory(text: str | int | None) -> int | None:
 
 
 # --------------------------------------------------------------------------------------------------
+# the process's floor
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (``/proc/self/statm``; the peak where Linux has no statm)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+
+
+def process_floor(floor: dict[str, Any], calib_ids: torch.Tensor, model: nn.Module, dtype: torch.dtype,
+                  ) -> dict[str, Any]:
+    """The smallest cap on this process's peak resident memory a streamed run can keep to, from the
+    model's own sizes and what the process holds already (libraries, tokenizer, calibration tokens):
+    the larger of
+
+    - the capture: the outer tensors (embeddings, tied or not, norm, head: ``outer_bytes``) are read
+      from the memory-mapped shards (the mapped pages count as resident), copied, and the copy cast,
+      so up to three times their bytes at once, then the first layer's inputs (``nsamples x seqlen x
+      hidden``) beside them;
+    - a layer's step (:func:`memory_floor`); the activation streams spill to disk beyond what the cap
+      leaves them.
+
+    The resident set is read now, after the libraries, the tokenizer and the calibration tokens loaded."""
+    width = int(getattr(model.config, "hidden_size", 0) or 0)
+    streams = calib_ids.shape[0] * calib_ids.shape[-1] * width * torch.empty((), dtype=dtype).element_size()
+    now = resident_bytes()
+    capture = 3 * floor["outer_bytes"] + streams
+    step = floor["floor_bytes"]
+    phase = (f"reading the embeddings and head ({mb(floor['outer_bytes'])}) for the input capture"
+             if capture >= step else f"layer {floor['layer']}'s step")
+    total = now + max(capture, step)
+    return {**floor, "process_bytes": now, "streams_bytes": streams, "capture_bytes": capture, "step_bytes": step,
+            "total_bytes": total, "phase": phase}
+
+
+# --------------------------------------------------------------------------------------------------
 # the driver
 
 
@@ -194,18 +233,19 @@ def prune_streamed(
     model = build_skeleton(model_dir, dtype)
     index.adopt_names(model)
     adapter = get_adapter(model)
-    floor = memory_floor(index, model, adapter, dtype)
-    if max_memory is not None and max_memory < floor["floor_bytes"]:
+    floor = process_floor(memory_floor(index, model, adapter, dtype), calib_ids, model, dtype)
+    if max_memory is not None and max_memory < floor["total_bytes"]:
         raise ConfigError(
-            f"max_memory {mb(max_memory)} is below what one step needs; the smallest cap that works is "
-            f"{mb(floor['floor_bytes'])} (layer {floor['layer']}: {mb(floor['layer_bytes'])} of weights plus its "
-            "working set); raise max_memory", None, ("max_memory",)
+            f"max_memory {mb(max_memory)} is below this run's peak resident memory; the smallest cap that works "
+            f"is {-(-floor['total_bytes'] // MB)}MiB (this process holds {mb(floor['process_bytes'])} already: libraries, "
+            f"tokenizer, calibration tokens; then {floor['phase']}); raise max_memory", None, ("max_memory",)
         )
     out = Path(out_dir)
     own_ckpt = checkpoint_dir is None
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else out.with_name(out.name + ".stream-tmp")
     staging = ckpt / "shards"
-    budget = None if max_memory is None else max_memory - floor["floor_bytes"]
+    # what the activation streams may hold in memory beside one layer's step before they spill to disk
+    budget = None if max_memory is None else max_memory - floor["process_bytes"] - floor["floor_bytes"]
     store = ShardStore(index, model, adapter, staging, dtype, budget, ckpt / "streams")
     n_layers = len(adapter.layers())
     resuming = not own_ckpt and (ckpt / "state.pt").exists()  # the engine restores the pruner's state then
@@ -253,6 +293,7 @@ def prune_streamed(
         "allocator": "bounded" if max_memory is not None else "default",
         "floor": floor,
         "peak_rss_bytes": peak_rss_bytes(),
+        "cap_held": None if max_memory is None else peak_rss_bytes() <= max_memory,
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "read_bytes": io1["read_bytes"] - io0["read_bytes"],
         "write_bytes": io1["write_bytes"] - io0["write_bytes"],
