@@ -42,9 +42,11 @@ def _prune(work: Path, name: str, *method: str) -> Path:
 
 
 def _recover_args(work: Path, model: Path, out: Path, *extra: str) -> list[str]:
+    """A short recovery run; the evaluation options only where the run evaluates (``--no-eval`` refuses them)."""
+    evals = [] if "--no-eval" in extra else ["--eval-data", str(work / "text.txt"), "--eval-seqlen", "32",
+                                              "--eval-windows", "3"]
     return ["recover", "--model", str(model), "--data", str(work / "text.txt"), "--seqlen", "32", "--steps", "6",
-            "--batch-size", "2", "--lr", "2e-3", "--eval-data", str(work / "text.txt"), "--eval-seqlen", "32",
-            "--eval-windows", "3", "--out", str(out), *extra]
+            "--batch-size", "2", "--lr", "2e-3", *evals, "--out", str(out), *extra]
 
 
 def test_prune_2_4_then_recover_with_the_source_teacher(work, tmp_path, capsys):
