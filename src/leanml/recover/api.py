@@ -171,7 +171,7 @@ def recover(
             state = torch.load(state_path, map_location=device, weights_only=False)
         except Exception as exc:  # a truncated or foreign file
             raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: its state.pt is corrupt or "
-                                  f"truncated; rerun without --resume and with --overwrite to clear it") from exc
+                                  f"truncated; pass --overwrite instead of --resume to clear it") from exc
         check_settings(ckpt, state.get("settings") if isinstance(state, dict) else None, meta)
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])

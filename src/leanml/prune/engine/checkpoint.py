@@ -131,8 +131,8 @@ def check_checkpoint(ckpt: Path, resume: bool, overwrite: bool, partial: tuple[s
             raise CheckpointError(f"an interrupted run left a checkpoint in {ckpt}; add --resume to continue it, "
                               f"or --overwrite (or delete {ckpt}) to start over")
         return
-    raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: {problem}; rerun without --resume and with "
-                      f"--overwrite to clear it (or delete {ckpt})")
+    raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: {problem}; pass --overwrite instead of "
+                      f"--resume to clear it (or delete {ckpt})")
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -154,7 +154,7 @@ def check_settings(ckpt: Path, saved: dict[str, Any] | None, now: dict[str, Any]
     diffs = differing_settings(saved, now) if saved is not None else ["version (a checkpoint of an older leanml)"]
     raise CheckpointMismatch(f"the checkpoint in {ckpt} was made with other settings: {'; '.join(diffs[:6])}"
                       f"{'; ...' if len(diffs) > 6 else ''}; rerun --resume with the interrupted run's settings, "
-                      f"or rerun without --resume and with --overwrite to start over (or delete {ckpt})",
+                      f"or pass --overwrite instead of --resume to start over (or delete {ckpt})",
                       None, _field_names(diffs))
 
 
@@ -168,10 +168,10 @@ def resume_state(ckpt: Path | None, meta: dict[str, Any]) -> dict[str, Any] | No
         state = torch.load(state_path, weights_only=False)
     except Exception as exc:  # a truncated or foreign file
         raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: its state.pt is corrupt or truncated; "
-                          f"rerun without --resume and with --overwrite to clear it (or delete {ckpt})") from exc
+                          f"pass --overwrite instead of --resume to clear it (or delete {ckpt})") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: its state.pt is not a leanml checkpoint; "
-                          f"rerun without --resume and with --overwrite to clear it (or delete {ckpt})")
+                          f"pass --overwrite instead of --resume to clear it (or delete {ckpt})")
     check_settings(ckpt, state.get("settings"), meta)
     return state
 
@@ -183,7 +183,7 @@ def restore_layers(ckpt: Path, layers: nn.ModuleList, count: int) -> None:
             sd = torch.load(layer_path(ckpt, i), weights_only=True)
         except Exception as exc:  # missing, truncated or foreign
             raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: {layer_path(ckpt, i).name} is missing "
-                              f"or corrupt; rerun without --resume and with --overwrite to clear it") from exc
+                              f"or corrupt; pass --overwrite instead of --resume to clear it") from exc
         load_layer_state(layers[i], sd)
 
 
