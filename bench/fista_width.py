@@ -170,7 +170,8 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
-        groups.setdefault((r["operator"].split(".")[0], r["width"], r["pattern"], r["preset"]), []).append(r)
+        shape = "smollm2" if r["operator"].startswith("smollm2") else r["operator"].rsplit(".", 1)[0]
+        groups.setdefault((shape, r["width"], r["pattern"], r["preset"]), []).append(r)
     for (shape, n, pattern, preset), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "smollm2", kv[0][1], kv[0][2], kv[0][3])):
         gaps = [r["gap"] for r in rs]
         lines.append(f"| {shape} | {n} | {pattern} | {preset} | {100 * statistics.fmean(gaps):+.3f} % | "
