@@ -292,7 +292,7 @@ def test_harness_runs_rows_and_records_a_failing_peer(tiny_model_dir, tmp_path):
     md = results.with_suffix(".md").read_text()
     assert f"{n_windows} windows x 32 tokens" in md and "error: LeanmlError: peer python" in md
     assert results.with_suffix(".png").exists()
-    assert "| fista | uniform | leanml prune --method fista defaults; lam=0.001, iters=10" in md  # the options by field name
+    assert "| fista | uniform | leanml prune --method fista defaults; preset=None, lam=0.001, iters=10" in md  # by field name
     # a second chunk merges: the dense record is kept, a new seed and an owl row are added
     bp.main([*common, "--methods", "magnitude", "--patterns", "60%", "--seeds", "1", "--profiles", "uniform,owl"])
     recs = json.loads(results.read_text())

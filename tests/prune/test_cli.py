@@ -86,8 +86,8 @@ def test_resume_continues_an_interrupted_run(tiny_model_dir, tmp_path):
         (["--pattern", "3:7"], "the 3:7 pattern needs input widths divisible by 7"),
         (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
         (["--owl-lambda", "0.6", "--sparsity-profile", "owl", "--sparsity", "0.5"], "lower --owl-lambda"),
-        (["--calib-samples", "1.5"], "--calib-samples is a share"),
-        (["--calib-samples", "-0.1"], "--calib-samples is a share"),
+        (["--calib-samples", "1.5"], "--calib-samples must be in [0, 1]"),
+        (["--calib-samples", "-0.1"], "--calib-samples must be in [0, 1]"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tiny_model_dir, tmp_path, extra, message, capsys):
