@@ -69,12 +69,13 @@ def warm_start_weights(name: str, W: torch.Tensor, stats: GroupStats, spec: Mask
 
 #: the named settings: every field a preset sets, and its value there (``None`` in :class:`FistaOptions`
 #: means "the preset's"). ``default``: the best quality at its cost; ``fast``: the cheapest setting
-#: that still beats SparseGPT (bench/results/prune_frontier.md).
+#: measured that still beats SparseGPT clearly (bench/results/prune_frontier.md: one FISTA step; a Wanda
+#: start or SparseGPT's target, cheaper still, gave back most of the gain).
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {"iters": 10, "refine": 5, "tol": 0.0, "warm_start": "sparsegpt", "correction": 0.5,
                 "refit_start": True},
-    "fast": {"iters": 1, "refine": 10, "tol": 0.0, "warm_start": "wanda", "correction": 0.0,
-             "refit_start": False},
+    "fast": {"iters": 1, "refine": 5, "tol": 0.0, "warm_start": "sparsegpt", "correction": 0.5,
+             "refit_start": True},
 }
 Preset = Literal["default", "fast"]
 
@@ -85,8 +86,9 @@ class FistaOptions:
 
     prefix: ClassVar[str] = "fista-"
 
-    preset: Preset | None = option(None, "named setting: default (the best quality at its cost) or fast (the "
-                                         "cheapest setting that beats SparseGPT; see docs/fista.md); it fills "
+    preset: Preset | None = option(None, "named setting: default (the best quality at its cost) or fast (one "
+                                         "FISTA step: the cheapest measured setting that beats SparseGPT; see "
+                                         "docs/fista.md); it fills "
                                          "iters, refine, tol, warm-start, correction and refit-start, and refuses "
                                          "an explicit one that differs", show_default=False)
     lam: float = option(1e-3, "initial l1 weight, relative to each row's zeroing lambda max|C| (C: the cross "
