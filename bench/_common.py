@@ -11,9 +11,11 @@ are left alone.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +65,18 @@ def replace_block(path: Path, name: str, inner: str) -> bool:
     tmp.write_text(f"{head}{start}{inner}{end}{tail}")
     os.replace(tmp, path)
     return True
+
+
+#: the lock every heavy job on a shared machine takes (``flock /tmp/leanml-cpu.lock CMD`` on the command line)
+CPU_LOCK = "/tmp/leanml-cpu.lock"
+
+
+@contextlib.contextmanager
+def cpu_lock(path: str = CPU_LOCK) -> Iterator[None]:
+    """Hold the shared CPU lock for one measurement (other heavy jobs run between measurements, never during one)."""
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -23,8 +23,6 @@ Writes ``bench/results/fista_width.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import resource
 import statistics
 import sys
@@ -41,7 +39,6 @@ import _common  # noqa: E402
 from leanml.utils import atomic_file, machine_info, write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fista_width.json"
-CPU_LOCK = "/tmp/leanml-cpu.lock"
 #: name -> (hidden, mlp) of the synthetic shapes
 SHAPES = {"360m": (960, 2560), "1.1b": (2048, 5632), "3b": (3072, 8192)}
 REFERENCE = {"iters": 200, "refine": 200, "tol": 0.0}
@@ -51,16 +48,6 @@ TARGET = 0.01  # a preset's objective within 1 % of the converged reference's
 def cpu() -> float:
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime
-
-
-@contextlib.contextmanager
-def cpu_lock() -> Any:
-    with open(CPU_LOCK, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def synthetic(name: str, tokens: int, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -226,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
         info = {**machine_info(), "cores_available": len(__import__("os").sched_getaffinity(0))}
         for shape in [s for s in args.shapes.split(",") if s]:
-            with cpu_lock():
+            with _common.cpu_lock():
                 ops = smollm2(args.nsamples, 0) if shape == "smollm2" else synthetic(shape, args.tokens, 0)
                 new = []
                 for op, W, H in ops:

@@ -26,8 +26,6 @@ seeds).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import re
 import shlex
 import shutil
@@ -35,7 +33,6 @@ import statistics
 import sys
 import time
 import typing
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,17 +99,6 @@ def config_for(label: str, pattern: str) -> Any:
     return PruneConfig(method=method, sparsity=sparsity, pattern=f"{nm[0]}:{nm[1]}" if nm else None, options=options)
 
 
-@contextlib.contextmanager
-def cpu_lock(path: str = P.CPU_LOCK) -> Iterator[None]:
-    """Hold the shared CPU lock for one row (other heavy jobs run between rows, never during one)."""
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def prune_ours(ctx: P.Context, label: str, pattern: str, seed: int, out: Path) -> dict[str, Any]:
     """Prune with our engine at ``label``'s settings, timed like bench/prune.py (the call only)."""
     import leanml.prune
@@ -155,7 +141,7 @@ def run_row(ctx: P.Context, label: str, pattern: str, seed: int | None) -> list[
                             "command": ctx.command, "machine": P.machine(), "load": {"before": list(P.os.getloadavg())},
                             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
-        with cpu_lock():
+        with _common.cpu_lock():
             base["cpu_lock_held"] = True
             if label == "dense":
                 info, model_dir = {"seconds": 0.0, "cpu_seconds": 0.0}, ctx.model_dir
