@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import prune as P  # noqa: E402
 import prune_harness as H  # noqa: E402
-from leanml.utils import LeanmlError, atomic_file, cache_dir, exit_on_sigterm, write_json  # noqa: E402
+from leanml.utils import LeanmlError, cache_dir, exit_on_sigterm  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prune_frontier.json"
 KEY = ("method", "pattern", "seed", "nsamples", "corpus")
@@ -282,11 +282,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_outputs(records: list[dict[str, Any]], results: Path) -> None:
-    write_json(results, records)
-    with atomic_file(results.with_suffix(".md")) as tmp:
-        tmp.write_text(render_markdown(records))
-    with atomic_file(results.with_suffix(".png"), suffix=".png") as tmp:
-        plot(records, tmp)
+    _common.write_outputs(records, results, render_markdown, plot)
 
 
 def main(argv: list[str] | None = None) -> None:

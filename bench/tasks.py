@@ -42,7 +42,7 @@ import _common  # noqa: E402
 import prune as P  # noqa: E402  (bench/prune.py: its pruning rows and calibration files)
 import prune_harness as H  # noqa: E402
 from leanml.eval.tasks import LM_EVAL_VERSION, OFFLINE_TASKS  # noqa: E402
-from leanml.utils import atomic_file, cache_dir, exit_on_sigterm, write_json  # noqa: E402
+from leanml.utils import cache_dir, exit_on_sigterm, write_json  # noqa: E402
 
 RESULTS = HERE / "results" / "tasks.json"
 KEY = ("method", "pattern", "seed")
@@ -308,11 +308,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_outputs(records: list[dict[str, Any]], results: Path) -> None:
-    write_json(results, records)
-    with atomic_file(results.with_suffix(".md")) as tmp:
-        tmp.write_text(render_markdown(records))
-    with atomic_file(results.with_suffix(".png"), suffix=".png") as tmp:
-        plot(records, tmp)
+    _common.write_outputs(records, results, render_markdown, plot)
 
 
 # ---------------------------------------------------------------- main
