@@ -9,7 +9,8 @@ clothing reviews; the count is in every record). Rows are named by a setting lab
 - ``llmc-sparsegpt``: llm-compressor's ``SparseGPTModifier`` in ``.venv-peers`` (``bench/peers/llmc_prune.py``);
 - ``fista@fast``: a FISTA preset (``--fista-preset fast``);
 - ``fista{iters=1,refine=10,warm_start=wanda}``: FISTA with these option fields changed (any field of
-  ``FistaOptions``; values parsed by the field's type), on top of a preset when written ``fista@fast{...}``.
+  ``FistaOptions``; values parsed by the field's type), on top of a preset when written ``fista@fast{...}``;
+  a field the method's options lack is an engine field of ``PruneConfig`` (``fista@fast{intra_layer=false}``).
 
 Keys: (method label, pattern, seed, nsamples, corpus); records carry the measured sparsity, the prune
 wall and CPU-seconds split into the method's own work (``solver_seconds``) and the engine's
@@ -79,24 +80,29 @@ def _typed(cls: type, name: str, text: str) -> Any:
     return base(text) if base in (int, float) else text
 
 
-def options_for(label: str) -> tuple[str, Any]:
-    """The method name and its options object for a setting label."""
+def options_for(label: str) -> tuple[str, Any, dict[str, Any]]:
+    """The method name, its options object and the engine fields (``PruneConfig``'s, e.g. ``intra_layer``)
+    of a setting label: a field the method's options do not have is looked up in ``PruneConfig``."""
+    from leanml.prune.config import PruneConfig
     from leanml.prune.methods import pruner_class
 
     method, preset, fields = parse_label(label)
     cls = pruner_class(method).Options
-    kwargs = {k: _typed(cls, k, v) for k, v in fields.items()}
+    own = typing.get_type_hints(cls)
+    kwargs = {k: _typed(cls, k, v) for k, v in fields.items() if k in own}
+    engine = {k: _typed(PruneConfig, k, v) for k, v in fields.items() if k not in own}
     if preset:
         kwargs["preset"] = preset
-    return method, cls(**kwargs)
+    return method, cls(**kwargs), engine
 
 
 def config_for(label: str, pattern: str) -> Any:
     from leanml.prune.config import PruneConfig
 
-    method, options = options_for(label)
+    method, options, engine = options_for(label)
     sparsity, nm = H.parse_pattern(pattern)
-    return PruneConfig(method=method, sparsity=sparsity, pattern=f"{nm[0]}:{nm[1]}" if nm else None, options=options)
+    return PruneConfig(method=method, sparsity=sparsity, pattern=f"{nm[0]}:{nm[1]}" if nm else None, options=options,
+                       **engine)
 
 
 def prune_ours(ctx: P.Context, label: str, pattern: str, seed: int, out: Path) -> dict[str, Any]:
@@ -313,11 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     labels = [x.replace(";", ",") for x in args.settings.split(",") if x]
     patterns = [p for p in args.patterns.split(",") if p]
     try:
-        for label in labels:
-            if label not in ("dense", *H.PEERS):
-                options_for(label)
         for p in patterns:
             H.parse_pattern(p)
+            for label in labels:
+                if label not in ("dense", *H.PEERS):
+                    config_for(label, p)
         seeds = [int(x) for x in args.seeds.split(",") if x]
     except (ValueError, LeanmlError) as exc:
         ap.error(str(exc))
