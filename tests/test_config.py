@@ -11,7 +11,9 @@ from typing import Literal
 import pytest
 
 from leanml.config import (
+    Bounds,
     ConfigError,
+    Form,
     add_options,
     cli_message,
     flags_of,
@@ -40,7 +42,7 @@ class Outer:
     verbose: bool = option(False, "print more")
     limit: int | None = option(None, "an optional limit")
     hidden: str = option("x", "not on the command line", cli=False)
-    inner: Inner = option(default_factory=Inner, prefix="fista-")
+    inner: Inner = option(default_factory=Inner, form=Form(prefix="fista-"))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,7 +96,7 @@ def test_a_nested_field_named_by_its_parent_gets_its_unique_flag() -> None:
 def test_a_bool_option_may_name_its_negative_flag() -> None:
     @dataclasses.dataclass(frozen=True)
     class Opts:
-        precondition: bool = option(True, "rescale", negative="--fista-no-precondition")
+        precondition: bool = option(True, "rescale", form=Form(negative="--fista-no-precondition"))
 
     p = argparse.ArgumentParser()
     add_options(p, Opts, prefix="fista-")
@@ -106,7 +108,7 @@ def test_a_bool_option_may_name_its_negative_flag() -> None:
 @dataclasses.dataclass(frozen=True)
 class Paths:
     source: str = option("a", "positional source", flag="source")
-    log: tuple[str, ...] = option((), "repeatable log", repeat=True, show_default=False)
+    log: tuple[str, ...] = option((), "repeatable log", form=Form(show_default=False, repeat=True))
 
 
 def test_repeated_flags_make_a_tuple_and_a_positional_is_a_field() -> None:
@@ -137,9 +139,10 @@ class Size:
 @dataclasses.dataclass(frozen=True)
 class Job:
     size: Size | None = option(None, "a size", parse=Size.parse)
-    levels: tuple[float, ...] = option((), "levels", parse=lambda t: tuple(map(float, t.split(","))), nargs="?",
-                                       const="1,0")
-    outer: Outer = option(default_factory=lambda: Outer(sparsity=0.3, inner=Inner(iters=7)), prefix="")
+    levels: tuple[float, ...] = option((), "levels", parse=lambda t: tuple(map(float, t.split(","))),
+                                       form=Form(nargs="?", const="1,0"))
+    outer: Outer = option(default_factory=lambda: Outer(sparsity=0.3, inner=Inner(iters=7)),
+                          form=Form(prefix=""))
 
 
 def test_parsed_values_bare_flags_and_nested_defaults(capsys: pytest.CaptureFixture[str]) -> None:
@@ -196,10 +199,10 @@ def test_cli_message_leaves_paths_and_quoted_values_alone() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Declared:
-    rate: float = option(0.5, "a share", gt=0, le=1)
-    steps: int = option(3, "steps", ge=1)
+    rate: float = option(0.5, "a share", bounds=Bounds(gt=0, le=1))
+    steps: int = option(3, "steps", bounds=Bounds(ge=1))
     scale: float = option(1.0, "any finite number")
-    cap: float = option(math.inf, "no cap by default", finite=False)
+    cap: float = option(math.inf, "no cap by default", bounds=Bounds(finite=False))
     flag: bool = option(False, "a switch")
     mode: Literal["a", "b"] = option("a", "mode")
     limit: int | None = option(None, "an optional limit")
@@ -247,7 +250,7 @@ def test_a_subclass_checks_the_fields_it_inherits_and_its_own_hook_runs_once() -
 
     @dataclasses.dataclass(frozen=True)
     class Child(Declared):
-        extra: int = option(1, "one more", ge=0)
+        extra: int = option(1, "one more", bounds=Bounds(ge=0))
 
         def __post_init__(self) -> None:
             calls.append(self.extra)
@@ -267,7 +270,7 @@ def test_a_default_tells_a_given_value_apart_from_the_same_number() -> None:
 
     @dataclasses.dataclass(frozen=True)
     class Opts:
-        share: float = option(default(0.5), "a share", gt=0, lt=1)
+        share: float = option(default(0.5), "a share", bounds=Bounds(gt=0, lt=1))
 
     assert not given(Opts().share) and given(Opts(share=0.5).share) and Opts() == Opts(share=0.5)
     assert json.dumps(Opts().share) == "0.5" and repr(Opts().share) == "0.5"

@@ -106,53 +106,78 @@ def given(value: Any) -> bool:
     return not isinstance(value, (_DefaultFloat, _DefaultInt))
 
 
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The declared range of a numeric option: ``gt``/``ge`` (lower bound, open/closed), ``lt``/``le``
+    (upper bound), and whether every float in the value must be finite (``finite``)."""
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    finite: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.gt is None or self.ge is None, "give one lower bound: gt or ge"
+        assert self.lt is None or self.le is None, "give one upper bound: lt or le"
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """How an option reads on the command line besides its flag and parser: the values it allows
+    (``choices``), the placeholder in the help (``metavar``), the prefix of a nested options dataclass's
+    flags (``prefix``), whether the help shows the default, ``nargs`` and the bare flag's value
+    (``const``), a repeatable flag (``repeat``) and a boolean's negative flag (``negative``)."""
+
+    choices: tuple[Any, ...] | None = None
+    metavar: str | None = None
+    prefix: str | None = None
+    show_default: bool = True
+    nargs: str | None = None
+    repeat: bool = False
+    negative: str | None = None
+    const: Any = None
+
+
+_NO_BOUNDS, _PLAIN_FORM = Bounds(), Form()
+
+
 def option(
     default: Any = MISSING,
     help: str = "",
     *,
     flag: str | None = None,
     parse: Callable[[str], Any] | None = None,
-    choices: tuple[Any, ...] | None = None,
-    metavar: str | None = None,
     default_factory: Callable[[], Any] | None = None,
     cli: bool = True,
-    prefix: str | None = None,
-    show_default: bool = True,
-    nargs: str | None = None,
-    repeat: bool = False,
-    negative: str | None = None,
-    const: Any = None,
-    gt: float | None = None,
-    ge: float | None = None,
-    lt: float | None = None,
-    le: float | None = None,
-    finite: bool = True,
+    bounds: Bounds | None = None,
+    form: Form | None = None,
 ) -> Any:
     """A dataclass field that is also a command-line option.
 
     ``flag`` overrides the generated ``--<prefix><name-with-dashes>``; ``parse`` turns the command-line
-    string into the field's value (default: the annotated type); ``choices`` limits the values (a
-    ``Literal`` annotation gives them too); a ``bool`` field gets ``--x``/``--no-x`` unless ``negative``
-    names its negative flag; ``cli=False`` keeps the field off the command line (a value
-    only Python callers give). A field whose type is itself an options dataclass is expanded in place,
-    its flags prefixed by ``prefix``. ``repeat``: the flag may be given several times and the field
-    (a tuple) holds every value in order. A ``flag`` without leading dashes is a positional argument.
-    A nested options dataclass takes its defaults from its ``default_factory``'s instance; with ``parse``
-    it is one option instead, whose value ``parse`` builds. ``nargs="?"`` with ``const``: the value of
-    the bare flag. A :class:`LeanmlError` raised by ``parse`` is a bad option.
+    string into the field's value (default: the annotated type); ``cli=False`` keeps the field off the
+    command line (a value only Python callers give). ``form`` (a :class:`Form`): ``choices`` limits the
+    values (a ``Literal`` annotation gives them too); a ``bool`` field gets ``--x``/``--no-x`` unless
+    ``negative`` names its negative flag; a field whose type is itself an options dataclass is expanded
+    in place, its flags prefixed by ``prefix``; ``repeat``: the flag may be given several times and the
+    field (a tuple) holds every value in order; ``nargs="?"`` with ``const``: the value of the bare flag.
+    A ``flag`` without leading dashes is a positional argument. A nested options dataclass takes its
+    defaults from its ``default_factory``'s instance; with ``parse`` it is one option instead, whose
+    value ``parse`` builds. A :class:`LeanmlError` raised by ``parse`` is a bad option.
 
     Declared checks, run by the config system when an instance is made (before the class's own
     ``__post_init__``): the value has the annotated type (an ``int`` field refuses 2.5 and "2", a
     ``float`` field "0.5", a ``bool`` field 1; ``Literal`` checks its choices; ``Optional`` allows None),
-    every float in it is finite unless ``finite=False``, and a number lies in the range ``gt``/``ge``
-    (lower bound, open/closed) and ``lt``/``le`` (upper bound).
+    every float in it is finite unless ``bounds.finite`` is False, and a number lies in the range of
+    ``bounds`` (a :class:`Bounds`: ``gt``/``ge`` lower bound, open/closed, ``lt``/``le`` upper bound).
     """
-    meta = {_META: dict(help=help, flag=flag, parse=parse, choices=choices, metavar=metavar, cli=cli,
-                        prefix=prefix, show_default=show_default, nargs=nargs, repeat=repeat, negative=negative,
-                        const=const, gt=gt, ge=ge, lt=lt, le=le, finite=finite)}
+    b, f = bounds or _NO_BOUNDS, form or _PLAIN_FORM
+    meta = {_META: dict(help=help, flag=flag, parse=parse, choices=f.choices, metavar=f.metavar, cli=cli,
+                        prefix=f.prefix, show_default=f.show_default, nargs=f.nargs, repeat=f.repeat,
+                        negative=f.negative, const=f.const, gt=b.gt, ge=b.ge, lt=b.lt, le=b.le,
+                        finite=b.finite)}
     assert meta[_META].keys() == _DEFAULT_META.keys()
-    assert gt is None or ge is None, "give one lower bound: gt or ge"
-    assert lt is None or le is None, "give one upper bound: lt or le"
     if default_factory is not None:
         made = dataclasses.field(default_factory=default_factory, metadata=meta)
     else:

@@ -7,7 +7,7 @@ import importlib
 import time
 from dataclasses import dataclass
 
-from leanml.config import add_command, option, require
+from leanml.config import Form, add_command, option, require
 from leanml.utils import apply_threads, cores_available
 
 # Each module provides ``run_demo(fast: bool) -> None`` and prints its own short table.
@@ -28,9 +28,9 @@ FULL_BENCH = {
 class DemoJob:
     """The options of ``leanml demo``."""
 
-    only: str | None = option(None, "run one part only", choices=PARTS)
+    only: str | None = option(None, "run one part only", form=Form(choices=PARTS))
     threads: int | None = option(None, "torch threads (default: the cores this process may use); lower it when "
-                                       "other jobs share the machine", metavar="N")
+                                       "other jobs share the machine", form=Form(metavar="N"))
 
     def __post_init__(self) -> None:
         require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")

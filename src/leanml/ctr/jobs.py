@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from leanml.config import ConfigError, option, require
+from leanml.config import ConfigError, Form, option, require
 from leanml.ctr.content_ids.trainer import ContentIDConfig
 from leanml.ctr.options import CTRConfig
 from leanml.utils import (
@@ -31,7 +31,7 @@ class Threads:
     """Torch CPU threads of a command."""
 
     threads: int = option(1, "torch CPU threads (default 1: these models are small, and extra threads slow down "
-                             "a shared machine)", show_default=False)
+                             "a shared machine)", form=Form(show_default=False))
 
     def __post_init__(self) -> None:
         require(self, self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
@@ -48,12 +48,12 @@ class FitJob:
     images: Path | None = option(None, "folder of <ad_id>.<png|jpg|npy> images", parse=Path)
     captions: Path | None = option(None, "CSV ad_id,caption (required with --images)", parse=Path)
     on_bad: OnBad = option("skip", "unreadable image / missing caption: skip and report (default) or fail",
-                           show_default=False)
-    content: ContentIDConfig = option(default_factory=ContentIDConfig, prefix="")
+                           form=Form(show_default=False))
+    content: ContentIDConfig = option(default_factory=ContentIDConfig, form=Form(prefix=""))
     seed: int = option(0, "seed of the dataset and of the fit")
     out: Path = option(help="output folder (config.json, model.safetensors, report.json)", parse=Path)
-    overwrite: bool = option(False, "replace an existing output folder", show_default=False)
-    cpu: Threads = option(default_factory=Threads, prefix="")
+    overwrite: bool = option(False, "replace an existing output folder", form=Form(show_default=False))
+    cpu: Threads = option(default_factory=Threads, form=Form(prefix=""))
 
     def __post_init__(self) -> None:
         require(self, (self.data is None) != (self.images is None), ("data", "images"), "give data or images")
@@ -68,10 +68,11 @@ class AssignJob:
     data: Dataset | None = option(None, "all ads (old and new) of a built-in dataset")
     images: Path | None = option(None, "folder of <ad_id>.<png|jpg|npy> images", parse=Path)
     model: Path = option(help="folder written by `content-ids fit`", parse=Path)
-    on_bad: OnBad = option("skip", "unreadable image: skip and report (default) or fail", show_default=False)
+    on_bad: OnBad = option("skip", "unreadable image: skip and report (default) or fail",
+                           form=Form(show_default=False))
     seed: int = option(0, "dataset seed (with --data)")
     out: Path = option(help="the Parquet file to write", parse=Path)
-    cpu: Threads = option(default_factory=Threads, prefix="")
+    cpu: Threads = option(default_factory=Threads, form=Form(prefix=""))
 
     def __post_init__(self) -> None:
         require(self, (self.data is None) != (self.images is None), ("data", "images"), "give data or images")
@@ -82,16 +83,17 @@ class TrainJob:
     """``leanml ctr train``: one CTR model on a built-in dataset, evaluated on its new and old ads."""
 
     data: Dataset = option("fashion", "built-in dataset")
-    ctr: CTRConfig = option(default_factory=CTRConfig, prefix="")
+    ctr: CTRConfig = option(default_factory=CTRConfig, form=Form(prefix=""))
     content_ids: Path | None = option(None, "content-ID model folder (default: fit one, cached)", parse=Path)
     visual_ids: Path | None = option(None, "Parquet table from `assign` (visual features only)", parse=Path)
     on_missing: Literal["error", "skip"] = option(
-        "error", "log ads absent from --visual-ids: fail (default) or drop their rows and report", show_default=False)
-    content: ContentIDConfig = option(default_factory=ContentIDConfig, prefix="")
+        "error", "log ads absent from --visual-ids: fail (default) or drop their rows and report",
+                                                  form=Form(show_default=False))
+    content: ContentIDConfig = option(default_factory=ContentIDConfig, form=Form(prefix=""))
     seed_content: int | None = option(None, "seed of the content-ID fit (default: --seed)")
     out: Path = option(help="output folder (model.safetensors, fields.npz, report.json)", parse=Path)
-    overwrite: bool = option(False, "replace an existing output folder", show_default=False)
-    cpu: Threads = option(default_factory=Threads, prefix="")
+    overwrite: bool = option(False, "replace an existing output folder", form=Form(show_default=False))
+    cpu: Threads = option(default_factory=Threads, form=Form(prefix=""))
 
     def __post_init__(self) -> None:
         require(self, self.visual_ids is None or "raw" not in self.ctr.feature_set.split("+"),
@@ -114,7 +116,7 @@ class EvalJob:
     """``leanml ctr eval``: a trained run on its dataset's test logs."""
 
     run: Path = option(help="folder written by `leanml ctr train --out`", parse=Path)
-    cpu: Threads = option(default_factory=Threads, prefix="")
+    cpu: Threads = option(default_factory=Threads, form=Form(prefix=""))
 
 
 def fit_job(job: FitJob) -> dict[str, Any]:

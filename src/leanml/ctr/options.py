@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from leanml.config import option, require
+from leanml.config import Form, option, require
 from leanml.ctr.models import MODELS
 from leanml.utils import LeanmlError
 
@@ -63,14 +63,14 @@ class CTRConfig:
                    "without it (a new ad's prediction is then exactly that model's)")
     visual_fields: VisualFields = option(
         "codes", "each code its own field (codes), prefix n-grams (prefix, for --codebook rq), both, or one pooled "
-                 "bag", show_default=False)
+                 "bag", form=Form(show_default=False))
     prefix_buckets: int = option(1 << 16, "rows of a prefix field once K^l exceeds it (hashed beyond)", cli=False)
     codeword_vector: bool = option(False, "also feed the codes' codeword vector (a codebook lookup) through an MLP; "
                                           "needs the content-ID model, not only a --visual-ids table",
-                                   show_default=False)
+                                   form=Form(show_default=False))
     content_tower: bool = option(False, "with raw and --codeword-vector: one MLP over both vectors as one field, "
                                         "instead of one field each (which would interact with each other)",
-                                 show_default=False)
+                                 form=Form(show_default=False))
     seed: int = option(0, "seed of the CTR model (and of the dataset and the content-ID fit of `leanml ctr train`)")
 
     def __post_init__(self) -> None:

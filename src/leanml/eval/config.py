@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from leanml.config import option, require
+from leanml.config import Bounds, Form, option, require
 from leanml.eval.tasks.runner import parse_task_list
 
 
@@ -18,7 +18,8 @@ class Runtime:
         "float32", "weight dtype to load (pruning's statistics and solves stay float32; sparse kernels need "
                    "bfloat16 or float16)")
     threads: int | None = option(None, "torch threads (default: the cores this process may use); lower it when "
-                                       "other jobs share the machine", metavar="N", ge=1)
+                                       "other jobs share the machine", form=Form(metavar="N"),
+                                 bounds=Bounds(ge=1))
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,11 @@ class ModelInput(Runtime):
 class Compute:
     """How the windows run: their length, how many per forward pass, and where each layer works."""
 
-    seqlen: int = option(512, "tokens per window (512 on CPU)", ge=2)
-    batch_size: int = option(4, "windows per forward pass", ge=1)
+    seqlen: int = option(512, "tokens per window (512 on CPU)", bounds=Bounds(ge=2))
+    batch_size: int = option(4, "windows per forward pass", bounds=Bounds(ge=1))
     device: str | None = option(None, "where each decoder layer does its work: cpu or cuda (default: cuda when "
                                       "present); the model's weights stay on the CPU and visit the device layer by "
-                                      "layer", show_default=False)
+                                      "layer", form=Form(show_default=False))
 
 
 @dataclass(frozen=True)
@@ -47,17 +48,19 @@ class EvalJob(Compute, ModelInput):
 
     data: str | None = option(None, "corpus for perplexity (shakespeare, reviews, a .txt file, wikitext2, ptb, "
                                     "c4; default shakespeare, and with --tasks no perplexity unless given)",
-                              show_default=False)
+                              form=Form(show_default=False))
     max_windows: int | None = option(None, "evaluate the first N windows only")
     tasks: tuple[str, ...] = option((), "zero-shot accuracy through lm-eval on these tasks: the offline "
                                         "reviews-recommend, reviews-rating, shakespeare-next-line, a task .yaml "
                                         "file, or an lm-eval task name (needs the hub)", parse=parse_task_list,
-                                    metavar="NAME[,NAME...]", show_default=False)
-    limit: int | None = option(None, "with --tasks: the first N items of each task only", metavar="N")
+                                    form=Form(metavar="NAME[,NAME...]", show_default=False))
+    limit: int | None = option(None, "with --tasks: the first N items of each task only",
+                               form=Form(metavar="N"))
     num_fewshot: int | None = option(None, "with --tasks: examples put before each item (default: the task's "
-                                           "own, 0 for the offline tasks)", metavar="N", show_default=False)
+                                           "own, 0 for the offline tasks)",
+                                     form=Form(metavar="N", show_default=False))
     json: str | None = option(None, "also write the result as JSON to FILE (default: print it only, write nothing)",
-                              metavar="FILE", show_default=False)
+                              form=Form(metavar="FILE", show_default=False))
 
     def __post_init__(self) -> None:
         ModelInput.__post_init__(self)
@@ -81,12 +84,12 @@ class EvalJob(Compute, ModelInput):
 class SpeedSettings:
     """How :func:`leanml.eval.speed.measure_speeds` times models: lengths, batch, repeats."""
 
-    prompt_len: int = option(256, "prefill tokens per sequence", ge=1)
-    gen_len: int = option(32, "decode steps timed (0: skip decode)", ge=0)
-    gen_prompt_len: int = option(32, "prompt put in the KV cache before decoding", ge=1)
-    batch_size: int = option(1, "sequences per run", ge=1)
-    repeats: int = option(5, "timed runs per model (median reported)", ge=1)
-    warmup: int = option(1, "untimed runs per model first", ge=0)
+    prompt_len: int = option(256, "prefill tokens per sequence", bounds=Bounds(ge=1))
+    gen_len: int = option(32, "decode steps timed (0: skip decode)", bounds=Bounds(ge=0))
+    gen_prompt_len: int = option(32, "prompt put in the KV cache before decoding", bounds=Bounds(ge=1))
+    batch_size: int = option(1, "sequences per run", bounds=Bounds(ge=1))
+    repeats: int = option(5, "timed runs per model (median reported)", bounds=Bounds(ge=1))
+    warmup: int = option(1, "untimed runs per model first", bounds=Bounds(ge=0))
     seed: int = option(0, "seed of the random token ids", cli=False)
 
 
@@ -95,14 +98,15 @@ class SpeedJob(Runtime):
     """``leanml speed``: prefill and decode speed, peak memory and size on disk of one or more models."""
 
     models: tuple[str, ...] = option(("smollm2-135m",), "one or more HF directories, .gguf files, hub ids, or "
-                                     "smollm2-135m", flag="--model", nargs="+")
-    device: str | None = option(None, "cpu or cuda (default: cuda when present)", show_default=False)
-    settings: SpeedSettings = option(default_factory=SpeedSettings, prefix="")
+                                     "smollm2-135m", flag="--model", form=Form(nargs="+"))
+    device: str | None = option(None, "cpu or cuda (default: cuda when present)",
+                                form=Form(show_default=False))
+    settings: SpeedSettings = option(default_factory=SpeedSettings, form=Form(prefix=""))
     sparse_kernels: bool = option(False, "run the 2:4-sparse models among --model on semi-structured sparse kernels "
                                          "(CUDA, bfloat16/float16; on the CPU they stay dense with a warning); the "
                                          "others run dense")
-    json: str | None = option(None, "where to write the JSON report (default runs/speed-*.json)", metavar="FILE",
-                              show_default=False)
+    json: str | None = option(None, "where to write the JSON report (default runs/speed-*.json)",
+                              form=Form(metavar="FILE", show_default=False))
 
     def __post_init__(self) -> None:
         super().__post_init__()

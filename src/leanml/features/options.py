@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
-from leanml.config import option, require
+from leanml.config import Form, option, require
 
 Engine = Literal["arrow", "python"]  # log parsers: native, and the line-by-line reference
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -87,7 +87,8 @@ class TrainOptions:
     epochs: int = option(1, "passes over the data")
     lr: float = option(2e-3, "learning rate")
     dim: int = option(16, "embedding width")
-    hidden: tuple[int, ...] = option((128, 64), "MLP widths, comma-separated", parse=parse_widths, metavar="W,W")
+    hidden: tuple[int, ...] = option((128, 64), "MLP widths, comma-separated", parse=parse_widths,
+                                     form=Form(metavar="W,W"))
     seed: int = option(0, "seed of the model's initial weights")
 
     def __post_init__(self) -> None:
@@ -105,11 +106,13 @@ class Inputs:
 
     graph: str = option("movielens", "YAML file or bundled graph name")
     log: tuple[str, ...] = option((), "log file: .tsv/.jsonl (optionally .gz) or .parquet; repeatable "
-                                      "(default: MovieLens-100k train log)", repeat=True, show_default=False)
+                                      "(default: MovieLens-100k train log)",
+                                  form=Form(show_default=False, repeat=True))
     data_dir: str | None = option(None, "where the graph's relative table paths resolve (default: the first log's "
                                         "directory)")
     table: tuple[str, ...] = option((), "override a table path (a relative PATH is relative to the current "
-                                        "directory); repeatable", metavar="NAME=PATH", repeat=True, show_default=False)
+                                        "directory); repeatable",
+                                    form=Form(metavar="NAME=PATH", show_default=False, repeat=True))
     quarantine: str | None = option(None, "malformed-row file (default: <report or out>.quarantine.jsonl beside it)")
 
     def __post_init__(self) -> None:
@@ -140,23 +143,24 @@ class ExtractJob:
 
     out: str = option(help="output directory")
     overwrite: bool = option(False, "replace an existing output directory")
-    inputs: Inputs = option(default_factory=Inputs, prefix="")
-    options: PipelineOptions = option(default_factory=PipelineOptions, prefix="")
+    inputs: Inputs = option(default_factory=Inputs, form=Form(prefix=""))
+    options: PipelineOptions = option(default_factory=PipelineOptions, form=Form(prefix=""))
 
 
 @dataclass(frozen=True)
 class TrainJob:
     """``leanml features train``: pipelined from logs, from Parquet features, or on Ray."""
 
-    inputs: Inputs = option(default_factory=Inputs, prefix="")
-    options: PipelineOptions = option(default_factory=PipelineOptions, prefix="")
+    inputs: Inputs = option(default_factory=Inputs, form=Form(prefix=""))
+    options: PipelineOptions = option(default_factory=PipelineOptions, form=Form(prefix=""))
     features: str | None = option(None, "train from this Parquet feature directory instead of logs")
     engine: Literal["local", "ray"] = option("local", "local pipeline or Ray Data")
-    producer: ProducerOptions = option(default_factory=ProducerOptions, prefix="")
-    train: TrainOptions = option(default_factory=TrainOptions, prefix="")
+    producer: ProducerOptions = option(default_factory=ProducerOptions, form=Form(prefix=""))
+    train: TrainOptions = option(default_factory=TrainOptions, form=Form(prefix=""))
     train_threads: int = option(1, "torch threads for training (1: one core trains, the producer extracts)")
     test_log: tuple[str, ...] = option((), "log to evaluate AUC/logloss on; repeatable (default without a log: "
-                                           "the MovieLens-100k test log)", repeat=True, show_default=False)
+                                           "the MovieLens-100k test log)",
+                                       form=Form(show_default=False, repeat=True))
     report: str | None = option(None, "JSON report path (default: <cache>/features/train_report.json)")
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from leanml.config import option
+from leanml.config import Bounds, Form, option
 from leanml.memory.train import TrainConfig
 
 
@@ -20,14 +20,16 @@ class TrainJob:
 
     model: str = option("smollm2-135m", "smollm2-135m, a model directory, a .gguf file or a hub id")
     data: str = option("shakespeare", "text corpus (training split)")
-    seqlen: int = option(256, "tokens per window", ge=2)
+    seqlen: int = option(256, "tokens per window", bounds=Bounds(ge=2))
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "weights and activations dtype")
-    train: TrainConfig = option(default_factory=TrainConfig, prefix="")
-    out: str | None = option(None, "output directory (default out/train-<memory>)", show_default=False)
+    train: TrainConfig = option(default_factory=TrainConfig, form=Form(prefix=""))
+    out: str | None = option(None, "output directory (default out/train-<memory>)",
+                             form=Form(show_default=False))
     overwrite: bool = option(False, "replace an existing output directory")
     save: bool = option(False, "also save the fine-tuned model into the output directory")
     threads: int | None = option(None, "torch threads (default: the cores this process may use); lower it when "
-                                       "other jobs share the machine", metavar="N", ge=1)
+                                       "other jobs share the machine", form=Form(metavar="N"),
+                                 bounds=Bounds(ge=1))
 
     @property
     def out_dir(self) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from leanml.config import ConfigError, option, require
+from leanml.config import Bounds, ConfigError, Form, option, require
 from leanml.memory.adacc import AdaccOptions
 from leanml.memory.budget import DEFAULT_BUDGET, Budget
 from leanml.memory.compiled import DEFAULT_COMPILE_BUDGETS
@@ -52,18 +52,19 @@ class TrainConfig:
     budget: Budget | None = option(
         None, "Adacc's budget (compile's: a fraction): a fraction of the unoptimized activation peak in (0, 1], "
         f"or a size with its unit like 2GB or 3000000B (default {DEFAULT_BUDGET.value:g})",
-        flag="--memory-budget", parse=Budget.parse, metavar="BUDGET")
+        flag="--memory-budget", parse=Budget.parse, form=Form(metavar="BUDGET"))
     compile_blocks: tuple[float, ...] = option(
         (), "adacc: also offer each layer as a compiled block (torch.compile; minutes of compile time) at these "
         f"recomputation budgets of the compiler (comma-separated, default {COMPILE_BUDGETS})",
-        parse=parse_compile_budgets, nargs="?", const=COMPILE_BUDGETS, metavar="BUDGETS", show_default=False)
-    batch_size: int = option(4, "windows per step", ge=1)
-    steps: int = option(50, "optimizer steps", ge=1)
-    lr: float = option(1e-4, "learning rate (AdamW)", gt=0)
+        parse=parse_compile_budgets,
+        form=Form(metavar="BUDGETS", show_default=False, nargs="?", const=COMPILE_BUDGETS))
+    batch_size: int = option(4, "windows per step", bounds=Bounds(ge=1))
+    steps: int = option(50, "optimizer steps", bounds=Bounds(ge=1))
+    lr: float = option(1e-4, "learning rate (AdamW)", bounds=Bounds(gt=0))
     seed: int = option(0, "batch order seed")
     max_error: float = option(AdaccOptions.max_error, "Adacc: cap on the relative error of lossy compressors",
-                              gt=0, le=1)
-    warmup: int = option(2, "steps left out of the timing", cli=False, ge=0)
+                              bounds=Bounds(gt=0, le=1))
+    warmup: int = option(2, "steps left out of the timing", cli=False, bounds=Bounds(ge=0))
     progress: bool = option(True, "show a progress bar", cli=False)
     compress_layers: list[int] | None = option(None, "Adacc: the layers whose activations may be compressed",
                                                cli=False)

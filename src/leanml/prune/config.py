@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from leanml.config import ConfigError, default, given, option, require
+from leanml.config import Bounds, ConfigError, Form, default, given, option, require
 from leanml.eval.config import Compute, ModelInput
 from leanml.prune.engine.allocation import OwlOptions, check_profile
 from leanml.prune.engine.walk import check_spec
@@ -37,7 +37,7 @@ __all__ = ["OwlOptions", "PruneConfig", "PruneJob"]
 class PruneConfig(Compute):
     """One pruning run of the layer-wise engine (the model and calibration ids are given apart)."""
 
-    method: str = option("sparsegpt", "pruning method", choices=tuple(available()))
+    method: str = option("sparsegpt", "pruning method", form=Form(choices=tuple(available())))
     sparsity: float = option(default(0.5), "fraction of weights to remove, in (0, 1)")
     pattern: str | None = option(None, "N:M semi-structured pattern, e.g. 2:4 (it sets the sparsity: 1 - N/M; "
                                        "not with another --sparsity)")
@@ -45,13 +45,15 @@ class PruneConfig(Compute):
         None, "unstructured mask: same count per output row, or one threshold per matrix (default: the method's)")
     sparsity_profile: str | tuple[float, ...] = option(
         "uniform", "per-layer sparsity of unstructured methods: uniform, or owl (outlier-weighted, Yin et al. "
-        "2024; the total stays exact); from Python also one sparsity per decoder layer", choices=("uniform", "owl"))
-    owl: OwlOptions = option(default_factory=OwlOptions, prefix="owl-")
+        "2024; the total stays exact); from Python also one sparsity per decoder layer",
+                                                       form=Form(choices=("uniform", "owl")))
+    owl: OwlOptions = option(default_factory=OwlOptions, form=Form(prefix="owl-"))
     calib: str = option("shakespeare", "calibration corpus (shakespeare, a .txt, wikitext2, c4, ptb)")
-    nsamples: int = option(64, "calibration windows", ge=1)
+    nsamples: int = option(64, "calibration windows", bounds=Bounds(ge=1))
     calib_samples: float = option(
         0.0, "share F in [0, 1] of the calibration windows sampled from the model itself (temperature 1, from its "
-        "BOS token; self-generated calibration beside --calib)", metavar="F", ge=0, le=1)
+        "BOS token; self-generated calibration beside --calib)", form=Form(metavar="F"),
+                                  bounds=Bounds(ge=0, le=1))
     seed: int = option(0, "calibration sampling seed")
     mode: Literal["sequential", "dense"] = option(
         "sequential", "sequential: pruned outputs feed the next layer; dense: every layer sees dense inputs")
@@ -64,7 +66,8 @@ class PruneConfig(Compute):
         "pinned host memory), device, or cpu")
     checkpoint_interval: float = option(
         0.0, "write the activation streams for --resume at most every SECONDS (0: after every layer); finished "
-        "layers are always written; all writes run in the background", metavar="SECONDS", ge=0)
+        "layers are always written; all writes run in the background", form=Form(metavar="SECONDS"),
+                                        bounds=Bounds(ge=0))
     options: Any = option(None, "the method's options object (None: its defaults)", cli=False)
 
     def __post_init__(self) -> None:
@@ -133,12 +136,13 @@ class PruneJob(ModelInput):
     eval: bool = option(True, "perplexity before and after (--no-eval skips it)")
     eval_data: str = option("shakespeare", "corpus whose test split gives perplexity")
     eval_windows: int | None = option(None, "evaluate on the first N test windows (default all)",
-                                      show_default=False)
+                                      form=Form(show_default=False))
     stream: bool = option(False, "never hold the whole model: read each layer from the safetensors shards, write "
                                  "it pruned, free it (models bigger than memory; no perplexity)")
     max_memory: str | None = option(None, "with --stream (implies it): host-memory cap, e.g. 1.2GB; activations "
-                                          "spill to disk above it", metavar="SIZE", show_default=False)
-    config: PruneConfig = option(default_factory=PruneConfig, prefix="")
+                                          "spill to disk above it",
+                                    form=Form(metavar="SIZE", show_default=False))
+    config: PruneConfig = option(default_factory=PruneConfig, form=Form(prefix=""))
 
     def __post_init__(self) -> None:
         super().__post_init__()

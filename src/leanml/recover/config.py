@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from leanml.config import default, option, require
+from leanml.config import Bounds, Form, default, option, require
 from leanml.memory.train import TrainConfig
 
 #: the memory strategies recovery offers
@@ -28,19 +28,22 @@ class RecoverConfig:
     peak learning rate and seed. ``kd_weight``: weight ``w`` of the distillation term (used only with a
     teacher). ``keep_masks=False`` fine-tunes every weight (the dense reference)."""
 
-    train: TrainConfig = option(default_factory=recover_training, prefix="")
-    warmup: int = option(10, "linear warm-up steps, then cosine decay", ge=0)
-    min_lr_ratio: float = option(0.1, "final learning rate / peak", ge=0, le=1)
-    weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
-    max_grad_norm: float = option(1.0, "gradient clipping (0: off)", ge=0)
-    kd_weight: float = option(default(0.5), "weight of the distillation term, in [0, 1] (needs --teacher)", ge=0, le=1)
+    train: TrainConfig = option(default_factory=recover_training, form=Form(prefix=""))
+    warmup: int = option(10, "linear warm-up steps, then cosine decay", bounds=Bounds(ge=0))
+    min_lr_ratio: float = option(0.1, "final learning rate / peak", bounds=Bounds(ge=0, le=1))
+    weight_decay: float = option(0.0, "AdamW weight decay", bounds=Bounds(ge=0))
+    max_grad_norm: float = option(1.0, "gradient clipping (0: off)", bounds=Bounds(ge=0))
+    kd_weight: float = option(default(0.5), "weight of the distillation term, in [0, 1] (needs --teacher)",
+                              bounds=Bounds(ge=0, le=1))
     temperature: float = option(default(1.0), "distillation temperature (needs --teacher)", flag="--kd-temperature",
-                                gt=0)
+                                bounds=Bounds(gt=0))
     keep_masks: bool = option(True, "keep the model's zeros exactly (--no-mask: train every weight, a dense "
                                     "fine-tune; sparsity is not kept)", flag="--mask")
-    checkpoint_every: int = option(50, "steps between checkpoints (DIR.ckpt)", ge=1)
-    measure_every: int = option(10, "steps between activation-peak measurements", cli=False, ge=1)
-    eval_batch_size: int = option(4, "windows per forward pass of the perplexity", cli=False, ge=1)
+    checkpoint_every: int = option(50, "steps between checkpoints (DIR.ckpt)", bounds=Bounds(ge=1))
+    measure_every: int = option(10, "steps between activation-peak measurements", cli=False,
+                                bounds=Bounds(ge=1))
+    eval_batch_size: int = option(4, "windows per forward pass of the perplexity", cli=False,
+                                  bounds=Bounds(ge=1))
 
     def __post_init__(self) -> None:
         train = self.train

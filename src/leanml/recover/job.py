@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from leanml.config import given, option, require
+from leanml.config import Form, given, option, require
 from leanml.eval.job import check_seqlen
 from leanml.finite import NonFiniteError
 from leanml.recover.config import RecoverConfig
@@ -33,12 +33,12 @@ class RecoverJob:
     teacher: str | None = option(None, "dense teacher to distil: a model spec, or 'source' (the model pruned)")
     data: str = option("shakespeare", "training corpus; its train split is used (shakespeare: every play but Hamlet)")
     seqlen: int = option(256, "tokens per training window")
-    recover: RecoverConfig = option(default_factory=RecoverConfig, prefix="")
+    recover: RecoverConfig = option(default_factory=RecoverConfig, form=Form(prefix=""))
     teacher_samples: float = option(0.0, "share of the training windows sampled from the teacher instead of read "
                                          "from --data, in [0, 1] (needs --teacher)")
     teacher_samples_cache: str | None = option(
         None, "keep the teacher's samples in DIR and reuse them in later runs with the same teacher weights, window "
-        "count, length, seed and start token (the report keeps the sampling time)", metavar="DIR")
+        "count, length, seed and start token (the report keeps the sampling time)", form=Form(metavar="DIR"))
     pattern: str | None = option(None, "N:M pattern the zeros must follow (checked; default: report.json's)")
     eval_data: str = option("shakespeare,reviews", "comma-separated corpora whose test split gives perplexity "
                                                    "before/after")
@@ -54,7 +54,7 @@ class RecoverJob:
     dtype: DType | None = option(None, "dtype of the saved model (default: the input's); training is float32")
     overwrite: bool = option(False, "replace an existing output directory")
     threads: int | None = option(None, "torch threads (default: the cores this process may use); lower it when "
-                                       "other jobs share the machine", metavar="N")
+                                       "other jobs share the machine", form=Form(metavar="N"))
 
     def __post_init__(self) -> None:
         require(self, self.seqlen >= 2, "seqlen", f"must be at least 2, got {self.seqlen}")

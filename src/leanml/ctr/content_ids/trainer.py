@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanml.config import option, require
+from leanml.config import Form, option, require
 from leanml.ctr.content_ids.encoders import ContentEncoder, MLPEncoder, SmallCNN
 from leanml.ctr.content_ids.quantizer import QUANTIZERS, anneal_tau, reseed_dead_codes, usage_stats
 from leanml.finite import check_finite_step, check_finite_tensors, lr_hint
@@ -71,14 +71,16 @@ class ContentIDConfig:
     codebook: Literal["pq", "rq"] = option(
         "pq", "product quantization (independent sub-spaces) or residual (coarse-to-fine levels)")
     reseed_dead: bool = option(True, "re-seed dead codewords after each quantized epoch but the last "
-                                     "(--no-reseed keeps them)", flag="--reseed", show_default=False)
+                                     "(--no-reseed keeps them)", flag="--reseed",
+                               form=Form(show_default=False))
     joint: bool = option(True, "train encoder and quantizer together (default), or (--posthoc) the encoder alone, "
-                               "then fit the codebooks by k-means", negative="--posthoc", show_default=False)
+                               "then fit the codebooks by k-means",
+                         form=Form(show_default=False, negative="--posthoc"))
     # L2-normalize x in this many equal groups (1: the whole vector); 0: M for jointly trained pq, else 1. Tied
     # to M before, the post-hoc raw vector depended on the codebook design (MovieLens validation raw new-ad AUC
     # 0.5845-0.6034 across the designs of one seed).
     norm_groups: int = option(0, "L2-normalize the content vector in G equal groups (1: as a whole; 0: M for "
-                                 "jointly trained pq, else 1)", metavar="G")
+                                 "jointly trained pq, else 1)", form=Form(metavar="G"))
     loss: Literal["infonce", "tokens"] = option("infonce", "text supervision")
     width: int = option(16, "CNN width / MLP hidden = 8 * width", cli=False)
     epochs: int | None = option(None, "quantized training epochs (default: the data's: 8 on fashion, 30 on "
@@ -90,7 +92,7 @@ class ContentIDConfig:
     # 0.02 let joint residual codes collapse in the last epochs (MovieLens rq M4 K64: 182 of 256 codewords dead,
     # caption top-1 0.017; at 0.1: 1 dead, 0.959)
     tau_end: float = option(0.1, "soft-assignment temperature at the end", cli=False)
-    straight_through: bool = option(False, "hard forward, soft backward", show_default=False)
+    straight_through: bool = option(False, "hard forward, soft backward", form=Form(show_default=False))
     commit_weight: float = option(0.05, "weight of the commitment term", cli=False)
     temperature: float = option(0.1, "InfoNCE logit temperature", cli=False)
     proj_dim: int = option(64, "InfoNCE projection size", cli=False)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from leanml.config import add_options, from_args, option
+from leanml.config import Form, add_options, from_args, option
 from leanml.features.options import SMALL_BATCH_ROWS, PipelineOptions, ProducerOptions, TrainOptions
 from leanml.features.run.extract import ExtractConfig
 from leanml.features.run.producers import Prefetcher
@@ -38,14 +38,14 @@ DEFAULTS = {"batch_rows": SMALL_BATCH_ROWS, "producer": "thread", "lr": 1e-3}
 class DDPJob:
     """One rank's options."""
 
-    input: tuple[str, ...] = option(help="log file (repeatable)", repeat=True)
+    input: tuple[str, ...] = option(help="log file (repeatable)", form=Form(repeat=True))
     out: str = option(help="folder of the rank<r>.json reports")
     graph: str = option("movielens", "YAML file or bundled graph name")
     data_dir: str | None = option(None, "where the graph's relative table paths resolve (default: the first "
                                         "log's directory)")
-    options: PipelineOptions = option(default_factory=PipelineOptions, prefix="")
-    producer: ProducerOptions = option(default_factory=ProducerOptions, prefix="")
-    train: TrainOptions = option(default_factory=TrainOptions, prefix="")
+    options: PipelineOptions = option(default_factory=PipelineOptions, form=Form(prefix=""))
+    producer: ProducerOptions = option(default_factory=ProducerOptions, form=Form(prefix=""))
+    train: TrainOptions = option(default_factory=TrainOptions, form=Form(prefix=""))
 
 
 def main(argv: list[str] | None = None) -> int:

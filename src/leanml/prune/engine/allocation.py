@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanml.config import ConfigError, option
+from leanml.config import Bounds, ConfigError, option
 from leanml.models.layout import DecoderAdapter, layer_linears
 from leanml.prune.base import Pruner
 from leanml.prune.masks import MaskSpec
@@ -120,9 +120,9 @@ OWL_LAMBDA = 0.08
 class OwlOptions:
     """Outlier-weighted layer sparsities (Yin et al. 2024; this module's docstring)."""
 
-    m: float = option(OWL_M, "owl: outlier threshold M on |W|*||X||", gt=0)
+    m: float = option(OWL_M, "owl: outlier threshold M on |W|*||X||", bounds=Bounds(gt=0))
     lam: float = option(OWL_LAMBDA, "owl: largest deviation of a layer's sparsity from the target",
-                        flag="--owl-lambda", ge=0, le=1)
+                        flag="--owl-lambda", bounds=Bounds(ge=0, le=1))
 
 
 def outlier_ratio(scores: Sequence[torch.Tensor], m: float = OWL_M) -> float:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from leanml.config import option
+from leanml.config import Bounds, option
 from leanml.finite import solver_error
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
 from leanml.prune.cores.magnitude import magnitude_prune
@@ -70,8 +70,8 @@ class SparseGPTOptions:
 
     prefix: ClassVar[str] = "sparsegpt-"
 
-    damp: float = option(0.01, "damping, fraction of mean diag(H)", ge=0)
-    blocksize: int = option(128, "columns per lazy-update block", ge=1)
+    damp: float = option(0.01, "damping, fraction of mean diag(H)", bounds=Bounds(ge=0))
+    blocksize: int = option(128, "columns per lazy-update block", bounds=Bounds(ge=1))
 
 
 class SparseGPTPruner(_UnstructuredPruner):

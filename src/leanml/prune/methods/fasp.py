@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from leanml.config import ConfigError, option, require
+from leanml.config import Bounds, ConfigError, Form, option, require
 from leanml.finite import solver_error
 from leanml.models import surgery
 from leanml.models.layout import DecoderAdapter
@@ -63,12 +63,12 @@ class StructuredOptions:
         "score", "score: --sparsity is the fraction of all parameters removed, split between attention groups and "
         "MLP units by score; uniform: every pair of every layer loses the fraction --sparsity of its units")
     groups: int | None = option(None, "with --fasp-alloc score: remove exactly this many key/value groups per layer "
-                                      "(default: chosen by score)", show_default=False)
+                                      "(default: chosen by score)", form=Form(show_default=False))
     plan_samples: int = option(8, "with --fasp-alloc score: calibration windows the allocation's dense pre-pass "
-                                  "reads", ge=1)
-    multiple: int = option(1, "round the kept units per layer to a multiple of this", ge=1)
+                                  "reads", bounds=Bounds(ge=1))
+    multiple: int = option(1, "round the kept units per layer to a multiple of this", bounds=Bounds(ge=1))
     shrink: bool = option(True, "remove pruned units physically (smaller MLPs and attention); --fasp-no-shrink "
-                                "keeps them as zeros", negative="--fasp-no-shrink")
+                                "keeps them as zeros", form=Form(negative="--fasp-no-shrink"))
 
     def __post_init__(self) -> None:
         require(self, bool(self.pair_names) and all(p in PAIRS for p in self.pair_names), "pairs",
@@ -90,7 +90,7 @@ class FaspOptions(StructuredOptions):
     """structured pair pruning (fasp, wanda-sp, magnitude-sp, flap; --fasp-damp and --fasp-target: fasp only)"""
 
     damp: float = option(0.01, "fasp: least-squares damping towards the dense weights, relative to each feature's "
-                               "diag(H)", ge=0)
+                               "diag(H)", bounds=Bounds(ge=0))
     target: Literal["pruned", "dense"] = option(
         "pruned", "fasp: refit against the pruned-path input (W H[:,S] (H[S,S]+dI)^-1) or against the dense "
         "model's input (W G[:,S] ...; needs the dense statistics, slower)")

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
-from leanml.config import option, require
+from leanml.config import Bounds, Form, option, require
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
 from leanml.prune.cores.fista import fista_prune
 from leanml.prune.cores.refine import REFINE_METHODS
@@ -90,43 +90,51 @@ class FistaOptions:
                                          "FISTA step: the cheapest measured setting that beats SparseGPT; see "
                                          "docs/fista.md); it fills "
                                          "iters, refine, tol, warm-start, correction and refit-start, and refuses "
-                                         "an explicit one that differs", show_default=False)
+                                         "an explicit one that differs", form=Form(show_default=False))
     lam: float = option(1e-3, "initial l1 weight, relative to each row's zeroing lambda max|C| (C: the cross "
-                              "moment of its target; W G for the paper's)", flag="--fista-lambda", ge=0)
-    iters: int | None = option(None, "K: most FISTA iterations per round (default: the preset's)", ge=1,
-                               show_default=False)
+                              "moment of its target; W G for the paper's)", flag="--fista-lambda",
+                        bounds=Bounds(ge=0))
+    iters: int | None = option(None, "K: most FISTA iterations per round (default: the preset's)",
+                               bounds=Bounds(ge=1),
+                               form=Form(show_default=False))
     rounds: int = option(1, "T: lambda-tuning rounds (1: one FISTA run at the initial lambda; the paper's 3 "
-                            "cost about 3x the solve)", ge=1)
-    xi: float = option(0.3, "xi: lambda rises while E_round/E_total exceeds it, else falls", ge=0)
-    warm_start: WarmStart | None = option(None, "start point of FISTA (default: the preset's)", show_default=False)
+                            "cost about 3x the solve)", bounds=Bounds(ge=1))
+    xi: float = option(0.3, "xi: lambda rises while E_round/E_total exceeds it, else falls",
+                       bounds=Bounds(ge=0))
+    warm_start: WarmStart | None = option(None, "start point of FISTA (default: the preset's)",
+                                          form=Form(show_default=False))
     lambda_scope: Literal["row", "layer"] = option("row", "one lambda per output row or one per linear")
-    damp: float = option(0.0, "damping of H, fraction of mean diag", ge=0)
+    damp: float = option(0.0, "damping of H, fraction of mean diag", bounds=Bounds(ge=0))
     refine: int | None = option(None, "most least-squares refit iterations of the kept weights after each hard "
-                                      "threshold (0 = the paper's procedure; default: the preset's)", ge=0,
-                                show_default=False)
+                                      "threshold (0 = the paper's procedure; default: the preset's)",
+                                bounds=Bounds(ge=0),
+                                form=Form(show_default=False))
     refine_method: str = option("cg", "how the kept weights are refit: cg (conjugate gradients, per row on its "
-                                      "support) or apg (accelerated projected gradient)", choices=REFINE_METHODS)
+                                      "support) or apg (accelerated projected gradient)",
+                                form=Form(choices=REFINE_METHODS))
     tol: float | None = option(None, "stop FISTA and the refit of a block of rows once its optimality residual is "
                                      "below this fraction of the norm of its target's cross moment (0: run the "
-                                     "most iterations; default: the preset's)", ge=0, show_default=False)
+                                     "most iterations; default: the preset's)", bounds=Bounds(ge=0),
+                               form=Form(show_default=False))
     precondition: bool = option(True, "solve in diagonally rescaled variables (same minimiser, much faster "
                                       "convergence); --fista-no-precondition runs FISTA on H itself",
-                                negative="--fista-no-precondition")
+                                form=Form(negative="--fista-no-precondition"))
     correction: float | None = option(None, "weight in [0, 1] of the dense model's outputs in each layer's "
                                             "target: 1 = the dense model's activations (corrects the error of "
                                             "the layers pruned before; the paper's), 0 = the dense layer on the "
                                             "pruned model's inputs (SparseGPT's target, and no dense pass), "
-                                            "between = a blend (default: the preset's)", ge=0, le=1,
-                                      show_default=False)
+                                            "between = a blend (default: the preset's)",
+                                      bounds=Bounds(ge=0, le=1),
+                                      form=Form(show_default=False))
     precision: Precision = option("auto", "dtype of the solver's matrix products (applied to steps, so the "
                                           "weights keep float32): bfloat16 is several times faster where the "
                                           "hardware has bfloat16 matrix units; auto = bfloat16 on CUDA GPUs of compute "
                                           "capability 8 or more and on CPUs with AVX512-BF16 or AMX, float32 "
                                           "elsewhere")
     ridge: float = option(0.1, "pull the kept weights toward the dense ones: adds R * mean(diag H) * ||W* - W||^2 "
-                               "to each layer's objective", ge=0)
+                               "to each layer's objective", bounds=Bounds(ge=0))
     refit_start: bool | None = option(None, "refit the warm start's kept weights too, as a second candidate per "
-                                            "row (default: the preset's)", show_default=False)
+                                            "row (default: the preset's)", form=Form(show_default=False))
 
     def __post_init__(self) -> None:
         chosen = PRESETS[self.preset or "default"]
