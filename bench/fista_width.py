@@ -99,7 +99,7 @@ def smollm2(nsamples: int, seed: int) -> list[tuple[str, torch.Tensor, torch.Ten
 def solve(W: torch.Tensor, H: torch.Tensor, spec: Any, options: Any, low: torch.dtype | None,
           dtype: torch.dtype) -> dict[str, Any]:
     """One preset (or the reference) on one operator: objective, iterations, CPU-seconds."""
-    from leanml.prune.cores.fista import fista_prune
+    from leanml.prune.cores.fista import FistaProblem, fista_prune
     from leanml.prune.cores.sparsegpt import hinv_upper, sparsegpt_prune
     from leanml.prune.cores.wanda import wanda_prune
 
@@ -109,7 +109,7 @@ def solve(W: torch.Tensor, H: torch.Tensor, spec: Any, options: Any, low: torch.
         start = sparsegpt_prune(Wd, Hd, spec, U=hinv_upper(Hd, 0.01)[0])
     else:
         start = wanda_prune(Wd, torch.diagonal(Hd), spec)
-    res = fista_prune(Wd, Hd, spec, options, W_start=start, low_dtype=low)
+    res = fista_prune(Wd, Hd, spec, options, FistaProblem(W_start=start), low_dtype=low)
     return {"objective": float(res.error.sum()), "start_objective": float(res.start_error.sum()),
             "fista_iters": sum(res.fista_iters), "refine_iters_used": res.refine_iters_used, "cpu_seconds": cpu() - c0}
 

@@ -210,7 +210,7 @@ def _operator_stats(
 
 def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any]]:
     """Operator-level ablations: held-out relative output error of layer ``--operator-layer``'s q/k/v."""
-    from leanml.prune.cores.fista import fista_prune
+    from leanml.prune.cores.fista import FistaProblem, fista_prune
     from leanml.prune.cores.magnitude import magnitude_prune
     from leanml.prune.cores.sparsegpt import sparsegpt_prune
     from leanml.prune.cores.wanda import wanda_prune
@@ -257,7 +257,7 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
                         spec = MaskSpec(0.5, pattern, "layer")
                         Ws = sg if warm == "sparsegpt" else W
                     t0 = time.perf_counter()
-                    res = fista_prune(W, fit["H"], spec, _options(cfg), G=fit["G"], Hd=fit["Hd"], W_start=Ws)
+                    res = fista_prune(W, fit["H"], spec, _options(cfg), FistaProblem(G=fit["G"], Hd=fit["Hd"], W_start=Ws))
                     sec = time.perf_counter() - t0 + (sg_s if warm == "sparsegpt" else 0.0)
                     out.append({**common, "method": f"fista/{warm}", "ablation": abl, "value": val, "seconds": sec,
                                 "fit_error": _rel_err(res.W, W, fit), "heldout_error": _rel_err(res.W, W, held)})  # fmt: skip
@@ -291,7 +291,7 @@ def calib_size_study(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any]
     threshold per matrix; SparseGPT: one threshold per matrix), on layer ``--operator-layer``'s q/k/v
     and down projection.
     """
-    from leanml.prune.cores.fista import fista_prune
+    from leanml.prune.cores.fista import FistaProblem, fista_prune
     from leanml.prune.cores.sparsegpt import sparsegpt_prune
     from leanml.prune.masks import MaskSpec
 
@@ -309,7 +309,7 @@ def calib_size_study(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any]
                     sg = sparsegpt_prune(W, fit["H"], spec)
                     sg_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    fi = fista_prune(W, fit["H"], spec, cfg, G=fit["G"], Hd=fit["Hd"], W_start=sg).W
+                    fi = fista_prune(W, fit["H"], spec, cfg, FistaProblem(G=fit["G"], Hd=fit["Hd"], W_start=sg)).W
                     fi_s = time.perf_counter() - t0 + sg_s
                     row = {"target": target, "shape": list(W.shape), "fit_windows": n_fit, "seed": seed,
                            "pattern": "2:4" if pattern else "unstructured",

@@ -10,8 +10,8 @@ import torch
 import leanml.prune.cores.refine as refine
 from builders import fista_options
 from leanml.prune.cores.fista import fista_prune
-from leanml.prune.cores.lasso import fista_solve
-from leanml.prune.cores.refine import refine_apg, refine_cg, row_blocks
+from leanml.prune.cores.lasso import FistaSteps, fista_solve
+from leanml.prune.cores.refine import Refit, refine_apg, refine_cg, row_blocks
 from leanml.prune.masks import MaskSpec
 
 
@@ -81,15 +81,16 @@ def test_blocked_solvers_equal_one_block(monkeypatch):
     C = W @ H
     mask = W.abs() > W.abs().median()
     L = float(torch.linalg.eigvalsh(H.double()).max()) * 1.001
-    whole = fista_solve(H, C, 0.05, iters=30, L=L)
-    cg = refine_cg(W * mask, mask, H, C, 4)
-    apg = refine_apg(W * mask, mask, H, C, L, 10)
+    whole = fista_solve(H, C, 0.05, steps=FistaSteps(iters=30, L=L))
+    cg = refine_cg(W * mask, mask, H, C, Refit(4))
+    apg = refine_apg(W * mask, mask, H, C, L, Refit(10))
     _tiny_blocks(monkeypatch)
-    blocked = fista_solve(H, C, 0.05, iters=30, L=L)
+    blocked = fista_solve(H, C, 0.05, steps=FistaSteps(iters=30, L=L))
     torch.testing.assert_close(blocked.W, whole.W, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(blocked.WH, whole.WH, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(torch.tensor(blocked.objective), torch.tensor(whole.objective))
     assert blocked.restarts == whole.restarts and blocked.iters == whole.iters
-    for ref, got in ((cg, refine_cg(W * mask, mask, H, C, 4)), (apg, refine_apg(W * mask, mask, H, C, L, 10))):
+    for ref, got in ((cg, refine_cg(W * mask, mask, H, C, Refit(4))),
+                     (apg, refine_apg(W * mask, mask, H, C, L, Refit(10)))):
         torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-6)

@@ -11,8 +11,9 @@ from sklearn.linear_model import Lasso
 
 from builders import fista_options
 from leanml.config import ConfigError
-from leanml.prune.cores.fista import fista_prune, tune_lambda
+from leanml.prune.cores.fista import FistaProblem, fista_prune, tune_lambda
 from leanml.prune.cores.lasso import (
+    FistaSteps,
     fista_solve,
     hard_threshold,
     lasso_objective,
@@ -20,7 +21,7 @@ from leanml.prune.cores.lasso import (
     soft_threshold,
     stationarity,
 )
-from leanml.prune.cores.refine import refine_apg, refine_cg, row_output_errors
+from leanml.prune.cores.refine import Refit, refine_apg, refine_cg, row_output_errors
 from leanml.prune.masks import MaskSpec, satisfies_nm, sparsity_of
 
 
@@ -53,7 +54,7 @@ def test_soft_threshold_elementwise():
 def test_fista_matches_sklearn_lasso_per_row(per_row: bool):
     X, W, H, C = _problem()
     lam = torch.tensor([0.02, 0.05, 0.1, 0.2, 0.4], dtype=torch.float64) if per_row else 0.05
-    res = fista_solve(H, C, lam, iters=4000, tol=1e-13)
+    res = fista_solve(H, C, lam, steps=FistaSteps(iters=4000, tol=1e-13))
     lams = lam.tolist() if per_row else [lam] * W.shape[0]
     for i, a in enumerate(lams):
         # sklearn minimises 1/(2 N) ||y - X w||^2 + alpha ||w||_1; ours is the same up to a constant
@@ -65,9 +66,9 @@ def test_fista_matches_sklearn_lasso_per_row(per_row: bool):
 def test_objective_never_rises_with_restart_and_does_without():
     # near its minimum plain FISTA overshoots (momentum) and the objective ripples upwards
     _, _, H, C = _problem()
-    plain = fista_solve(H, C, 0.1, iters=300, restart=False)
+    plain = fista_solve(H, C, 0.1, steps=FistaSteps(iters=300, restart=False))
     assert np.diff(plain.objective).max() > 0  # the restart below has something to prevent
-    mono = fista_solve(H, C, 0.1, iters=300, restart=True)
+    mono = fista_solve(H, C, 0.1, steps=FistaSteps(iters=300, restart=True))
     assert np.diff(mono.objective).max() <= 1e-12 * abs(mono.objective[0])
     assert mono.restarts > 0
     assert mono.objective[-1] <= plain.objective[-1] + 1e-6 * abs(plain.objective[-1])
@@ -79,13 +80,13 @@ def test_fista_warm_start_and_tolerance():
     """``tol`` stops on the minimal subgradient relative to ``C``'s norm: a solve stopped so is stationary
     to that accuracy, and a warm start at its result stops at once with the same weights."""
     _, W, H, C = _problem()
-    cold = fista_solve(H, C, 0.05, iters=5000, tol=1e-7)
+    cold = fista_solve(H, C, 0.05, steps=FistaSteps(iters=5000, tol=1e-7))
     assert cold.iters < 5000
     assert stationarity(cold.W, cold.W @ H - C, 0.05) <= (1e-7) ** 2 * float((C * C).sum())
-    warm = fista_solve(H, C, 0.05, W0=cold.W, iters=2000, tol=1e-5)
+    warm = fista_solve(H, C, 0.05, W0=cold.W, steps=FistaSteps(iters=2000, tol=1e-5))
     assert warm.iters <= 2
     assert torch.allclose(warm.W, cold.W, atol=1e-6)
-    looser = fista_solve(H, C, 0.05, iters=5000, tol=1e-3)
+    looser = fista_solve(H, C, 0.05, steps=FistaSteps(iters=5000, tol=1e-3))
     assert looser.iters < cold.iters
     with pytest.raises(ValueError):
         fista_solve(H, C, -1.0)
@@ -137,7 +138,7 @@ def test_refine_apg_matches_least_squares_on_support():
     X, W, H, C = _problem(n=16)
     mask = hard_threshold(W, MaskSpec(0.5)) != 0
     L = power_iteration(H) * 1.001
-    R = refine_apg(W, mask, H, C, L, iters=3000)[0]
+    R = refine_apg(W, mask, H, C, L, Refit(iters=3000))[0]
     for i in range(W.shape[0]):
         idx = mask[i].nonzero().squeeze(1)
         ref = torch.linalg.lstsq(X[:, idx], X @ W[i]).solution
@@ -207,7 +208,7 @@ def test_refine_cg_matches_least_squares_on_support():
     """Conjugate gradients reach the least-squares refit on the support in at most |support| steps."""
     X, W, H, C = _problem(n=16)
     mask = hard_threshold(W, MaskSpec(0.5)) != 0
-    R = refine_cg(W, mask, H, C, iters=8)[0]  # 8 kept weights per row
+    R = refine_cg(W, mask, H, C, Refit(iters=8))[0]  # 8 kept weights per row
     for i in range(W.shape[0]):
         idx = mask[i].nonzero().squeeze(1)
         ref = torch.linalg.lstsq(X[:, idx], X @ W[i]).solution
@@ -215,7 +216,7 @@ def test_refine_cg_matches_least_squares_on_support():
         assert (R[i, ~mask[i]] == 0).all()
     # fewer steps: never worse than the start on the support
     start = W * mask
-    few = refine_cg(W, mask, H, C, iters=2)[0]
+    few = refine_cg(W, mask, H, C, Refit(iters=2))[0]
     assert (lasso_objective(few, H, C, 0.0) <= lasso_objective(start, H, C, 0.0) + 1e-12).all()
 
 
@@ -228,8 +229,8 @@ def test_fista_prune_from_cross_product_equals_from_G(refine_method):
     Hp, G = Xp.T @ Xp / len(X), X.T @ Xp / len(X)
     const = ((W @ H) * W).sum(1)
     o = fista_options(rounds=2, iters=10, refine_iters=5, precondition=True, refine_method=refine_method)
-    a = fista_prune(W, Hp, MaskSpec(0.5), o, G=G, dense_const=const)
-    b = fista_prune(W, Hp, MaskSpec(0.5), o, C=W @ G, dense_const=const)
+    a = fista_prune(W, Hp, MaskSpec(0.5), o, FistaProblem(G=G, dense_const=const))
+    b = fista_prune(W, Hp, MaskSpec(0.5), o, FistaProblem(C=W @ G, dense_const=const))
     torch.testing.assert_close(a.W, b.W)
     torch.testing.assert_close(a.error, b.error)
     direct = ((Xp @ b.W.T - X @ W.T) ** 2).mean(0)
@@ -247,9 +248,10 @@ def test_correction_blends_the_target(beta):
     Hp = Xp.T @ Xp / N
     Y = beta * X @ W.T + (1 - beta) * Xp @ W.T  # the blended target, token by token
     kw = dict(rounds=2, iters=10, refine_iters=5, precondition=True)
-    got = fista_prune(W, Hp, MaskSpec(0.5), fista_options(correction=beta, **kw), C=W @ (X.T @ Xp / N),
-                      dense_const=((X @ W.T) ** 2).mean(0))
-    ref = fista_prune(W, Hp, MaskSpec(0.5), fista_options(**kw), C=Y.T @ Xp / N, dense_const=(Y**2).mean(0))
+    got = fista_prune(W, Hp, MaskSpec(0.5), fista_options(correction=beta, **kw),
+                      FistaProblem(C=W @ (X.T @ Xp / N), dense_const=((X @ W.T) ** 2).mean(0)))
+    ref = fista_prune(W, Hp, MaskSpec(0.5), fista_options(**kw),
+                      FistaProblem(C=Y.T @ Xp / N, dense_const=(Y**2).mean(0)))
     torch.testing.assert_close(got.W, ref.W)
     torch.testing.assert_close(got.error, ref.error)
     torch.testing.assert_close(got.error, ((Xp @ got.W.T - Y) ** 2).mean(0))
@@ -270,16 +272,17 @@ def test_ridge_equals_appended_calibration_rows():
     Xa = torch.cat([Xp, (N * r) ** 0.5 * torch.eye(n, dtype=X.dtype)])
     Ya = torch.cat([X @ W.T, (N * r) ** 0.5 * W.T])
     kw = dict(rounds=2, iters=10, refine_iters=5, precondition=True)
-    got = fista_prune(W, Hp, MaskSpec(0.5), fista_options(ridge=rho, **kw), C=W @ (X.T @ Xp / N),
-                      dense_const=((X @ W.T) ** 2).mean(0), L=power_iteration(Hp) * 1.001)
-    ref = fista_prune(W, Xa.T @ Xa / N, MaskSpec(0.5), fista_options(**kw), C=Ya.T @ Xa / N,
-                      dense_const=(Ya**2).sum(0) / N)
+    got = fista_prune(W, Hp, MaskSpec(0.5), fista_options(ridge=rho, **kw),
+                      FistaProblem(C=W @ (X.T @ Xp / N), dense_const=((X @ W.T) ** 2).mean(0),
+                                   L=power_iteration(Hp) * 1.001))
+    ref = fista_prune(W, Xa.T @ Xa / N, MaskSpec(0.5), fista_options(**kw),
+                      FistaProblem(C=Ya.T @ Xa / N, dense_const=(Ya**2).sum(0) / N))
     torch.testing.assert_close(got.W, ref.W)
     torch.testing.assert_close(got.error, ref.error)
     torch.testing.assert_close(got.error, ((Xa @ got.W.T - Ya) ** 2).sum(0) / N)
     # the pull shows: kept weights move less from the dense ones than without it
-    free = fista_prune(W, Hp, MaskSpec(0.5), fista_options(**kw), C=W @ (X.T @ Xp / N),
-                       dense_const=((X @ W.T) ** 2).mean(0))
+    free = fista_prune(W, Hp, MaskSpec(0.5), fista_options(**kw),
+                       FistaProblem(C=W @ (X.T @ Xp / N), dense_const=((X @ W.T) ** 2).mean(0)))
     keep = got.W != 0
     assert ((got.W - W)[keep] ** 2).sum() < ((free.W - W)[free.W != 0] ** 2).sum()
     with pytest.raises(ConfigError, match="ridge"):
@@ -295,13 +298,13 @@ def test_preconditioned_tuning_solves_the_same_problem():
     H, C = X.T @ X / len(X), W @ (X.T @ X / len(X))
     d = torch.diagonal(H).sqrt()
     Hp, Cp = H / d[None] / d[:, None], C / d[None]
-    pre = fista_solve(Hp, Cp, 0.05, iters=6000, col_weights=1 / d)
+    pre = fista_solve(Hp, Cp, 0.05, steps=FistaSteps(iters=6000), col_weights=1 / d)
     for i in range(W.shape[0]):
         ref = Lasso(alpha=0.05, fit_intercept=False, tol=1e-12, max_iter=100_000).fit(X.numpy(), (X @ W[i]).numpy())
         assert np.abs(ref.coef_ - (pre.W[i] / d).numpy()).max() < 1e-4
     # with few iterations the rescaled problem reaches a lower objective
-    few = fista_solve(H, C, 0.05, iters=20)
-    few_pre = fista_solve(Hp, Cp, 0.05, iters=20, col_weights=1 / d)
+    few = fista_solve(H, C, 0.05, steps=FistaSteps(iters=20))
+    few_pre = fista_solve(Hp, Cp, 0.05, steps=FistaSteps(iters=20), col_weights=1 / d)
     assert lasso_objective(few_pre.W / d, H, C, 0.05).sum() < lasso_objective(few.W, H, C, 0.05).sum()
     const = ((W @ H) * W).sum(1)
     a = tune_lambda(W, H, C, const, MaskSpec(0.5), 1e-2 * C.abs().amax(1), fista_options(precondition=True))

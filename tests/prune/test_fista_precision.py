@@ -8,9 +8,9 @@ import torch
 
 import leanml.prune.methods.fista as fista_method
 from builders import fista_options
-from leanml.prune.cores.fista import fista_prune
+from leanml.prune.cores.fista import FistaProblem, fista_prune
 from leanml.prune.cores.lasso import hard_threshold
-from leanml.prune.cores.refine import gram_product, refine_apg, refine_cg, row_output_errors
+from leanml.prune.cores.refine import Refit, gram_product, refine_apg, refine_cg, row_output_errors
 from leanml.prune.masks import MaskSpec, sparsity_of
 
 
@@ -53,12 +53,12 @@ def test_low_precision_refit_is_never_worse_than_its_start(refit, outlier):
     mask = hard_threshold(W32, MaskSpec(0.5)) != 0
     start = W32 * mask
     if refit == "cg":
-        R, RH = refine_cg(start, mask, H32, C, 20, start @ H32, H32.to(torch.bfloat16))
-        R32 = refine_cg(start, mask, H32, C, 20, start @ H32)[0]
+        R, RH = refine_cg(start, mask, H32, C, Refit(20), start @ H32, H32.to(torch.bfloat16))
+        R32 = refine_cg(start, mask, H32, C, Refit(20), start @ H32)[0]
     else:
         L = float(torch.linalg.eigvalsh(H).max()) * 1.001
-        R, RH = refine_apg(start, mask, H32, C, L, 20, start @ H32, H32.to(torch.bfloat16))
-        R32 = refine_apg(start, mask, H32, C, L, 20, start @ H32)[0]
+        R, RH = refine_apg(start, mask, H32, C, L, Refit(20), start @ H32, H32.to(torch.bfloat16))
+        R32 = refine_apg(start, mask, H32, C, L, Refit(20), start @ H32)[0]
     assert torch.equal(RH, R @ H32)  # the returned product is the exact one
     assert (R[~mask] == 0).all()
     f_start, f_low, f32 = _objective(start, H, C), _objective(R, H, C), _objective(R32, H, C)
@@ -78,8 +78,8 @@ def test_fista_prune_in_bfloat16_against_float32(pattern):
         start = hard_threshold(W32, spec)
         start_err = row_output_errors(start.double(), H, W @ H, const)
         o = fista_options(iters=10, refine_iters=5, refine_method="cg", precondition=True)
-        r16 = fista_prune(W32, H32, spec, o, W_start=start, low_dtype=torch.bfloat16)
-        r32 = fista_prune(W32, H32, spec, o, W_start=start)
+        r16 = fista_prune(W32, H32, spec, o, FistaProblem(W_start=start), low_dtype=torch.bfloat16)
+        r32 = fista_prune(W32, H32, spec, o, FistaProblem(W_start=start))
         assert sparsity_of(r16.W) == pytest.approx(0.5)
         e16 = row_output_errors(r16.W.double(), H, W @ H, const)
         e32 = row_output_errors(r32.W.double(), H, W @ H, const)

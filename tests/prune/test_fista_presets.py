@@ -8,8 +8,8 @@ import torch
 from builders import fista_options
 from leanml.cli import main
 from leanml.config import ConfigError
-from leanml.prune.cores.fista import fista_prune
-from leanml.prune.cores.refine import refine_cg, row_dot
+from leanml.prune.cores.fista import FistaProblem, fista_prune
+from leanml.prune.cores.refine import Refit, refine_cg, row_dot
 from leanml.prune.masks import MaskSpec, sparsity_of
 from leanml.prune.methods.fista import PRESETS, FistaOptions, FistaPruner
 
@@ -58,12 +58,12 @@ def test_cg_stops_on_its_residual_and_says_how_long_it_ran():
     C = W @ H
     mask = W.abs() > W.abs().median()
     used: list[int] = []
-    X, XH = refine_cg(W * mask, mask, H, C, 200, tol=1e-6, used=used)
+    X, XH = refine_cg(W * mask, mask, H, C, Refit(200, tol=1e-6, used=used))
     assert 1 <= used[0] < 200
     grad = (XH - C) * mask
     ref = (C * mask).pow(2).sum()
     assert float(row_dot(grad, grad).sum()) <= 1e-12 * float(ref) * 1.0001
-    full = refine_cg(W * mask, mask, H, C, 200)[0]
+    full = refine_cg(W * mask, mask, H, C, Refit(200))[0]
 
     def objective(V: torch.Tensor) -> float:
         return float((0.5 * row_dot(V @ H, V) - row_dot(C, V)).sum())
@@ -96,7 +96,8 @@ def test_a_diverging_solve_keeps_the_warm_start_and_says_so():
     assert torch.isfinite(H).all()
     W = torch.randn(m, n, generator=g)
     start = W * (torch.rand(m, n, generator=g) > 0.5)
-    res = fista_prune(W, H, MaskSpec(0.5), FistaOptions(iters=10, refine=5), W_start=start, low_dtype=torch.bfloat16)
+    res = fista_prune(W, H, MaskSpec(0.5), FistaOptions(iters=10, refine=5), FistaProblem(W_start=start),
+                      low_dtype=torch.bfloat16)
     assert torch.isfinite(res.W).all()
     assert ((res.W != 0).sum(1) <= n // 2).all()  # the mask holds (a fallback row keeps its start's zeros too)
     assert res.fallback_rows > 0

@@ -31,8 +31,16 @@ from typing import Any, Protocol
 
 import torch
 
-from leanml.prune.cores.lasso import fista_solve, power_iteration, prune_scores, row_lambda, shift_diagonal
+from leanml.prune.cores.lasso import (
+    FistaSteps,
+    fista_solve,
+    power_iteration,
+    prune_scores,
+    row_lambda,
+    shift_diagonal,
+)
 from leanml.prune.cores.refine import (
+    Refit,
     fill_kept_zeros,
     gram_product,
     refine_apg,
@@ -164,15 +172,15 @@ class LambdaTuner:
     def refit(self, s: slice, Wr: torch.Tensor, mask: torch.Tensor, WrH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept weights of rows ``s`` refit on their support (``refine`` iterations at most)."""
         o, d, C = self.o, self.d, self.C
-        kw = dict(tol=o.tol, used=self.used)
+        steps = Refit(o.refine, o.tol, self.used)
         if o.refine_method == "cg":
             if d is None:
-                return refine_cg(Wr, mask, self.Hs, C[s], o.refine, WrH, self.Hs_low, **kw)
-            V, VH = refine_cg(Wr * d, mask, self.Hp, C[s] / d, o.refine, WrH / d, self.Hp_low, **kw)
+                return refine_cg(Wr, mask, self.Hs, C[s], steps, WrH, self.Hs_low)
+            V, VH = refine_cg(Wr * d, mask, self.Hp, C[s] / d, steps, WrH / d, self.Hp_low)
         else:
             if d is None:
-                return refine_apg(Wr, mask, self.Hs, C[s], self.lipschitz(), o.refine, WrH, self.Hs_low, **kw)
-            V, VH = refine_apg(Wr * d, mask, self.Hp, C[s] / d, self.Lp, o.refine, WrH / d, self.Hp_low, **kw)
+                return refine_apg(Wr, mask, self.Hs, C[s], self.lipschitz(), steps, WrH, self.Hs_low)
+            V, VH = refine_apg(Wr * d, mask, self.Hp, C[s] / d, self.Lp, steps, WrH / d, self.Hp_low)
         return V / d, VH * d
 
     def rounded(self, Wx: torch.Tensor, WxH: torch.Tensor, mask: torch.Tensor, rounding: bool,
@@ -219,12 +227,13 @@ class LambdaTuner:
         counts = {"restarts": 0, "nonzero": 0, "iters": 0}
         for s in self.blocks:
             if d is None:
-                res = fista_solve(self.Hs, C[s], lam[s], W0=W0[s], L=self.lipschitz(), iters=o.iters, tol=o.tol,
-                                  track=False, W0H=W0H[s], H_low=self.Hs_low)
+                steps = FistaSteps(iters=o.iters, tol=o.tol, track=False, L=self.lipschitz())
+                res = fista_solve(self.Hs, C[s], lam[s], W0=W0[s], steps=steps, W0H=W0H[s], H_low=self.Hs_low)
                 Wf[s], WfH[s] = res.W, res.WH
             else:
-                res = fista_solve(self.Hp, C[s] / d, lam[s], W0=W0[s] * d, L=self.Lp, iters=o.iters, tol=o.tol,
-                                  track=False, col_weights=1.0 / d, W0H=W0H[s] / d, H_low=self.Hp_low)
+                steps = FistaSteps(iters=o.iters, tol=o.tol, track=False, L=self.Lp)
+                res = fista_solve(self.Hp, C[s] / d, lam[s], W0=W0[s] * d, steps=steps, col_weights=1.0 / d,
+                                  W0H=W0H[s] / d, H_low=self.Hp_low)
                 Wf[s], WfH[s] = res.W / d, res.WH * d  # type: ignore[operator]
             counts["restarts"] += res.restarts
             counts["nonzero"] += int((res.W != 0).sum())
@@ -324,30 +333,40 @@ class Solve:
 
 
 def tune_lambda(
-    W: torch.Tensor,
+    start: torch.Tensor,
     H: torch.Tensor,
     C: torch.Tensor,
     dense_const: torch.Tensor,
     spec: MaskSpec,
     lam0: torch.Tensor | float,
     options: FistaSettings,
-    *,
-    W_start: torch.Tensor | None = None,
-    L: float | None = None,
-    H_solve: torch.Tensor | None = None,
-    low_dtype: torch.dtype | None = None,
-    cache: dict[str, Any] | None = None,
+    solve: Solve | None = None,
 ) -> TuneResult:
-    """:class:`LambdaTuner` on one linear: ``options`` (see :class:`FistaSettings`) from ``W_start``
-    (default ``W``). ``L``, ``H_solve``, ``low_dtype`` and ``cache`` as in :class:`Solve`."""
-    solve = Solve(H_solve=H_solve, L=L, low_dtype=low_dtype, cache={} if cache is None else cache)
-    tuner = LambdaTuner(H, C, dense_const, spec, options, solve)
-    return tuner.run(lam0, (W if W_start is None else W_start).to(C.dtype))
+    """:class:`LambdaTuner` on one linear: ``options`` (see :class:`FistaSettings`) from ``start`` (the
+    dense weights or a warm start); ``solve`` (default: :class:`Solve`'s defaults) as in :class:`Solve`."""
+    tuner = LambdaTuner(H, C, dense_const, spec, options, Solve() if solve is None else solve)
+    return tuner.run(lam0, start.to(C.dtype))
 
 
-def _targets(W: torch.Tensor, H: torch.Tensor, o: FistaSettings, G: torch.Tensor | None, Hd: torch.Tensor | None,
-             C: torch.Tensor | None, dense_const: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class FistaProblem:
+    """What :func:`fista_prune` may be given besides ``W`` and ``H``: the dense statistics ``G``/``Hd``
+    (default ``H``: no dense/pruned distinction), or instead the product ``C = W G`` and the per-row
+    ``dense_const = w Hd w^T`` (the dense output's mean square); the start ``W_start`` (default ``W``);
+    and the Lipschitz constant ``L`` of the (damped) ``H`` when several linears share it."""
+
+    G: torch.Tensor | None = None
+    Hd: torch.Tensor | None = None
+    W_start: torch.Tensor | None = None
+    L: float | None = None
+    dense_const: torch.Tensor | None = None
+    C: torch.Tensor | None = None
+
+
+def _targets(W: torch.Tensor, H: torch.Tensor, o: FistaSettings,
+             p: FistaProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """``C`` and the per-row dense energy of the blended target ``beta Y_dense + (1 - beta) W X*``."""
+    G, Hd, C, dense_const = p.G, p.Hd, p.C, p.dense_const
     if C is None:
         C = W @ (H if G is None else G.to(W.dtype))
     else:
@@ -372,26 +391,21 @@ def fista_prune(
     H: torch.Tensor,
     spec: MaskSpec,
     options: FistaSettings,
+    problem: FistaProblem | None = None,
     *,
-    G: torch.Tensor | None = None,
-    Hd: torch.Tensor | None = None,
-    W_start: torch.Tensor | None = None,
-    L: float | None = None,
-    dense_const: torch.Tensor | None = None,
-    C: torch.Tensor | None = None,
     low_dtype: torch.dtype | None = None,
     cache: dict[str, Any] | None = None,
 ) -> TuneResult:
     """Prune one weight matrix ``W`` (m x n) to ``spec`` with FISTAPruner at ``options``.
 
-    ``H``/``G``/``Hd`` are the token-averaged statistics (``G``/``Hd`` default to ``H``: no dense/pruned
-    distinction). ``options.lam`` is *relative*: the initial per-row lambda is ``lam * max_j |C_rj|`` (the
+    ``H`` and ``problem``'s ``G``/``Hd`` are the token-averaged statistics (``G``/``Hd`` default to ``H``:
+    no dense/pruned distinction; see :class:`FistaProblem`). ``options.lam`` is *relative*: the initial per-row lambda is ``lam * max_j |C_rj|`` (the
     smallest lambda whose solution is the zero row), the per-layer one ``lam`` times the mean of those.
     ``damp`` adds ``damp * mean(diag H) * I`` to ``H`` inside FISTA. Computes in float32 (or ``H``'s
-    dtype if wider) and returns weights in ``W``'s dtype inside :class:`TuneResult`. ``L`` may pass
-    the Lipschitz constant of the (damped) ``H`` when several linears share it. ``dense_const`` may pass
-    the per-row ``w Hd w^T`` (the dense output's mean square) instead of ``Hd``, and ``C`` the product
-    ``W G`` instead of ``G``. ``correction`` (beta in [0, 1]) blends the target:
+    dtype if wider) and returns weights in ``W``'s dtype inside :class:`TuneResult`. ``problem.L`` may
+    pass the Lipschitz constant of the (damped) ``H`` when several linears share it. ``problem.dense_const``
+    may pass the per-row ``w Hd w^T`` (the dense output's mean square) instead of ``Hd``, and
+    ``problem.C`` the product ``W G`` instead of ``G``. ``correction`` (beta in [0, 1]) blends the target:
     ``beta Y_dense + (1 - beta) W X*``, the dense model's outputs and the dense layer's outputs on the
     pruned-path inputs; 1 is the paper's objective, 0 SparseGPT's. ``ridge`` (rho >= 0) adds
     ``rho * mean(diag H) * ||W* - W||^2`` per row (the reported errors include it); a given ``L`` is for
@@ -400,10 +414,11 @@ def fista_prune(
     ``cache``: one dict per group of linears that share ``H`` (and these options), reused across them;
     the results are the same with or without it. The options' ranges are checked where they are made.
     """
-    o = options
+    o, p = options, FistaProblem() if problem is None else problem
+    L, W_start = p.L, p.W_start
     dtype = torch.promote_types(H.dtype, torch.float32)
     Wc, Hc = W.to(dtype), H.to(dtype)
-    C, dense_const = _targets(Wc, Hc, o, G, Hd, C, dense_const)
+    C, dense_const = _targets(Wc, Hc, o, p)
     mean_diag = float(torch.diagonal(Hc).mean())  # the scale of ridge and damp alike (before either)
     cache = {} if cache is None else cache
     if o.ridge > 0:
@@ -422,7 +437,8 @@ def fista_prune(
     lam0 = o.lam * C.abs().amax(1)
     if o.lambda_scope == "layer":
         lam0 = torch.full_like(lam0, float(lam0.mean()))
-    res = tune_lambda(Wc, Hc, C, dense_const, spec, lam0, o, W_start=None if W_start is None else W_start.to(dtype),
-                      L=L, H_solve=Hs, low_dtype=low_dtype, cache=cache)
+    start = Wc if W_start is None else W_start.to(dtype)
+    res = tune_lambda(start, Hc, C, dense_const, spec, lam0, o,
+                      Solve(H_solve=Hs, L=L, low_dtype=low_dtype, cache=cache))
     res.W = res.W.to(W.dtype)
     return res

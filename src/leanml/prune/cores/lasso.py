@@ -14,7 +14,7 @@ at once.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -141,25 +141,34 @@ def stationarity(W: torch.Tensor, grad: torch.Tensor, lam: torch.Tensor | float)
     return float(row_dot(sub, sub).sum())
 
 
+@dataclass(frozen=True)
+class FistaSteps:
+    """How :func:`fista_solve` steps: at most ``iters`` iterations, the stopping tolerance ``tol`` (0: run
+    them all), the per-row function-value ``restart``, whether to ``track`` the objective, and the
+    Lipschitz constant ``L`` of ``H`` (the step is ``1/L``; None: computed)."""
+
+    iters: int = 20
+    tol: float = 0.0
+    restart: bool = True
+    track: bool = True
+    L: float | None = None
+
+
 def fista_solve(
     H: torch.Tensor,
     C: torch.Tensor,
     lam: torch.Tensor | float,
     W0: torch.Tensor | None = None,
-    L: float | None = None,
-    iters: int = 20,
-    tol: float = 0.0,
-    restart: bool = True,
-    track: bool = True,
+    steps: FistaSteps | None = None,
     col_weights: torch.Tensor | None = None,
     W0H: torch.Tensor | None = None,
     H_low: torch.Tensor | None = None,
 ) -> FistaResult:
     """Minimise ``1/2 tr(W H W^T) - tr(C W^T) + sum_rows lambda_r ||w_r||_1`` by FISTA, all rows at once.
 
-    Step ``1/L`` with ``L = lambda_max(H)`` (computed by :func:`power_iteration` when not given).
-    With ``restart`` (default) a row whose objective would rise keeps its previous iterate and its
-    momentum is reset (``t = 1``), so the next step is a plain proximal-gradient step from there: the
+    ``steps`` (:class:`FistaSteps`, default its defaults): step ``1/L`` with ``L = lambda_max(H)``
+    (computed by :func:`power_iteration` when not given). With ``restart`` (default) a row whose
+    objective would rise keeps its previous iterate and its momentum is reset (``t = 1``), so the next step is a plain proximal-gradient step from there: the
     per-row objective never rises. One ``n x n`` product per iteration (``Y H`` is carried as a linear
     combination of ``W_k H``); ``W0H`` may pass ``W0 @ H``, and the result carries ``W @ H``. Stops
     after ``iters`` iterations or when the minimal subgradient (:func:`stationarity`) falls below ``tol``
@@ -173,23 +182,24 @@ def fista_solve(
     m, n = C.shape
     if H.shape != (n, n):
         raise ValueError(f"H must be {n}x{n} to match C {tuple(C.shape)}, got {tuple(H.shape)}")
-    if iters < 0:
+    steps = FistaSteps() if steps is None else steps
+    if steps.iters < 0:
         raise ValueError("iters must be >= 0")
     lam_r = row_lambda(lam, m, C)
-    if L is None:
-        L = power_iteration(H) * 1.001
-    if L <= 0.0:
+    if steps.L is None:
+        steps = replace(steps, L=power_iteration(H) * 1.001)
+    if steps.L <= 0.0:
         # H == 0: the smooth part is linear, the minimiser is unbounded unless C == 0; keep the start
         return FistaResult(W=torch.zeros_like(C) if W0 is None else W0.to(C.dtype).clone(), objective=[], iters=0)
     parts = [
-        _fista_rows(H, C[s], lam_r[s], None if W0 is None else W0[s], L, iters, tol, restart, track, col_weights,
+        _fista_rows(H, C[s], lam_r[s], None if W0 is None else W0[s], steps, col_weights,
                     None if W0H is None else W0H[s], H_low)
         for s in row_blocks(m, n, C)
     ]
     if len(parts) == 1:
         return parts[0]
     length = max(len(p.objective) for p in parts)
-    objective = [sum(p.objective[min(i, len(p.objective) - 1)] for p in parts) for i in range(length)] if track else []
+    objective = [sum(p.objective[min(i, len(p.objective) - 1)] for p in parts) for i in range(length)] if steps.track else []
     return FistaResult(
         W=torch.cat([p.W for p in parts]),
         objective=objective,
@@ -205,17 +215,15 @@ def _fista_rows(
     C: torch.Tensor,
     lam_r: torch.Tensor,
     W0: torch.Tensor | None,
-    L: float,
-    iters: int,
-    tol: float,
-    restart: bool,
-    track: bool,
+    steps: FistaSteps,
     col_weights: torch.Tensor | None,
     W0H: torch.Tensor | None,
     H_low: torch.Tensor | None,
 ) -> FistaResult:
-    """:func:`fista_solve` on one block of rows (``lam_r`` of shape (m, 1), ``L > 0``)."""
+    """:func:`fista_solve` on one block of rows (``lam_r`` of shape (m, 1), ``steps.L > 0``)."""
     m, n = C.shape
+    L, iters, tol, restart, track = steps.L, steps.iters, steps.tol, steps.restart, steps.track
+    assert L is not None
     W_prev = torch.zeros_like(C) if W0 is None else W0.to(C.dtype).clone()
     WH_prev = W_prev @ H if W0H is None else W0H.to(C.dtype)
     u = None if col_weights is None else col_weights.to(C.dtype).reshape(-1)

@@ -13,6 +13,7 @@ at once; each row is its own problem.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -125,10 +126,20 @@ def _no_worse(
     return X, XH
 
 
+@dataclass(frozen=True)
+class Refit:
+    """How a refit of the kept weights runs: at most ``iters`` iterations; ``tol`` > 0 stops a block of
+    rows once its gradient on the support is within ``tol`` of ``C``'s norm there (:func:`converged`);
+    ``used`` (a list) receives the iterations each block ran."""
+
+    iters: int
+    tol: float = 0.0
+    used: list[int] | None = None
+
+
 def refine_apg(
-    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, L: float, iters: int,
-    WH: torch.Tensor | None = None, H_low: torch.Tensor | None = None, tol: float = 0.0,
-    used: list[int] | None = None,
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, L: float, steps: Refit,
+    WH: torch.Tensor | None = None, H_low: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Refit the kept weights: minimise ``1/2 tr(W H W^T) - tr(C W^T)`` over ``W`` supported on ``mask``.
 
@@ -137,14 +148,13 @@ def refine_apg(
     Returns the refit weights and their product ``W @ H``; ``WH`` may pass the product of the start
     (``W``, then already zero off ``mask``). ``H_low``: the iterations' products run in that dtype (see
     :func:`gram_product`); the result's product is then recomputed exactly and a row worse than its
-    start keeps the start (``WH`` must then be exact). ``tol`` > 0 stops a block of rows once its
-    gradient on the support is within ``tol`` of ``C``'s norm there (:func:`converged`); ``used`` (a list) receives the iterations each block ran."""
+    start keeps the start (``WH`` must then be exact). ``steps``: see :class:`Refit`."""
     if WH is None:
         W = W * mask
         WH = W @ H
-    if iters <= 0 or L <= 0.0:
+    if steps.iters <= 0 or L <= 0.0:
         return W, WH
-    return _blocked(_apg_rows, W, mask, H, C, WH, H_low, L, iters, tol, used)
+    return _blocked(_apg_rows, W, mask, H, C, WH, H_low, L, steps)
 
 
 def _blocked(
@@ -160,9 +170,10 @@ def _blocked(
 
 def _apg_rows(
     W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, WH: torch.Tensor,
-    H_low: torch.Tensor | None, L: float, iters: int, tol: float, used: list[int] | None,
+    H_low: torch.Tensor | None, L: float, steps: Refit,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_apg` on one block of rows (``W`` zero off ``mask``, ``WH`` its product)."""
+    iters, tol, used = steps.iters, steps.tol, steps.used
     keep = mask.to(W.dtype)
     W0, W0H = W, WH
     res_W = W
@@ -198,9 +209,8 @@ def _apg_rows(
 
 
 def refine_cg(
-    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, iters: int,
-    WH: torch.Tensor | None = None, H_low: torch.Tensor | None = None, tol: float = 0.0,
-    used: list[int] | None = None,
+    W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, steps: Refit,
+    WH: torch.Tensor | None = None, H_low: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_apg` by conjugate gradients: the same least-squares refit of the kept weights.
 
@@ -209,20 +219,21 @@ def refine_cg(
     step and reaches the minimum on the support after at most ``|support|`` steps; a row whose
     objective ends above its start (rounding) keeps its start. Returns the weights and ``W @ H``;
     ``WH`` may pass the product of the start (``W``, then already zero off ``mask``). ``H_low`` as in
-    :func:`refine_apg`; so are ``tol`` and ``used``."""
+    :func:`refine_apg`; so is ``steps``."""
     if WH is None:
         W = W * mask
         WH = W @ H
-    if iters <= 0:
+    if steps.iters <= 0:
         return W, WH
-    return _blocked(_cg_rows, W, mask, H, C, WH, H_low, iters, tol, used)
+    return _blocked(_cg_rows, W, mask, H, C, WH, H_low, steps)
 
 
 def _cg_rows(
     W: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, C: torch.Tensor, WH: torch.Tensor,
-    H_low: torch.Tensor | None, iters: int, tol: float, used: list[int] | None,
+    H_low: torch.Tensor | None, steps: Refit,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_cg` on one block of rows (``W`` zero off ``mask``, ``WH`` its product)."""
+    iters, tol, used = steps.iters, steps.tol, steps.used
     keep = mask.to(W.dtype)
     X, XH = W.clone(), WH.clone()
     R = (C - WH).mul_(keep)  # minus the gradient, on the support

@@ -15,7 +15,7 @@ import torch
 
 from leanml.config import Bounds, Form, option, require
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
-from leanml.prune.cores.fista import fista_prune
+from leanml.prune.cores.fista import FistaProblem, fista_prune
 from leanml.prune.cores.refine import REFINE_METHODS
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
@@ -181,14 +181,14 @@ class FistaPruner(Pruner):
             W = lin.weight.data
             lspec = linear_spec(spec, name)
             start = warm_start_weights(o.warm_start, W, stats, lspec, shared)
-            res = fista_prune(
-                W, H, lspec, o,
+            problem = FistaProblem(
                 G=stats.G if self.needs_dense else None,
                 C=stats.C[name] if self.needs_dense and stats.C and name in stats.C else None,
                 Hd=stats.Hd if self.needs_dense else None,
                 dense_const=stats.out_sq[name] if self.needs_dense and stats.out_sq and name in stats.out_sq else None,
-                W_start=start, low_dtype=low, cache=cache,
+                W_start=start,
             )
+            res = fista_prune(W, H, lspec, o, problem, low_dtype=low, cache=cache)
             lin.weight.data.copy_(res.W.to(W.dtype))
             out[name] = self._report(res, low or H.dtype)
         return out
