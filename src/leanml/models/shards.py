@@ -7,8 +7,8 @@
 - :class:`ShardWriter`: writes one shard file per call, atomically (temporary file + rename), and at
   the end the ``model.safetensors.index.json`` that ``from_pretrained`` reads. Shards already written
   survive an interruption, so a resumed run keeps them.
-- :func:`build_skeleton`: the model built from its config on the meta device (no weight memory);
-  :func:`assign` / :func:`to_meta` put real tensors into it and take them out again.
+- :func:`build_skeleton`: the model built from its config on the meta device (no weight memory; its buffers,
+  such as rotary tables, real); :func:`assign` / :func:`to_meta` put real tensors into it and take them out again.
 - :class:`LayerStore`: what the pruning engine calls to materialize a decoder layer before its turn
   and to write and free it afterwards (implemented by :class:`leanml.prune.stream.ShardStore`).
 - :func:`gguf_to_safetensors`: a ``.gguf`` file converted tensor by tensor into safetensors shards.
@@ -28,9 +28,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from leanml.errors import LeanmlError
 from leanml.finite import check_finite_tensors, check_finite_weights
 from leanml.models.check import check_gguf, refuse_incomplete, safetensors_header
-from leanml.utils import LeanmlError, atomic_file, write_json
+from leanml.outputs import atomic_file, write_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -426,11 +427,52 @@ def _gguf_to_safetensors(path: Path, out: Path, shard_bytes: int, progress: bool
 
 
 def build_skeleton_from_config(config: Any, dtype: torch.dtype) -> nn.Module:
-    """:func:`build_skeleton` from a config object."""
-    from accelerate import init_empty_weights
+    """:func:`build_skeleton` from a config object: built under ``torch.device("meta")``, then its buffers made
+    real (:func:`materialize_buffers`)."""
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights():
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    materialize_buffers(model)
     model.tie_weights()
     return model.eval()
+
+
+def _unset(like: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor shaped like ``like`` holding a value no initialiser writes (NaN, or the integer minimum)."""
+    if like.dtype.is_floating_point:
+        return torch.full_like(like, float("nan"), device="cpu")
+    if like.dtype == torch.bool:
+        return torch.zeros_like(like, device="cpu")
+    return torch.full_like(like, torch.iinfo(like.dtype).min, device="cpu")
+
+
+def _still_unset(buf: torch.Tensor) -> bool:
+    if buf.dtype == torch.bool or buf.numel() == 0:
+        return False  # no value tells a bool buffer apart; an empty one has nothing to set
+    if buf.dtype.is_floating_point:
+        return bool(buf.isnan().any())
+    return bool((buf == torch.iinfo(buf.dtype).min).all())
+
+
+@torch.no_grad()
+def materialize_buffers(model: nn.Module) -> list[str]:
+    """Give every meta buffer of ``model`` (built on the meta device) its real value, as transformers does
+    after loading: a CPU tensor filled by the model's own ``_init_weights`` of the module that holds it (rotary
+    ``inv_freq`` tables, Gemma's ``embed_scale``). Parameters stay on meta. Returns the buffers' names; a buffer
+    the model's initialiser leaves unset is refused in one line."""
+    owners: dict[int, nn.Module] = {}
+    names = []
+    for key, buf in list(model.named_buffers()):
+        if buf.device.type == "meta":
+            owner, leaf = _owner(model, key)
+            owner._buffers[leaf] = _unset(buf)  # noqa: SLF001
+            owners[id(owner)] = owner
+            names.append(key)
+    for owner in owners.values():
+        model._init_weights(owner)  # noqa: SLF001 - the initialiser transformers itself runs on these buffers
+    for key in names:
+        if _still_unset(model.get_buffer(key)):
+            raise LeanmlError(f"{type(model).__name__}'s initialiser leaves buffer {key} unset on the meta device, "
+                              "so it cannot be built layer by layer; load it whole (drop --stream)")
+    return names
