@@ -27,7 +27,7 @@ from leanml.models.layerwise import StopForward, first, forward_layer
 from leanml.models.layout import Group, group_calls, layer_linears
 from leanml.prune.base import GroupStats
 from leanml.prune.engine.finished import FinishedParts
-from leanml.prune.engine.placement import Place, Streams, batch_ranges
+from leanml.prune.engine.placement import LayerFeed, Place, batch_ranges
 
 #: key prefix of a linear's dense outputs in :func:`dense_pass`'s cache (its input is keyed by the name)
 OUT_PREFIX = "out:"
@@ -141,20 +141,14 @@ class Capture:
 
 
 def one_pass(
-    layer: nn.Module,
-    groups: list[Group] | None,
-    streams: Streams,
-    kw: list[dict[str, Any]],
-    needs_dense: bool,
-    batch_size: int,
-    place: Place,
-    model_type: str,
+    layer: nn.Module, groups: list[Group] | None, feed: LayerFeed, needs_dense: bool, model_type: str,
 ) -> tuple[list[Group], dict[str, GroupStats], torch.Tensor, torch.Tensor | None]:
-    """Statistics of every group from passes of the still dense layer, all groups at once.
+    """Statistics of every group from passes of the still dense layer over ``feed``, all groups at once.
 
     Returns the groups (discovered on the first batch when ``groups`` is None), their statistics by
     group name, the dense layer's output on the pruned stream (the reference of the error report) and,
     with a dense stream, its output on the dense stream (the next dense stream)."""
+    streams, kw, batch_size, place = feed.streams, feed.kw, feed.batch_size, feed.place
     moments: dict[str, Moments] = {}
     device = place.device
     n = streams.pruned.shape[0]
@@ -233,18 +227,16 @@ def group_stats_intra(
     layer: nn.Module,
     dense_layer: nn.Module | None,
     group: Group,
-    streams: Streams,
-    kw: list[dict[str, Any]],
+    feed: LayerFeed,
     needs_dense: bool,
-    batch_size: int,
-    place: Place,
     dense_cache: tuple[dict[str, list[torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None,
     finished: FinishedParts | None = None,
 ) -> GroupStats:
-    """One group's statistics from the partially pruned ``layer`` (stopped at the group's first linear),
-    paired with the dense layer's input on the dense stream when ``needs_dense`` (from ``dense_cache``
-    when given, else from the dense copy stopped at the same linear). ``finished`` reuses the outputs
-    of the layer's finished parts."""
+    """One group's statistics from the partially pruned ``layer`` (stopped at the group's first linear)
+    over ``feed``, paired with the dense layer's input on the dense stream when ``needs_dense`` (from
+    ``dense_cache`` when given, else from the dense copy stopped at the same linear). ``finished``
+    reuses the outputs of the layer's finished parts."""
+    streams, kw, batch_size, place = feed.streams, feed.kw, feed.batch_size, feed.place
     m: Moments | None = None
     device = place.device
     dense_in = streams.dense_or_pruned()
@@ -295,12 +287,9 @@ def forward_stream(layer: nn.Module, x: torch.Tensor, kw: list[dict[str, Any]], 
     return outs.result()
 
 
-def find_groups(
-    layer: nn.Module, streams: Streams, kw: list[dict[str, Any]], batch_size: int, device: torch.device,
-    model_type: str,
-) -> list[Group]:
-    """The layer's groups, from a pass over its first batch."""
+def find_groups(layer: nn.Module, feed: LayerFeed, model_type: str) -> list[Group]:
+    """The layer's groups, from a pass over the first batch of ``feed``'s pruned stream."""
     cap = Capture(layer, None)
-    cap.run(layer, streams.pruned[:batch_size].to(device), kw[0])
+    cap.run(layer, feed.streams.pruned[: feed.batch_size].to(feed.place.device), feed.kw[0])
     return [Group(name, {n: layer.get_submodule(n) for n in names})
             for name, names in group_calls(layer_linears(layer), cap.calls, model_type)]

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +30,17 @@ class Streams:
 
     def dense_or_pruned(self) -> torch.Tensor:
         return self.pruned if self.dense is None else self.dense
+
+
+@dataclass
+class LayerFeed:
+    """What one decoder layer's calibration passes read: the activation streams entering it, each
+    batch's keyword arguments (on the compute device), the batch size and where the streams live."""
+
+    streams: Streams
+    kw: list[dict[str, Any]]
+    batch_size: int
+    place: Place
 
 
 def sync_device(device: torch.device) -> None:

@@ -33,7 +33,7 @@ from leanml.prune.engine.checkpoint import (
 )
 from leanml.prune.engine.finished import nbytes
 from leanml.prune.engine.layer import prune_layer
-from leanml.prune.engine.placement import Place, Streams, stream_home, sync_device
+from leanml.prune.engine.placement import LayerFeed, Place, Streams, stream_home, sync_device
 from leanml.prune.masks import MaskSpec
 from leanml.utils import EtaBar, LeanmlError
 from leanml.utils import fingerprint as settings_fingerprint  # the walk has a fingerprint parameter
@@ -231,7 +231,8 @@ def prune_model(
                 if idx in todo:
                     lspec = per_linear[idx] if per_linear is not None else spec
                     report, pruned_next, dense_next, dense_out = prune_layer(
-                        layer, adapter, streams, kw, pruner, lspec, intra_layer, batch_size, place, dense_cache_bytes
+                        layer, adapter, LayerFeed(streams, kw, batch_size, place), pruner, lspec, intra_layer,
+                        dense_cache_bytes,
                     )
                     report["layer"] = idx
                     report["sparsity_requested"] = requested[idx]
