@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from _common import replace_block
 from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
-from leanml.features.read.data import generate_logs
+from leanml.features.read.data import LogSpec, generate_logs
 from leanml.features.run.arena import Arena, NoArena
 from leanml.features.run.batch import FeatureBatch
 from leanml.features.run.extract import ExtractConfig, Extractor
@@ -113,7 +113,7 @@ def expand(b: FeatureBatch) -> FeatureBatch:
 def bench_data(rows: int) -> Path:
     data = cache_dir() / "features" / f"bench_{rows}"
     if not (data / "impressions_000.tsv").exists():
-        generate_logs(data, rows, seed=0)
+        generate_logs(data, LogSpec(rows, seed=0))
     return data
 
 

@@ -461,12 +461,12 @@ def part_ctr(S: Sizes, device: str, assets: Path | None, emit: Emitter, args: ar
 
 def part_features(S: Sizes, device: str, assets: Path | None, emit: Emitter, args: argparse.Namespace) -> None:
     from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
-    from leanml.features.read.data import generate_logs
+    from leanml.features.read.data import LogSpec, generate_logs
     from leanml.features.run.extract import ExtractConfig
     from leanml.features.train.pipeline import run_pipelined
 
     with tempfile.TemporaryDirectory() as tmp:
-        generate_logs(tmp, S.feature_rows, seed=0)
+        generate_logs(tmp, LogSpec(S.feature_rows, seed=0))
         logs = sorted(Path(tmp).glob("impressions_*.tsv*"))
         for producer in ("thread", "process"):
             what = {"method": f"pipelined ({producer} producer)", "rows": S.feature_rows}

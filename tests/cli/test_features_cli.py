@@ -13,7 +13,7 @@ import pytest
 
 from cli.conftest import assert_unchanged, run_cli, snapshot, start_cli
 from cli.parallel import Case, check_refused, readonly_dir, run_cases
-from leanml.features.read.data import generate_logs
+from leanml.features.read.data import LogSpec, generate_logs
 
 LOG = "logs/impressions_000.tsv"
 
@@ -112,7 +112,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("features-shared")
-    generate_logs(root / "logs", 300, seed=0, progress=False)
+    generate_logs(root / "logs", LogSpec(300, seed=0), progress=False)
     return root
 
 
@@ -154,8 +154,9 @@ def test_generate_killed_midway_leaves_no_half_set(tmp_path) -> None:
 
 def test_train_killed_then_clean_rerun_has_no_stale_quarantine(tmp_path) -> None:
     data = tmp_path / "data"
-    generate_logs(data, 60000, seed=1, malformed_rate=0.05, progress=False)
-    generate_logs(tmp_path / "clean", 300, seed=2, progress=False)  # ids within the ranges of data's tables
+    generate_logs(data, LogSpec(60000, seed=1, malformed_rate=0.05), progress=False)
+    # ids within the ranges of data's tables
+    generate_logs(tmp_path / "clean", LogSpec(300, seed=2), progress=False)
     (tmp_path / "clean" / "impressions_000.tsv").rename(data / "clean.tsv")
     run = tmp_path / "run"
     run.mkdir()
@@ -215,7 +216,7 @@ def test_fuzzed_logs_train_or_fail_in_one_line(tmp_path) -> None:
     import numpy as np
 
     logs = tmp_path / "logs"
-    generate_logs(logs, 300, seed=3, progress=False)
+    generate_logs(logs, LogSpec(300, seed=3), progress=False)
     data = (logs / "impressions_000.tsv").read_bytes()
     rng = np.random.default_rng(0)
     for k in range(8):
@@ -242,7 +243,7 @@ def test_gzip_damage_past_the_upfront_check_is_one_line(tmp_path, monkeypatch) -
     from leanml.features.read.readers import LogReader
     from leanml.utils import LeanmlError
 
-    generate_logs(tmp_path / "g", 3000, seed=4, progress=False)
+    generate_logs(tmp_path / "g", LogSpec(3000, seed=4), progress=False)
     packed = gzip.compress((tmp_path / "g" / "impressions_000.tsv").read_bytes())
     log = tmp_path / "cut.tsv.gz"
     log.write_bytes(packed[: len(packed) // 2])

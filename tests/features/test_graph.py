@@ -199,11 +199,11 @@ def test_entity_scopes_of_the_movielens_graph():
 def test_per_entity_execution_matches_per_row(tmp_path):
     """Entity mode (arrow reader, ops once per user/item, gathered) == every op per row (Python reader)."""
     from leanml.features.options import PipelineOptions
-    from leanml.features.read.data import generate_logs
+    from leanml.features.read.data import LogSpec, generate_logs
     from leanml.features.run.batch import FeatureBatch
     from leanml.features.run.extract import ExtractConfig, Extractor
 
-    generate_logs(tmp_path, 3000, seed=2, malformed_rate=0.01, unknown_item_rate=0.05, progress=False)
+    generate_logs(tmp_path, LogSpec(3000, seed=2, unknown_item_rate=0.05, malformed_rate=0.01), progress=False)
     (tmp_path / "users.jsonl").write_text("\n".join((tmp_path / "users.jsonl").read_text().splitlines()[::2]) + "\n")
     cfg = ExtractConfig.build("movielens", [tmp_path / "impressions_000.tsv"], PipelineOptions(batch_rows=500))
     fast = Extractor(cfg)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from leanml.features.read.data import LOG_SCHEMA, generate_logs
+from leanml.features.read.data import LOG_SCHEMA, LogSpec, generate_logs
 from leanml.features.read.logschema import Quarantine, Schema
 from leanml.features.read.readers import LogReader
 from leanml.utils import LeanmlError
@@ -106,7 +106,7 @@ def test_parquet_nulls_and_shards(tmp_path):
                                                      quarantine=q)]).tolist()
     assert ts == [1, 2, 4, 6] and dict(q.counts) == {"missing:ts": 1, "missing:user": 1}
     # shards of a line log: disjoint and together complete
-    generate_logs(tmp_path / "g", 3000, seed=1, progress=False)
+    generate_logs(tmp_path / "g", LogSpec(3000, seed=1), progress=False)
     log = tmp_path / "g" / "impressions_000.tsv"
     full = np.concatenate([c["ts"] for c in LogReader([log], LOG_SCHEMA, chunk_rows=256)])
     parts = [np.concatenate([c["ts"] for c in LogReader([log], LOG_SCHEMA, chunk_rows=256, shard=(i, 3))])
@@ -116,7 +116,7 @@ def test_parquet_nulls_and_shards(tmp_path):
 
 
 def test_generator_malformed_lines_all_quarantined(tmp_path):
-    generate_logs(tmp_path, 4000, seed=3, malformed_rate=0.01, gz=True, progress=False)
+    generate_logs(tmp_path, LogSpec(4000, seed=3, gz=True, malformed_rate=0.01), progress=False)
     log = tmp_path / "impressions_000.tsv.gz"
     lines = gzip.open(log, "rt").read().splitlines()
     bad = sum(not isinstance(_ref_log(x), tuple) for x in lines)

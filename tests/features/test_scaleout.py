@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from leanml.features.options import PipelineOptions, TrainOptions
-from leanml.features.read.data import generate_logs
+from leanml.features.read.data import LogSpec, generate_logs
 from leanml.features.run.batch import FeatureBatch
 from leanml.features.run.extract import ExtractConfig, Extractor
 
@@ -39,7 +39,7 @@ outputs: {label: click, sparse: [user, item, g_x_item, age_b], dense: [age_z], s
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("tiny")
-    generate_logs(d, 2400, seed=5, malformed_rate=0.005, progress=False)
+    generate_logs(d, LogSpec(2400, seed=5, malformed_rate=0.005), progress=False)
     (d / "tiny.yaml").write_text(TINY)
     return d, d / "impressions_000.tsv"
 

@@ -191,11 +191,11 @@ def _test(model: Any, job: TrainJob, graph: FeatureGraph | None, cfg: ExtractCon
 def generate_job(job: GenerateJob, progress: bool = True) -> Path:
     """A seeded synthetic log set (impressions plus user/item tables) in ``job.out``; returns the folder."""
     from leanml.features.read.checks import check_writable
-    from leanml.features.read.data import check_generate_target, generate_logs
+    from leanml.features.read.data import LogSpec, check_generate_target, generate_logs
 
     check_writable(check_generate_target(job.out, job.overwrite).parent, _flag(GenerateJob, "out"))
-    return generate_logs(job.out, job.rows, seed=job.seed, files=job.files, gz=job.gzip,
-                         malformed_rate=job.malformed_rate, overwrite=job.overwrite, progress=progress)
+    spec = LogSpec(job.rows, seed=job.seed, files=job.files, gz=job.gzip, malformed_rate=job.malformed_rate)
+    return generate_logs(job.out, spec, overwrite=job.overwrite, progress=progress)
 
 
 def summary_lines(ext: dict[str, Any], rows: int) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip as gzip_mod
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -107,11 +108,28 @@ def _draw(rng: np.random.Generator, cdf: np.ndarray, perm: np.ndarray, size: int
     return perm[ranks]
 
 
-def generate_logs(out_dir: str | Path, rows: int, *, seed: int = 0, n_users: int | None = None,
-                  n_items: int | None = None, zipf_a: float = 1.1, files: int = 1, gz: bool = False,
-                  unknown_item_rate: float = 0.002, malformed_rate: float = 0.0,
-                  chunk_rows: int = 500_000, progress: bool = True, overwrite: bool = False) -> Path:
-    """Write a synthetic log of ``rows`` impressions (same schema as the MovieLens logs); returns the dir.
+@dataclass(frozen=True)
+class LogSpec:
+    """What :func:`generate_logs` writes: ``rows`` impressions from generator ``seed``, ``n_users`` users
+    and ``n_items`` items (default: from ``rows``), IDs drawn with ``p(rank) ~ rank**-zipf_a``, in
+    ``files`` files (gzipped with ``gz``); ``unknown_item_rate`` of impressions name items absent from
+    ``items.jsonl`` and ``malformed_rate`` of lines are corrupted; ``chunk_rows`` rows are drawn at a time."""
+
+    rows: int
+    seed: int = 0
+    n_users: int | None = None
+    n_items: int | None = None
+    zipf_a: float = 1.1
+    files: int = 1
+    gz: bool = False
+    unknown_item_rate: float = 0.002
+    malformed_rate: float = 0.0
+    chunk_rows: int = 500_000
+
+
+def generate_logs(out_dir: str | Path, spec: LogSpec, *, progress: bool = True, overwrite: bool = False) -> Path:
+    """Write a synthetic log of ``spec.rows`` impressions (same schema as the MovieLens logs, see
+    :class:`LogSpec`); returns the dir.
 
     IDs are drawn with ``p(rank) ~ rank**-zipf_a``; history lengths are lognormal (median ~4, long tail,
     capped at 50); ``unknown_item_rate`` of impressions name items absent from ``items.jsonl`` (the
@@ -121,13 +139,11 @@ def generate_logs(out_dir: str | Path, rows: int, *, seed: int = 0, n_users: int
     the end, so a set of files under ``out_dir`` is always complete. An existing ``out_dir`` that is not
     empty is refused unless ``overwrite`` (then it is replaced as a whole, older files included).
     """
-    if rows < 1 or files < 1:
+    if spec.rows < 1 or spec.files < 1:
         raise LeanmlError("rows and files must be >= 1")
     out = check_generate_target(out_dir, overwrite)
     with atomic_dir(out, overwrite=True) as tmp:
-        _generate_into(tmp, rows, seed=seed, n_users=n_users, n_items=n_items, zipf_a=zipf_a, files=files, gz=gz,
-                       unknown_item_rate=unknown_item_rate, malformed_rate=malformed_rate, chunk_rows=chunk_rows,
-                       progress=progress)
+        _generate_into(tmp, spec, progress)
     return out
 
 
@@ -142,12 +158,12 @@ def check_generate_target(out_dir: str | Path, overwrite: bool) -> Path:
     return out
 
 
-def _generate_into(out: Path, rows: int, *, seed: int, n_users: int | None, n_items: int | None, zipf_a: float,
-                   files: int, gz: bool, unknown_item_rate: float, malformed_rate: float, chunk_rows: int,
-                   progress: bool) -> None:
-    rng = np.random.default_rng(seed)
-    n_users = n_users or max(1000, rows // 40)
-    n_items = n_items or max(500, rows // 200)
+def _generate_into(out: Path, spec: LogSpec, progress: bool) -> None:
+    rows, zipf_a, files, gz, chunk_rows = spec.rows, spec.zipf_a, spec.files, spec.gz, spec.chunk_rows
+    unknown_item_rate, malformed_rate = spec.unknown_item_rate, spec.malformed_rate
+    rng = np.random.default_rng(spec.seed)
+    n_users = spec.n_users or max(1000, rows // 40)
+    n_items = spec.n_items or max(500, rows // 200)
     user_cdf, item_cdf = _powerlaw_sampler(rng, n_users, zipf_a), _powerlaw_sampler(rng, n_items, zipf_a)
     user_perm = rng.permutation(n_users) + 1
     item_perm = rng.permutation(n_items) + 1

@@ -28,6 +28,7 @@ import pyarrow.json as pjson
 from leanml.features.read.logschema import (
     ARROW_TYPES,
     Chunk,
+    Origin,
     Quarantine,
     Schema,
     arrow_convert,
@@ -263,8 +264,8 @@ def _arrow_tsv(buf: bytes, ends: np.ndarray, schema: Schema, quarantine: Quarant
         for k in np.flatnonzero(blank).tolist():
             quarantine.add(source, first_line + int(line_of_row[k]), "empty_line", "",
                            f"expected {ncols} fields separated by {sep!r}, got 1")
-    return finish_chunk(cols, reasons, schema, quarantine, source, first_line, line_of_row,
-                   lambda k: _line_text(buf, ends, int(line_of_row[k])), extra_bad=blank, raw_cols=raw_cols)
+    return finish_chunk(cols, reasons, Origin(quarantine, source, first_line), line_of_row,
+                        lambda k: _line_text(buf, ends, int(line_of_row[k])), extra_bad=blank, raw_cols=raw_cols)
 
 
 def _arrow_jsonl(buf: bytes, ends: np.ndarray, schema: Schema, quarantine: Quarantine, source: str,
@@ -297,8 +298,8 @@ def _arrow_jsonl(buf: bytes, ends: np.ndarray, schema: Schema, quarantine: Quara
             if bad.any():
                 reasons.append((name, f"bad_float:{name}", bad))
     line_of_row = np.arange(len(ends), dtype=np.int64)
-    return finish_chunk(cols, missing + reasons, schema, quarantine, source, first_line, line_of_row,
-                   lambda k: _line_text(buf, ends, k))
+    return finish_chunk(cols, missing + reasons, Origin(quarantine, source, first_line), line_of_row,
+                        lambda k: _line_text(buf, ends, k))
 
 
 def _blank_lines_any(buf: bytes, ends: np.ndarray) -> bool:

@@ -189,12 +189,25 @@ def arrow_convert(col: pa.Array, typ: str, strict_int: bool) -> tuple[Any, np.nd
     return values, (bad if bad.any() else None)
 
 
-def finish_chunk(cols: dict[str, Any], bad_reasons: list[tuple[str, str, np.ndarray]], schema: Schema,
-            quarantine: Quarantine, source: str, first_line: int, line_of_row: np.ndarray,
-            raw: Any, extra_bad: np.ndarray | None = None, raw_cols: dict[str, Any] | None = None) -> Chunk:
-    """Quarantine rows flagged bad (first reason in schema order wins) and drop them from every column.
+@dataclass(frozen=True)
+class Origin:
+    """Where a chunk's rows come from and where its bad rows go: the ``quarantine``, the ``source`` file
+    and the line number of the chunk's first line (``first_line``)."""
 
-    ``raw(k)`` is row k's text; ``raw_cols[name](k)`` its field as written (for the quarantine detail)."""
+    quarantine: Quarantine
+    source: str
+    first_line: int
+
+
+def finish_chunk(cols: dict[str, Any], bad_reasons: list[tuple[str, str, np.ndarray]], origin: Origin,
+                 line_of_row: np.ndarray, raw: Any, extra_bad: np.ndarray | None = None,
+                 raw_cols: dict[str, Any] | None = None) -> Chunk:
+    """Quarantine rows flagged bad (first reason in ``bad_reasons`` wins: give them in schema order) and
+    drop them from every column.
+
+    ``raw(k)`` is row k's text; ``raw_cols[name](k)`` its field as written (for the quarantine detail);
+    ``line_of_row[k]`` its line within the chunk (see :class:`Origin`)."""
+    quarantine, source, first_line = origin.quarantine, origin.source, origin.first_line
     n = len(line_of_row)
     bad_any = np.zeros(n, dtype=bool) if extra_bad is None else extra_bad.copy()
     records: list[tuple[int, str, str]] = []

@@ -18,6 +18,7 @@ import pyarrow as pa
 from leanml.features.read.logschema import (
     ARROW_TYPES,
     Chunk,
+    Origin,
     Quarantine,
     Schema,
     finish_chunk,
@@ -89,7 +90,7 @@ def _parquet_arrow(batch: Any, schema: Schema, quarantine: Quarantine, path: Pat
     def raw(k: int) -> str:
         return json.dumps({c: batch.column(c)[k].as_py() for c in schema.names}, default=str)
 
-    return finish_chunk(cols, missing + reasons, schema, quarantine, str(path), first, line_of_row, raw)
+    return finish_chunk(cols, missing + reasons, Origin(quarantine, str(path), first), line_of_row, raw)
 
 
 def _parquet_python(batch: Any, schema: Schema, quarantine: Quarantine, path: Path, first: int) -> Chunk:

@@ -31,12 +31,10 @@ class _BagLookup(torch.autograd.Function):
     if not ``sparse``)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, gid: torch.Tensor, w: torch.Tensor, boff: torch.Tensor,
-                uniq: torch.Tensor, goff: torch.Tensor, sbag: torch.Tensor, sw: torch.Tensor,
-                sparse: bool) -> torch.Tensor:
-        ctx.save_for_backward(uniq, goff, sbag, sw)
+    def forward(ctx: Any, weight: torch.Tensor, plan: LookupPlan, sparse: bool) -> torch.Tensor:
+        ctx.save_for_backward(plan.uniq, plan.goff, plan.sbag, plan.sw)
         ctx.shape, ctx.sparse = weight.shape, sparse
-        return nn.functional.embedding_bag(gid, weight, boff, mode="sum", per_sample_weights=w)
+        return nn.functional.embedding_bag(plan.gid, weight, plan.boff, mode="sum", per_sample_weights=plan.w)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -47,7 +45,7 @@ class _BagLookup(torch.autograd.Function):
                                          check_invariants=False)
         else:
             gw = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device).index_add_(0, uniq, g_rows)
-        return gw, None, None, None, None, None, None, None, None
+        return gw, None, None
 
 
 class _AddNarrowLinear(torch.autograd.Function):
@@ -115,8 +113,7 @@ class FusedEmbedding(nn.Module):
         n = len(ids)
         if plan is None or not plan.fits(tuple(self.sizes), layout, n, ids.device, self.weight.dtype):
             plan = self.plan(ids, layout)
-        out = _BagLookup.apply(self.weight, plan.gid, plan.w, plan.boff, plan.uniq, plan.goff, plan.sbag, plan.sw,
-                               self.sparse)
+        out = _BagLookup.apply(self.weight, plan, self.sparse)
         return out.view(n, len(self.sizes), self.dim)
 
 
