@@ -198,13 +198,13 @@ class Context:
         """Windows partly sampled from the dense model, drawn once into ``path`` (sampling is the costly
         part; every row and rerun reads the file) with the measured sampling time kept beside them."""
         if not path.exists():
-            from leanml.data.sampling import calibration_with_samples
+            from leanml.data.sampling import CalibrationSet, calibration_with_samples
             from leanml.models import load_model
 
             a = self.args
             model, _ = load_model(str(self.model_dir))
-            ids, info = calibration_with_samples(model, self.tokenizer, a.calib, a.nsamples, a.seqlen,
-                                                 a.calib_samples, seed=seed)
+            calib = CalibrationSet(a.calib, a.nsamples, a.seqlen, a.calib_samples, seed=seed)
+            ids, info = calibration_with_samples(model, self.tokenizer, calib)
             with atomic_file(path) as tmp:
                 torch.save({"ids": ids, "info": info}, tmp)
         saved = torch.load(path, weights_only=True)

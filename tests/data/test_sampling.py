@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from builders import tiny_llama
-from leanml.data.sampling import sample_windows, start_token
+from leanml.data.sampling import Sampling, sample_windows, start_token
 from leanml.utils import LeanmlError
 from recover.helpers import tiny_tokenizer
 
@@ -29,11 +29,11 @@ def _reference(model: torch.nn.Module, n: int, seqlen: int, start: int, seed: in
 def test_cached_sampling_equals_full_recompute():
     torch.manual_seed(0)
     model = tiny_llama(vocab=64).double().eval()
-    got = sample_windows(model, 5, 12, start_id=3, seed=7, batch_size=2, progress=False)
+    got = sample_windows(model, 5, 12, Sampling(3, seed=7, batch_size=2), progress=False)
     assert got.shape == (5, 12) and got.dtype == torch.long and int(got.max()) < 64
     assert torch.equal(got, _reference(model, 5, 12, 3, 7, 2))
-    assert torch.equal(got, sample_windows(model, 5, 12, start_id=3, seed=7, batch_size=2, progress=False))
-    assert not torch.equal(got, sample_windows(model, 5, 12, start_id=3, seed=8, batch_size=2, progress=False))
+    assert torch.equal(got, sample_windows(model, 5, 12, Sampling(3, seed=7, batch_size=2), progress=False))
+    assert not torch.equal(got, sample_windows(model, 5, 12, Sampling(3, seed=8, batch_size=2), progress=False))
     assert model.training is False
 
 
@@ -49,17 +49,16 @@ def test_samples_follow_the_teacher_distribution():
             return torch.log(probs.clamp_min(1e-30)).expand(*h.shape[:-1], 8)
 
     model.lm_head = Fixed()
-    got = sample_windows(model, 50, 40, start_id=0, seed=0, batch_size=25, progress=False)
+    got = sample_windows(model, 50, 40, Sampling(0, seed=0, batch_size=25), progress=False)
     freq = torch.bincount(got.flatten(), minlength=8).double() / got.numel()
     assert torch.allclose(freq, probs.double(), atol=0.02) and int(freq[6:].sum()) == 0
 
 
 def test_bad_sampling_settings_raise():
     model = tiny_llama(vocab=16)
-    for kwargs in ({"n": 0, "seqlen": 4}, {"n": 2, "seqlen": 0}, {"n": 2, "seqlen": 4, "temperature": 0.0},
-                   {"n": 2, "seqlen": 4, "batch_size": 0}):
+    for n, seqlen, extra in ((0, 4, {}), (2, 0, {}), (2, 4, {"temperature": 0.0}), (2, 4, {"batch_size": 0})):
         with pytest.raises(LeanmlError):
-            sample_windows(model, start_id=0, progress=False, **kwargs)
+            sample_windows(model, n, seqlen, Sampling(0, **extra), progress=False)
     assert start_token(tiny_tokenizer()) == tiny_tokenizer().eos_token_id
     with pytest.raises(LeanmlError, match="drop --calib-samples"):
         start_token(object(), "--calib-samples")
@@ -70,22 +69,22 @@ def test_calibration_with_samples_is_samples_then_corpus_windows(smollm2_dir):
     seed, the rest exactly the seeded corpus windows; share 0 is the plain calibration."""
     from transformers import AutoTokenizer
 
-    from leanml.data.sampling import calibration_with_samples
+    from leanml.data.sampling import CalibrationSet, calibration_with_samples
     from leanml.data.text import calibration_windows
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     torch.manual_seed(0)
     model = tiny_llama(vocab=len(tok)).eval()
-    ids, info = calibration_with_samples(model, tok, "shakespeare", 5, 16, 0.4, seed=3, progress=False)
+    ids, info = calibration_with_samples(model, tok, CalibrationSet("shakespeare", 5, 16, 0.4, seed=3), progress=False)
     assert ids.shape == (5, 16) and info["sampled_windows"] == 2 and info["corpus_windows"] == 3
     start = start_token(tok)
     assert info["start_token"] == start and info["sampling_seconds"] > 0
-    assert torch.equal(ids[:2], sample_windows(model, 2, 16, start_id=start, seed=3, progress=False))
+    assert torch.equal(ids[:2], sample_windows(model, 2, 16, Sampling(start, seed=3), progress=False))
     assert torch.equal(ids[2:], calibration_windows(tok, "shakespeare", 3, 16, seed=3))
-    plain, info0 = calibration_with_samples(model, tok, "shakespeare", 5, 16, 0.0, seed=3)
+    plain, info0 = calibration_with_samples(model, tok, CalibrationSet("shakespeare", 5, 16, 0.0, seed=3))
     assert torch.equal(plain, calibration_windows(tok, "shakespeare", 5, 16, seed=3))
     assert info0["sampled_windows"] == 0 and info0["sampling_seconds"] == 0.0
-    every, _ = calibration_with_samples(model, tok, "shakespeare", 3, 16, 1.0, seed=3, progress=False)
-    assert torch.equal(every, sample_windows(model, 3, 16, start_id=start, seed=3, progress=False))
+    every, _ = calibration_with_samples(model, tok, CalibrationSet("shakespeare", 3, 16, 1.0, seed=3), progress=False)
+    assert torch.equal(every, sample_windows(model, 3, 16, Sampling(start, seed=3), progress=False))
     with pytest.raises(LeanmlError, match="in \\[0, 1\\]"):
-        calibration_with_samples(model, tok, "shakespeare", 5, 16, 1.2)
+        calibration_with_samples(model, tok, CalibrationSet("shakespeare", 5, 16, 1.2))

@@ -142,22 +142,43 @@ def caption_for(label: int, attrs: np.ndarray, cuts: np.ndarray) -> str:
     return f"{words[0]} {words[1]} {words[2]} {FASHION_CLASSES[label]}"
 
 
+@dataclass(frozen=True)
+class Launch:
+    """When new ads appear in the log: ``days`` days, the new ads launch on ``launch_day`` and then take
+    ``new_share`` of the impressions."""
+
+    days: int = 10
+    launch_day: int = 7
+    new_share: float = 0.5
+
+
+@dataclass(frozen=True)
+class ClickModel:
+    """The click logit of :func:`fashion_ads`: ``base`` plus per-user class and attribute tastes, a user
+    bias and an ad quality, drawn with these scales (standard deviations)."""
+
+    base: float = -1.4
+    class_scale: float = 0.8
+    attr_scale: float = 0.5
+    user_scale: float = 0.3
+    quality_scale: float = 0.5
+
+
 def fashion_ads(
     n_ads: int = 3000,
     n_users: int = 300,
     new_frac: float = 0.2,
-    days: int = 10,
-    launch_day: int = 7,
     per_day: int = 15000,
-    new_share: float = 0.5,
-    base: float = -1.4,
-    class_scale: float = 0.8,
-    attr_scale: float = 0.5,
-    user_scale: float = 0.3,
-    quality_scale: float = 0.5,
+    launch: Launch | None = None,
+    clicks: ClickModel | None = None,
     seed: int = 0,
 ) -> CTRData:
-    """Fashion-MNIST ads with captions and the seeded click generator described in the module docstring."""
+    """Fashion-MNIST ads with captions and the seeded click generator described in the module docstring
+    (``launch``: :class:`Launch`, ``clicks``: :class:`ClickModel`; default: their defaults)."""
+    la, cm = launch or Launch(), clicks or ClickModel()
+    days, launch_day, new_share = la.days, la.launch_day, la.new_share
+    base, class_scale, attr_scale = cm.base, cm.class_scale, cm.attr_scale
+    user_scale, quality_scale = cm.user_scale, cm.quality_scale
     if not 0 < new_frac < 1:
         raise LeanmlError(f"new_frac={new_frac} must be in (0, 1)")
     if not 0 < launch_day < days:

@@ -16,6 +16,7 @@ Sampling uses the model's KV cache, one token per forward for the whole batch, a
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,25 +25,48 @@ from tqdm.auto import tqdm
 from leanml.utils import LeanmlError
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How windows are sampled: from the token ``start_id`` (not included in a window), seeded by ``seed``,
+    at ``temperature``, ``batch_size`` windows per forward."""
+
+    start_id: int
+    seed: int = 0
+    temperature: float = 1.0
+    batch_size: int = 32
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    """Calibration windows with a share sampled from the model: ``nsamples`` windows of ``seqlen`` tokens,
+    ``round(share * nsamples)`` of them sampled, the rest from the calibration split of ``corpus``; both
+    seeded by ``seed``."""
+
+    corpus: str
+    nsamples: int
+    seqlen: int
+    share: float
+    seed: int = 0
+
+
 @torch.no_grad()
 def sample_windows(
     teacher: nn.Module,
     n: int,
     seqlen: int,
+    sampling: Sampling,
     *,
-    start_id: int,
-    seed: int = 0,
-    temperature: float = 1.0,
-    batch_size: int = 32,
     device: str | torch.device | None = None,
     progress: bool = True,
     desc: str = "teacher samples",
 ) -> torch.Tensor:
-    """``(n, seqlen)`` token ids sampled from ``teacher`` after ``start_id`` (not included in the window).
+    """``(n, seqlen)`` token ids sampled from ``teacher`` after ``sampling.start_id`` (not included in the
+    window; see :class:`Sampling`).
 
     Every window is ``seqlen`` tokens long: an end-of-text token is sampled like any other token and the
     window goes on after it. ``device``: where the teacher runs (default: where its parameters are).
     """
+    start_id, seed, temperature, batch_size = sampling.start_id, sampling.seed, sampling.temperature, sampling.batch_size
     if n < 1 or seqlen < 1:
         raise LeanmlError(f"sampling needs at least one window of at least one token (got n={n}, seqlen={seqlen})")
     if not temperature > 0:
@@ -89,17 +113,14 @@ def start_token(tokenizer: object, option: str = "--teacher-samples") -> int:
 def calibration_with_samples(
     model: nn.Module,
     tokenizer: object,
-    corpus: str,
-    nsamples: int,
-    seqlen: int,
-    share: float,
+    calib: CalibrationSet,
     *,
-    seed: int = 0,
     device: str | torch.device | None = None,
     progress: bool = True,
 ) -> tuple[torch.Tensor, dict]:
-    """``nsamples`` calibration windows: ``round(share * nsamples)`` sampled from ``model`` itself (seeded
-    by ``seed``), the rest seeded random windows of the calibration split of ``corpus``; samples first.
+    """``calib.nsamples`` calibration windows (see :class:`CalibrationSet`): ``round(share * nsamples)``
+    sampled from ``model`` itself (seeded by ``seed``), the rest seeded random windows of the calibration
+    split of ``corpus``; samples first.
 
     Returns the ``(nsamples, seqlen)`` ids and what they are (counts, start token, sampling seconds).
     ``share`` 0 gives exactly :func:`leanml.data.text.calibration_windows`.
@@ -108,6 +129,7 @@ def calibration_with_samples(
 
     from leanml.data.text import calibration_windows
 
+    corpus, nsamples, seqlen, share, seed = calib.corpus, calib.nsamples, calib.seqlen, calib.share, calib.seed
     if not 0.0 <= share <= 1.0:
         raise LeanmlError(f"the share of sampled calibration windows must be in [0, 1], got {share}")
     n_samples = round(share * nsamples)
@@ -116,7 +138,7 @@ def calibration_with_samples(
     if n_samples:
         start = start_token(tokenizer, "--calib-samples")
         t0 = time.perf_counter()
-        parts.append(sample_windows(model, n_samples, seqlen, start_id=start, seed=seed, device=device,
+        parts.append(sample_windows(model, n_samples, seqlen, Sampling(start, seed=seed), device=device,
                                     progress=progress, desc="calibration samples"))
         seconds = time.perf_counter() - t0
     if n_corpus:

@@ -71,7 +71,7 @@ def calibration(model: Any, tokenizer: Any, config: PruneConfig, device: torch.d
 
     Sampling runs the whole model on ``device``: it visits the device for the sampling and goes back to
     the CPU, where the layer-wise engine expects it."""
-    from leanml.data.sampling import calibration_with_samples
+    from leanml.data.sampling import CalibrationSet, calibration_with_samples
     from leanml.data.text import calibration_windows
 
     c = config
@@ -81,8 +81,8 @@ def calibration(model: Any, tokenizer: Any, config: PruneConfig, device: torch.d
     try:
         if not on_cpu:
             model.to(device)
-        ids, info = calibration_with_samples(model, tokenizer, c.calib, c.nsamples, c.seqlen, c.calib_samples,
-                                             seed=c.seed, device=device)
+        calib = CalibrationSet(c.calib, c.nsamples, c.seqlen, c.calib_samples, seed=c.seed)
+        ids, info = calibration_with_samples(model, tokenizer, calib, device=device)
     except torch.cuda.OutOfMemoryError as exc:
         raise LeanmlError(f"the model does not fit on {device} to sample calibration windows from it; "
                           "drop --calib-samples or sample on a larger device") from exc

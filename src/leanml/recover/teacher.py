@@ -88,7 +88,7 @@ def mix_teacher_samples(windows: torch.Tensor, teacher: nn.Module, teacher_name:
     by a hash of the teacher's weights and the sampling settings, so runs with the same teacher sample
     once. ``seconds`` in the result is this run's time to get the samples; ``sampling_seconds`` the time
     the sampling took (in this run, or in the run that cached or checkpointed them)."""
-    from leanml.data.sampling import sample_windows, start_token
+    from leanml.data.sampling import Sampling, sample_windows, start_token
 
     total, seed = cfg.train.steps * cfg.train.batch_size, cfg.train.seed
     n_teacher = min(total, max(1, round(share * total)))
@@ -115,8 +115,8 @@ def mix_teacher_samples(windows: torch.Tensor, teacher: nn.Module, teacher_name:
             if saved.get("key") == ckey:  # the key holds the count and the length
                 samples, cached, sampling_seconds = saved["windows"], str(cache_file), saved.get("sampling_seconds")
     if samples is None:
-        samples = sample_windows(teacher, n_teacher, int(windows.shape[1]), start_id=start, seed=seed,
-                                 batch_size=SAMPLE_BATCH, device=device)
+        samples = sample_windows(teacher, n_teacher, int(windows.shape[1]),
+                                 Sampling(start, seed=seed, batch_size=SAMPLE_BATCH), device=device)
         sampling_seconds = time.perf_counter() - t0
     if cache_file is not None and not cache_file.exists():
         with atomic_file(cache_file) as tmp:
