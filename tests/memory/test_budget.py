@@ -7,7 +7,7 @@ from torch import nn
 
 from leanml.memory import ActivationMeter, Adacc, AdaccOptions, Budget
 from leanml.memory.meter import param_tensors
-from leanml.memory.profiler import profile_step
+from leanml.memory.profiler import ProfileOptions, profile_step
 from leanml.memory.runtime import RECOMPUTE, AppliedPlan, apply_strategy
 from leanml.memory.structure import GroupKey, find_blocks
 from leanml.utils import LeanmlError
@@ -100,7 +100,8 @@ def test_hf_attention_recompute_measured_as_modelled() -> None:
     model = tiny_llama()
     model.config.use_cache = False
     blocks = find_blocks(model)
-    prof = profile_step(model, blocks, lambda: model(input_ids=IDS, labels=IDS).loss, compressors=())
+    prof = profile_step(model, blocks, lambda: model(input_ids=IDS, labels=IDS).loss,
+                        ProfileOptions(compressors=()))
     problem, names, _ = build_problem(prof, AdaccOptions().max_error)
     choices = [[opts.index(RECOMPUTE) if key.child == "self_attn" else 0 for key, opts in layer] for layer in names]
     predicted = evaluate(problem, [-1] * len(blocks), choices, 0)[0]

@@ -15,7 +15,7 @@ from leanml.memory.costs import (
     layer_classes,
     pool_timings,
 )
-from leanml.memory.profiler import profile_step
+from leanml.memory.profiler import ProfileOptions, profile_step
 from leanml.memory.structure import GroupKey, find_blocks
 
 from .test_runtime import IDS
@@ -76,7 +76,7 @@ def test_pooling_a_real_profile() -> None:
     model = LlamaForCausalLM(cfg).train()
     model.config.use_cache = False
     prof = profile_step(model, find_blocks(model), lambda: model(input_ids=IDS, labels=IDS).loss,
-                        compress_layers=[0, 2])
+                        ProfileOptions(compress_layers=[0, 2]))
     assert prof.measured_layers == [0, 2] and prof.layer_kinds == ["LlamaDecoderLayer"] * 4
     classes = layer_classes(prof)
     # the later layers do the same work (the first also owns the tensors every layer receives, e.g. rotary cos/sin)

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 from leanml.memory import ActivationMeter, Adacc, Budget
 from leanml.memory.meter import param_tensors
 from leanml.memory.policy import DriftMonitor, DriftThresholds
-from leanml.memory.runtime import RECOMPUTE, SELECTIVE, AppliedPlan, apply_strategy
+from leanml.memory.runtime import RECOMPUTE, SELECTIVE, AppliedPlan, Compression, apply_strategy
 from leanml.memory.structure import GroupKey, find_blocks
 from leanml.utils import LeanmlError
 
@@ -211,13 +211,13 @@ def test_outlier_drift_triggers_replan(caplog: pytest.LogCaptureFixture) -> None
 def test_dropout_masks_are_bitpacked_losslessly() -> None:
     """OPT in training mode saves dropout keep-masks (0 or 1/(1-p) floats on CPU); the profile finds them,
     bit packing stores them 32x smaller, and gradients stay bit-identical."""
-    from leanml.memory.profiler import profile_step
+    from leanml.memory.profiler import ProfileOptions, profile_step
     from leanml.memory.runtime import BITPACK
 
     model = tiny_opt()
     model.config.use_cache = False
     prof = profile_step(model, find_blocks(model), lambda: model(input_ids=IDS, labels=IDS).loss,
-                        compressors=("bf16",))
+                        ProfileOptions(compressors=("bf16",)))
     model.zero_grad(set_to_none=True)
     masked = {k: g for k, g in prof.groups.items() if g.mask_bytes and k.layer is not None}
     assert masked
@@ -227,7 +227,7 @@ def test_dropout_masks_are_bitpacked_losslessly() -> None:
     ref = grads(model)
     blocks = find_blocks(model)
     applied = AppliedPlan(model, blocks, [False] * len(blocks), {k: BITPACK for k in masked},
-                          mask_groups=set(masked))
+                          Compression(mask_groups=set(masked)))
     got = grads(model)
     packed_peak = peak_of(model)
     applied.remove()

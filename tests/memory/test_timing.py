@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from leanml.memory import Adacc, Budget
-from leanml.memory.profiler import profile_step
+from leanml.memory.profiler import ProfileOptions, profile_step
 from leanml.memory.runner import StrategyRunner
 from leanml.memory.structure import SELF, find_blocks
 from leanml.memory.timing import DeviceTimer, device_synchronizer
@@ -62,7 +62,7 @@ def test_profiler_waits_for_the_device_before_reading_the_clock() -> None:
     model = tiny_llama()
     dev = FakeDevice(1.0)
     prof = profile_step(model, find_blocks(model), lambda: model(input_ids=IDS, labels=IDS).loss,
-                        compressors=("bf16", "int8-token"), timer=dev.timer())
+                        ProfileOptions(compressors=("bf16", "int8-token")), timer=dev.timer())
     assert dev.every_read_synchronized() and dev.log.count("clock") > 50
     children = [g for k, g in prof.groups.items() if k.layer is not None and k.child != SELF and g.bytes]
     assert children and all(g.fwd_s >= 1.0 for g in children)

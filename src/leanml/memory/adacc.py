@@ -48,9 +48,9 @@ from leanml.memory.meter import ActivationMeter, param_tensors
 from leanml.memory.milp import min_peak
 from leanml.memory.policy import DriftMonitor, DriftThresholds
 from leanml.memory.problem import build_problem
-from leanml.memory.profiler import profile_step
+from leanml.memory.profiler import ProfileOptions, profile_step
 from leanml.memory.records import PlanRecord, ShapePlan
-from leanml.memory.runtime import AppliedPlan, disable_kv_cache
+from leanml.memory.runtime import AppliedPlan, Compression, disable_kv_cache
 from leanml.memory.structure import find_blocks, tensors_in
 from leanml.memory.timing import DeviceTimer
 from leanml.utils import LeanmlError
@@ -380,10 +380,11 @@ class Adacc:
         return self.plan  # type: ignore[return-value]
 
     def _profile(self, args: tuple, kwargs: dict) -> Profile:
-        return self._isolated(lambda: profile_step(
-            self.model, self.blocks, lambda: self._run(args, kwargs), self.options.compressors, self.options.outlier_frac,
-            _layers(self.options.compress_layers), measure_outside=self.options.compress_head, compile_budgets=self.compile_budgets,
-            progress=self.options.progress, timer=self.timer))
+        o = self.options
+        measure = ProfileOptions(o.compressors, o.outlier_frac, _layers(o.compress_layers),
+                                 measure_outside=o.compress_head, compile_budgets=self.compile_budgets)
+        return self._isolated(lambda: profile_step(self.model, self.blocks, lambda: self._run(args, kwargs), measure,
+                                                   progress=o.progress, timer=self.timer))
 
     def _plan_from(self, profile: Profile, sig: str, reason: str, t0: float) -> None:
         budget = self.budget.to_bytes(profile.peak_bytes)
@@ -416,7 +417,7 @@ class Adacc:
         masks = {k for k, g in profile.groups.items() if g.mask_bytes}
         modes = [m if m.startswith("compiled@") else "" for m in record.layer_modes]
         self._applied = AppliedPlan(self.model, self.blocks, record.layer_checkpoint, record.options,
-                                    self.options.outlier_frac, mask_groups=masks, layer_modes=modes, model_hooks=False)
+                                    Compression(self.options.outlier_frac, masks), layer_modes=modes, model_hooks=False)
 
     def _switch(self, sig: str) -> None:
         """Install the cached plan of another input shape."""

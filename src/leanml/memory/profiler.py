@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -141,17 +142,38 @@ class _Owners:
         return {k: list(self.saved.pop(k, {}).values()) for k in keys}
 
 
+@dataclass(frozen=True)
+class ProfileOptions:
+    """What :func:`profile_step` measures: the ``compressors`` (with ``outlier_frac``) on the layers
+    ``compress_layers`` (None: all) and, with ``measure_outside``, on ``pre``/``post``; compiled variants
+    at ``compile_budgets``; and, with ``selective``, the selective-checkpoint pass."""
+
+    compressors: tuple[str, ...] = FLOAT_COMPRESSORS
+    outlier_frac: float = 0.01
+    compress_layers: list[int] | None = None
+    measure_outside: bool = True
+    compile_budgets: tuple[float, ...] = ()
+    selective: bool = True
+
+
+@dataclass(frozen=True)
+class _Measure:
+    """What every pass measures with: the groups' owners, the compressors (with their outlier share) and
+    the timer."""
+
+    owners: _Owners
+    compressors: tuple[str, ...]
+    outlier_frac: float
+    timer: DeviceTimer = CPU_TIMER
+
+
 def profile_step(
     model: nn.Module,
     blocks: list[nn.Module],
     run_step: Callable[[], torch.Tensor],
-    compressors: tuple[str, ...] = FLOAT_COMPRESSORS,
-    outlier_frac: float = 0.01,
-    compress_layers: list[int] | None = None,
-    measure_outside: bool = True,
-    compile_budgets: tuple[float, ...] = (),
+    options: ProfileOptions | None = None,
+    *,
     progress: bool = False,
-    selective: bool = True,
     timer: DeviceTimer | None = None,
 ) -> Profile:
     """Profile one step block by block, never holding more than full checkpointing does.
@@ -163,20 +185,24 @@ def profile_step(
     checkpoint would keep. Live activations never exceed the block inputs plus one block's saved
     tensors (measured: ``profile_peak_bytes``).
 
-    ``compress_layers``: layers whose compressors (and compiled variants) are measured (default all);
-    other layers copy the stats of the nearest measured layer, scaled by bytes. ``measure_outside=False``
-    skips the compressors on ``pre``/``post``. ``compile_budgets``: also run each measured layer as a
-    compiled block at these recomputation budgets of the compiler (:mod:`leanml.memory.compiled`).
-    ``selective=False`` skips the selective-checkpoint pass. ``timer``: how device work is timed (default:
+    ``options`` (:class:`ProfileOptions`, default its defaults): ``compress_layers``: layers whose
+    compressors (and compiled variants) are measured (default all); other layers copy the stats of the
+    nearest measured layer, scaled by bytes. ``measure_outside=False`` skips the compressors on
+    ``pre``/``post``. ``compile_budgets``: also run each measured layer as a compiled block at these
+    recomputation budgets of the compiler (:mod:`leanml.memory.compiled`). ``selective=False`` skips the
+    selective-checkpoint pass. ``timer``: how device work is timed (default:
     :class:`~leanml.memory.timing.DeviceTimer` of the model's device, which waits for the device before
     every clock read, so the planner prices options with compute times, not launch times).
     """
+    o = ProfileOptions() if options is None else options
+    compressors, compress_layers, compile_budgets = o.compressors, o.compress_layers, o.compile_budgets
     timer = timer if timer is not None else DeviceTimer.for_module(model)
     t_start = timer.now()
     params = param_storage_ptrs(model)
     n_layers = len(blocks)
     groups: dict[GroupKey, GroupStats] = {}
     owners = _Owners(n_layers, groups, params)
+    ctx = _Measure(owners, compressors, o.outlier_frac, timer)
     measured = set(range(n_layers)) if compress_layers is None else set(compress_layers) & set(range(n_layers))
     meter = ActivationMeter(param_tensors(model))
     with meter:
@@ -184,8 +210,8 @@ def profile_step(
         outside = owners.release([GroupKey(None, "pre"), GroupKey(None, "post")])
         for key in list(outside):
             tensors = outside.pop(key)
-            if measure_outside and key in groups:
-                _measure_compression(groups[key], tensors, compressors, outlier_frac, timer)
+            if o.measure_outside and key in groups:
+                _measure_compression(groups[key], tensors, compressors, o.outlier_frac, timer)
             del tensors
         layer_input_bytes: list[int] = []
         layer_eager_s: list[float] = [0.0] * n_layers
@@ -197,11 +223,10 @@ def profile_step(
                                   "(blocks=[...]) to Adacc")
             args, kwargs = _fresh_inputs(captured[i])
             layer_input_bytes.append(_layer_input_bytes(args, kwargs, params))
-            _block_pass(block, i, args, kwargs, owners, compressors, outlier_frac, i in measured, selective, timer)
+            _block_pass(block, i, args, kwargs, ctx, i in measured, o.selective)
             if compile_budgets and i in measured and compile_error is None:
                 try:
-                    layer_eager_s[i], compiled[i] = _compiled_pass(block, i, args, kwargs, owners, compile_budgets,
-                                                                   compressors, outlier_frac, timer)
+                    layer_eager_s[i], compiled[i] = _compiled_pass(block, i, args, kwargs, ctx, compile_budgets)
                 except Exception as exc:  # noqa: BLE001 - a model the compiler cannot take keeps its eager options
                     compile_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                     log.warning("adacc: compiling block %d failed (%s); planning without compiled options", i,
@@ -222,7 +247,8 @@ def profile_step(
 def unoptimized_peak(model: nn.Module, blocks: list[nn.Module], run_step: Callable[[], torch.Tensor]) -> int:
     """Peak saved-activation bytes of an unoptimized training step, computed block by block (the sum
     :func:`profile_step` reports as ``peak_bytes``) without ever running that step."""
-    return profile_step(model, blocks, run_step, compressors=(), measure_outside=False, selective=False).peak_bytes
+    options = ProfileOptions(compressors=(), measure_outside=False, selective=False)
+    return profile_step(model, blocks, run_step, options).peak_bytes
 
 
 def _outside_pass(model: nn.Module, blocks: list[nn.Module], run_step: Callable[[], torch.Tensor],
@@ -269,11 +295,11 @@ def _layer_input_bytes(args: tuple, kwargs: dict, params: set[int]) -> int:
     return sum(uniq.values())
 
 
-def _block_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, owners: _Owners,
-                compressors: tuple[str, ...], outlier_frac: float, measure: bool, selective: bool,
-                timer: DeviceTimer = CPU_TIMER) -> None:
+def _block_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, ctx: _Measure, measure: bool,
+                selective: bool) -> None:
     """Run one block with everything retained: bytes, inputs and forward time per group; compression
     stats (when ``measure``); then the selective-checkpoint costs."""
+    owners, timer = ctx.owners, ctx.timer
     inputs: dict[GroupKey, list[torch.Tensor]] = {}
     starts: dict[GroupKey, float] = {}
 
@@ -315,17 +341,17 @@ def _block_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, owners:
     for key in keys:
         tensors = released.pop(key, [])
         if measure:
-            _measure_compression(owners.groups[key], tensors, compressors, outlier_frac, timer)
+            _measure_compression(owners.groups[key], tensors, ctx.compressors, ctx.outlier_frac, timer)
         del tensors  # each group's tensors die once measured
     if selective:
         _selective_costs(block, layer, args, kwargs, owners.groups, timer)
 
 
-def _compiled_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, owners: _Owners,
-                   budgets: tuple[float, ...], compressors: tuple[str, ...], outlier_frac: float,
-                   timer: DeviceTimer = CPU_TIMER, reps: int = 3) -> tuple[float, list[CompiledStat]]:
+def _compiled_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, ctx: _Measure,
+                   budgets: tuple[float, ...], reps: int = 3) -> tuple[float, list[CompiledStat]]:
     """Eager forward+backward time of the block, then per compile budget: what the compiled block saves,
     its forward+backward time, and its compressors."""
+    owners, timer = ctx.owners, ctx.timer
     eager_s = _timed(lambda: _forward_backward(block, block, args, kwargs), reps, timer)
     stats = []
     for budget in budgets:
@@ -339,7 +365,7 @@ def _compiled_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, owne
             stat = CompiledStat(budget, nbytes, biggest, _timed(lambda: _forward_backward(block, block, args, kwargs),
                                                                reps, timer) - eager_s, compile_s)
             g = GroupStats(layer, f"compiled@{budget:g}", "compiled")
-            _measure_compression(g, list(saved.values()), compressors, outlier_frac, timer)
+            _measure_compression(g, list(saved.values()), ctx.compressors, ctx.outlier_frac, timer)
             stat.compress = {k: v for k, v in g.compress.items() if k != "bitpack"}
             saved.clear()
             stats.append(stat)

@@ -273,20 +273,31 @@ class CompressionHooks:
         return out
 
 
+@dataclass(frozen=True)
+class Compression:
+    """How :class:`AppliedPlan` compresses: the share of outliers the compressors keep exact
+    (``outlier_frac``), and the groups whose saved masks are bit-packed (``mask_groups``)."""
+
+    outlier_frac: float = 0.01
+    mask_groups: frozenset[GroupKey] | set[GroupKey] = frozenset()
+
+
 class AppliedPlan:
     """Hooks and wrappers installed on a model; :meth:`remove` restores it.
 
     ``layer_checkpoint[l]``: recompute layer ``l`` as a whole; ``layer_modes[l]`` (optional) may instead
     name a compiled mode (``compiled@0.5`` or ``compiled@0.5+int8-token``) for the layer. ``options``
-    maps groups to ``retain`` / ``recompute`` / ``selective`` / a compressor name. With
+    maps groups to ``retain`` / ``recompute`` / ``selective`` / a compressor name, compressed as
+    ``compression`` says (:class:`Compression`; default its defaults). With
     ``model_hooks=False`` the caller drives the compression scope with :meth:`enter` / :meth:`exit`
     around each forward of the model (Adacc does, from its own model hooks).
     """
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], layer_checkpoint: list[bool],
-                 options: dict[GroupKey, str], outlier_frac: float = 0.01, selective: bool = False,
-                 mask_groups: set[GroupKey] | None = None, layer_modes: list[str] | None = None,
-                 model_hooks: bool = True) -> None:
+                 options: dict[GroupKey, str], compression: Compression | None = None, selective: bool = False,
+                 layer_modes: list[str] | None = None, model_hooks: bool = True) -> None:
+        compression = Compression() if compression is None else compression
+        outlier_frac = compression.outlier_frac
         self.model = model
         self.blocks = blocks
         disable_kv_cache(model)
@@ -324,7 +335,7 @@ class AppliedPlan:
         self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         if comps:
             self.tracker = ScopeTracker(model if model_hooks else None, blocks, skip_children=compiled)
-            self.hooks = CompressionHooks(self.tracker, comps, param_storage_ptrs(model), mask_groups or set())
+            self.hooks = CompressionHooks(self.tracker, comps, param_storage_ptrs(model), set(compression.mask_groups))
             self._undo.append(self.tracker.remove)
             if model_hooks:
                 h1 = model.register_forward_pre_hook(lambda module, args: self.enter())

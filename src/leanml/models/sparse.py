@@ -22,6 +22,7 @@ import copy
 import logging
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -211,20 +212,28 @@ def to_sparse_kernels(
     return report
 
 
+@dataclass(frozen=True)
+class Probe:
+    """The random tokens :func:`check_sparse_kernels` compares logits on: ``batch_size`` rows of ``seqlen``
+    tokens drawn with generator ``seed``."""
+
+    seqlen: int = 64
+    batch_size: int = 1
+    seed: int = 0
+
+
 @torch.no_grad()
 def check_sparse_kernels(
     model: nn.Module,
     device: str | torch.device = "cuda",
     dtype: torch.dtype = torch.bfloat16,
-    seqlen: int = 64,
-    batch_size: int = 1,
+    probe: Probe | None = None,
     backend: str | None = None,
     tolerance: float = 2.0,
-    seed: int = 0,
     converter: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Convert a copy of a 2:4 ``model`` to sparse kernels on ``device`` and compare its logits with the
-    masked dense model's on random tokens.
+    masked dense model's on random tokens (``probe``: :class:`Probe`, default its defaults).
 
     References: the dense model in float32 (``ref32``) and in ``dtype`` (``dense``). ``ok`` when the
     sparse model's largest and mean deviations from ``ref32`` are at most ``tolerance`` times the dense
@@ -233,6 +242,8 @@ def check_sparse_kernels(
     it is noisy). ``model`` itself is left unchanged. ``converter``: as in :func:`to_sparse_kernels`.
     """
     device = torch.device(device)
+    probe = Probe() if probe is None else probe
+    seqlen, batch_size, seed = probe.seqlen, probe.batch_size, probe.seed
     check_24(model)
     work = copy.deepcopy(model).to(device=device, dtype=torch.float32).eval()
     vocab = int(work.config.vocab_size)
