@@ -25,7 +25,7 @@ import statistics
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from tqdm.auto import tqdm
 
 from leanml.models.shards import peak_rss_bytes
 from leanml.utils import LeanmlError
+
+if TYPE_CHECKING:
+    from leanml.eval.config import SpeedSettings
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -142,12 +145,9 @@ def measure_speeds(
     (``prompt_len``, ``gen_len``, ``repeats``, ...). Each model runs where its parameters are unless
     ``device`` is given (then it is moved there). ``threads`` sets torch's CPU threads for the runs
     (restored after); token ids are drawn below ``vocab_size`` (default: the smallest ``config.vocab_size``)."""
-    from leanml.config import ConfigError
     from leanml.eval.config import SpeedSettings
 
     st = SpeedSettings(**settings)
-    prompt_len, gen_len, gen_prompt_len = st.prompt_len, st.gen_len, st.gen_prompt_len
-    batch_size, repeats, warmup = st.batch_size, st.repeats, st.warmup
     if not models:
         raise LeanmlError("no models to measure")
     devices = {}
@@ -156,70 +156,101 @@ def measure_speeds(
             m.to(device)  # (a model already there is left alone: tensor subclasses may not support .to)
         devices[name] = _model_device(m)
         m.eval()
+    prompt, gen_prompt = _prompts(models, st, vocab_size)
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        runs = _timed_runs(models, devices, prompt, gen_prompt, st, progress)
+    finally:
+        torch.set_num_threads(old_threads)
+    return {name: _speed_result(name, m, devices[name], st, threads, runs) for name, m in models.items()}
+
+
+def _prompts(models: dict[str, nn.Module], st: SpeedSettings,
+             vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seeded random prompts of the prefill and of the decode, below every model's vocabulary and
+    within every model's positions."""
+    from leanml.config import ConfigError
+    from leanml.eval.config import SpeedSettings
+
+    prompt_len, gen_len, gen_prompt_len = st.prompt_len, st.gen_len, st.gen_prompt_len
     vocab = min(int(getattr(m.config, "vocab_size", 32000)) for m in models.values())
     vocab = min(vocab, vocab_size or vocab)
     g = torch.Generator().manual_seed(st.seed)
-    prompt = torch.randint(0, vocab, (batch_size, prompt_len), generator=g)
-    gen_prompt = torch.randint(0, vocab, (batch_size, gen_prompt_len), generator=g)
+    prompt = torch.randint(0, vocab, (st.batch_size, prompt_len), generator=g)
+    gen_prompt = torch.randint(0, vocab, (st.batch_size, gen_prompt_len), generator=g)
     limit = min(int(getattr(m.config, "max_position_embeddings", 1 << 30) or 1 << 30) for m in models.values())
     if max(prompt_len, gen_prompt_len + gen_len + 1) > limit:
         raise ConfigError(f"prompt_len {prompt_len} / gen_len {gen_len} go past the model's {limit} positions; "
                           "use shorter lengths", SpeedSettings, ("prompt_len", "gen_len"))
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    prefill: dict[str, list[float]] = {k: [] for k in models}
-    decode: dict[str, list[float]] = {k: [] for k in models}
-    peaks: dict[str, int] = {}
-    rss_reset: dict[str, bool] = {}
-    try:
-        for name, m in models.items():
-            d = devices[name]
-            for _ in range(warmup):
-                _prefill_seconds(m, prompt.to(d), d)
-                if gen_len:
-                    greedy_decode(m, gen_prompt.to(d), min(gen_len, 4))
-        steps = tqdm(range(repeats), desc="speed", disable=not progress, leave=False)
-        for _ in steps:
-            for name, m in models.items():
-                d = devices[name]
-                if d.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(d)
-                else:
-                    rss_reset[name] = _rss_peak_reset()
-                prefill[name].append(_prefill_seconds(m, prompt.to(d), d))
-                if gen_len:
-                    decode[name].append(greedy_decode(m, gen_prompt.to(d), gen_len)[0])
-                peak = torch.cuda.max_memory_allocated(d) if d.type == "cuda" else peak_rss_bytes()
-                peaks[name] = max(peaks.get(name, 0), int(peak))
-    finally:
-        torch.set_num_threads(old_threads)
-    results = {}
+    return prompt, gen_prompt
+
+
+@dataclasses.dataclass
+class _Runs:
+    """Per model: the seconds of each timed prefill and decode, the peak memory, and whether the process's
+    peak RSS could be reset before the runs."""
+
+    prefill: dict[str, list[float]]
+    decode: dict[str, list[float]]
+    peaks: dict[str, int] = dataclasses.field(default_factory=dict)
+    rss_reset: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+
+def _timed_runs(models: dict[str, nn.Module], devices: dict[str, torch.device], prompt: torch.Tensor,
+                gen_prompt: torch.Tensor, st: SpeedSettings, progress: bool) -> _Runs:
+    """Warm-up runs of every model, then ``repeats`` rounds that time each model in turn."""
+    gen_len = st.gen_len
+    runs = _Runs({k: [] for k in models}, {k: [] for k in models})
     for name, m in models.items():
         d = devices[name]
-        pre = statistics.median(prefill[name])
-        dec = statistics.median(decode[name]) if gen_len else None
-        results[name] = {
-            "device": str(d),
-            "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
-            "batch_size": batch_size,
-            "prompt_len": prompt_len,
-            "gen_prompt_len": gen_prompt_len,
-            "gen_len": gen_len,
-            "repeats": repeats,
-            "warmup": warmup,
-            "torch_threads": torch.get_num_threads() if threads is None else threads,
-            "prefill_seconds": pre,
-            "prefill_tok_s": batch_size * prompt_len / pre,
-            "decode_seconds": dec,
-            "decode_tok_s": batch_size * gen_len / dec if dec else None,
-            "prefill_runs_s": prefill[name],
-            "decode_runs_s": decode[name],
-            "peak_memory_bytes": peaks[name],
-            "peak_memory_kind": ("cuda max_memory_allocated" if d.type == "cuda" else
-                                 "process peak RSS" + ("" if rss_reset.get(name) else " since start")),
-        }
-    return results
+        for _ in range(st.warmup):
+            _prefill_seconds(m, prompt.to(d), d)
+            if gen_len:
+                greedy_decode(m, gen_prompt.to(d), min(gen_len, 4))
+    steps = tqdm(range(st.repeats), desc="speed", disable=not progress, leave=False)
+    for _ in steps:
+        for name, m in models.items():
+            d = devices[name]
+            if d.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(d)
+            else:
+                runs.rss_reset[name] = _rss_peak_reset()
+            runs.prefill[name].append(_prefill_seconds(m, prompt.to(d), d))
+            if gen_len:
+                runs.decode[name].append(greedy_decode(m, gen_prompt.to(d), gen_len)[0])
+            peak = torch.cuda.max_memory_allocated(d) if d.type == "cuda" else peak_rss_bytes()
+            runs.peaks[name] = max(runs.peaks.get(name, 0), int(peak))
+    return runs
+
+
+def _speed_result(name: str, m: nn.Module, d: torch.device, st: SpeedSettings, threads: int | None,
+                  runs: _Runs) -> dict[str, Any]:
+    """One model's result: medians, tokens/s, every run, the settings and the peak memory."""
+    batch_size, prompt_len, gen_len = st.batch_size, st.prompt_len, st.gen_len
+    pre = statistics.median(runs.prefill[name])
+    dec = statistics.median(runs.decode[name]) if gen_len else None
+    return {
+        "device": str(d),
+        "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
+        "batch_size": batch_size,
+        "prompt_len": prompt_len,
+        "gen_prompt_len": st.gen_prompt_len,
+        "gen_len": gen_len,
+        "repeats": st.repeats,
+        "warmup": st.warmup,
+        "torch_threads": torch.get_num_threads() if threads is None else threads,
+        "prefill_seconds": pre,
+        "prefill_tok_s": batch_size * prompt_len / pre,
+        "decode_seconds": dec,
+        "decode_tok_s": batch_size * gen_len / dec if dec else None,
+        "prefill_runs_s": runs.prefill[name],
+        "decode_runs_s": runs.decode[name],
+        "peak_memory_bytes": runs.peaks[name],
+        "peak_memory_kind": ("cuda max_memory_allocated" if d.type == "cuda" else
+                             "process peak RSS" + ("" if runs.rss_reset.get(name) else " since start")),
+    }
 
 
 def measure_speed(

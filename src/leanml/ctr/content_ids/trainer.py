@@ -246,6 +246,30 @@ def fit_content_ids(
     ``text_emb`` (``(N, 384)``) is required for ``loss="infonce"`` (see ``encoders.embed_texts``).
     Returns the model (eval mode) and a report with per-epoch losses and codebook usage statistics.
     """
+    config, model = _seeded_model(inputs, captions, config, backbone, device)
+    targets = _targets(captions, config, text_emb, len(inputs))
+    history = _Training(model, inputs, targets, config, device).run(progress)
+    if not config.joint:  # post-hoc: codebooks are k-means (per sub-space, or level by level) of the final vectors
+        z_all, _ = embed_all(model, inputs)
+        model.quantizer.init_kmeans(torch.as_tensor(z_all).to(device), iters=50, seed=config.seed)
+    model.eval()
+    _, codes = embed_all(model, inputs)
+    report = {
+        "config": asdict(config),
+        "n_items": len(inputs),
+        "history": history,
+        "usage": usage_stats(codes, config.k).as_dict(),
+        "final_loss": history[-1]["loss"] if history else float("nan"),
+    }
+    if config.loss == "infonce":
+        report["caption_top1"] = caption_retrieval_top1(model, inputs, targets.text, targets.group)
+    return model, report
+
+
+def _seeded_model(inputs: torch.Tensor, captions: Sequence[str], config: ContentIDConfig,
+                  backbone: nn.Module | None, device: torch.device | str) -> tuple[ContentIDConfig, ContentIDModel]:
+    """The checked inputs' config (scheduled, with its caption vocabulary and reconstruction size) and the
+    model it builds, made after seeding torch with ``config.seed``."""
     config = config.scheduled()
     n = len(inputs)
     if len(captions) != n:
@@ -253,7 +277,6 @@ def fit_content_ids(
     if n < config.k:
         raise LeanmlError(f"only {n} items to fit K={config.k} codewords; use more items or a smaller K")
     torch.manual_seed(config.seed)
-    rng = np.random.default_rng(config.seed)
     if config.loss == "tokens" and not config.vocab:
         config = replace(config, vocab=build_vocab(captions))  # the model's own copy; the caller's stays as given
         if not config.vocab:
@@ -266,6 +289,20 @@ def fit_content_ids(
         model.recon_mean.copy_(flat.mean(0).to(device))
         std = flat.std(0)
         model.recon_std.copy_(std.clamp_min(0.5 * float(std.mean()) + 1e-6).to(device))  # no blow-up on near-constant dims
+    return config, model
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """What supervises each item: its caption's ``group`` (items with the same caption), its caption
+    embedding (``text``, for InfoNCE) and its caption-token targets (``tokens``)."""
+
+    group: torch.Tensor
+    text: torch.Tensor | None
+    tokens: torch.Tensor | None
+
+
+def _targets(captions: Sequence[str], config: ContentIDConfig, text_emb: np.ndarray | None, n: int) -> _Targets:
     _, group_np = np.unique(np.asarray(list(captions), dtype=object), return_inverse=True)
     group = torch.as_tensor(group_np.ravel(), dtype=torch.long)
     text = None
@@ -274,73 +311,85 @@ def fit_content_ids(
             raise LeanmlError("loss='infonce' needs one text embedding per item (embed_texts(captions))")
         text = torch.as_tensor(np.asarray(text_emb), dtype=torch.float32)
     tokens = torch.as_tensor(token_targets(captions, config.vocab)) if config.loss == "tokens" else None
-    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
-    named, step = list(model.named_parameters()), 0
-    hint = lr_hint(config.lr, f"the temperatures (tau {config.tau_start:g} -> {config.tau_end:g})")
-    gen = torch.Generator().manual_seed(config.seed)
-    steps_per_epoch = (n + config.batch_size - 1) // config.batch_size
-    total_q = config.epochs * steps_per_epoch
-    history: list[dict[str, float]] = []
-    step_q = 0
-    total_epochs = config.warmup_epochs + config.epochs
-    bar = tqdm(total=total_epochs * steps_per_epoch, desc=f"content-ids {config.loss}", disable=not progress, leave=False)
-    for epoch in range(total_epochs):
+    return _Targets(group, text, tokens)
+
+
+class _Training:
+    """The epochs of :func:`fit_content_ids`: warm-up epochs unquantized, then (``joint``) quantized with
+    an annealed temperature; Adam, one check that every step is finite, dead codewords re-seeded."""
+
+    def __init__(self, model: ContentIDModel, inputs: torch.Tensor, targets: _Targets, config: ContentIDConfig,
+                 device: torch.device | str) -> None:
+        self.model, self.inputs, self.targets, self.config, self.device = model, inputs, targets, config, device
+        self.rng = np.random.default_rng(config.seed)
+        self.opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+        self.named, self.step = list(model.named_parameters()), 0
+        self.hint = lr_hint(config.lr, f"the temperatures (tau {config.tau_start:g} -> {config.tau_end:g})")
+        self.gen = torch.Generator().manual_seed(config.seed)
+        self.steps_per_epoch = (len(inputs) + config.batch_size - 1) // config.batch_size
+        self.total_q = config.epochs * self.steps_per_epoch
+        self.step_q = 0
+        self.total_epochs = config.warmup_epochs + config.epochs
+
+    def run(self, progress: bool) -> list[dict[str, Any]]:
+        config = self.config
+        history: list[dict[str, Any]] = []
+        bar = tqdm(total=self.total_epochs * self.steps_per_epoch, desc=f"content-ids {config.loss}",
+                   disable=not progress, leave=False)
+        for epoch in range(self.total_epochs):
+            history.append(self.epoch(epoch, bar))
+        bar.close()
+        return history
+
+    def epoch(self, epoch: int, bar: Any) -> dict[str, Any]:
+        """One pass over the items in a seeded order; its history entry."""
+        config, model, inputs = self.config, self.model, self.inputs
         quantize = config.joint and epoch >= config.warmup_epochs
         if quantize and epoch == config.warmup_epochs:
             z_all, _ = embed_all(model, inputs)
-            model.quantizer.init_kmeans(torch.as_tensor(z_all).to(device), seed=config.seed)
+            model.quantizer.init_kmeans(torch.as_tensor(z_all).to(self.device), seed=config.seed)
         model.train()
-        perm = rng.permutation(n)
+        perm = self.rng.permutation(len(inputs))
         losses, tau = [], config.tau_start
-        for i in range(0, n, config.batch_size):
+        for i in range(0, len(inputs), config.batch_size):
             idx = torch.as_tensor(perm[i : i + config.batch_size])
             if len(idx) < 2:
                 continue
-            x = inputs[idx].to(device)
-            if quantize:
-                tau = anneal_tau(step_q, total_q, config.tau_start, config.tau_end)
-                z, v, probs = model(x, tau)
-                with torch.no_grad():
-                    hard = model.quantizer.decode(probs.argmax(-1))
-                commit = ((z - hard) ** 2).sum(-1).mean() / config.m  # mean squared error per code
-                step_q += 1
-            else:
-                v, commit = model.embed(x), torch.zeros((), device=device)
-            loss = _supervision_loss(
-                model, v,
-                text[idx].to(device) if text is not None else None,
-                group[idx].to(device),
-                tokens[idx].to(device) if tokens is not None else None,
-            ) + config.commit_weight * commit
-            if config.recon_weight > 0:
-                loss = loss + config.recon_weight * model.recon_loss(v, x)
-            opt.zero_grad()
+            loss, tau = self.loss(idx, quantize, tau)
+            self.opt.zero_grad()
             loss.backward()
-            step += 1
-            check_finite_step(loss, named, step, hint, "content-ID training")
-            opt.step()
+            self.step += 1
+            check_finite_step(loss, self.named, self.step, self.hint, "content-ID training")
+            self.opt.step()
             losses.append(loss.item())
             bar.update(1)
         entry: dict[str, Any] = {"epoch": epoch, "quantized": quantize, "tau": tau, "loss": float(np.mean(losses))}
-        if quantize and config.reseed_dead and epoch < total_epochs - 1:
-            entry["reseeded"] = reseed_dead(model, inputs, gen, opt)
-        history.append(entry)
-    bar.close()
-    if not config.joint:  # post-hoc: codebooks are k-means (per sub-space, or level by level) of the final vectors
-        z_all, _ = embed_all(model, inputs)
-        model.quantizer.init_kmeans(torch.as_tensor(z_all).to(device), iters=50, seed=config.seed)
-    model.eval()
-    _, codes = embed_all(model, inputs)
-    report = {
-        "config": asdict(config),
-        "n_items": n,
-        "history": history,
-        "usage": usage_stats(codes, config.k).as_dict(),
-        "final_loss": history[-1]["loss"] if history else float("nan"),
-    }
-    if config.loss == "infonce":
-        report["caption_top1"] = caption_retrieval_top1(model, inputs, text, group)
-    return model, report
+        if quantize and config.reseed_dead and epoch < self.total_epochs - 1:
+            entry["reseeded"] = reseed_dead(model, inputs, self.gen, self.opt)
+        return entry
+
+    def loss(self, idx: torch.Tensor, quantize: bool, tau: float) -> tuple[torch.Tensor, float]:
+        """The training loss of the items ``idx`` and the temperature it used (``tau`` when not quantized)."""
+        config, model, device, t = self.config, self.model, self.device, self.targets
+        x = self.inputs[idx].to(device)
+        if quantize:
+            tau = anneal_tau(self.step_q, self.total_q, config.tau_start, config.tau_end)
+            z, v, probs = model(x, tau)
+            with torch.no_grad():
+                hard = model.quantizer.decode(probs.argmax(-1))
+            commit = ((z - hard) ** 2).sum(-1).mean() / config.m  # mean squared error per code
+            self.step_q += 1
+        else:
+            v, commit = model.embed(x), torch.zeros((), device=device)
+        loss = _supervision_loss(
+            model, v,
+            t.text[idx].to(device) if t.text is not None else None,
+            t.group[idx].to(device),
+            t.tokens[idx].to(device) if t.tokens is not None else None,
+        ) + config.commit_weight * commit
+        if config.recon_weight > 0:
+            loss = loss + config.recon_weight * model.recon_loss(v, x)
+        return loss, tau
 
 
 @torch.no_grad()
