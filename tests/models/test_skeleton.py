@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from leanml.errors import LeanmlError
+from leanml.utils import LeanmlError
 from leanml.models.shards import build_skeleton, build_skeleton_from_config, materialize_buffers
 from leanml.models.tiny import FAMILIES, tiny_family
 
