@@ -25,12 +25,13 @@ def prune(model: Any, calibration: Any, config: Any = None, *, adapter: Any = No
 
     ``checkpoint_dir``: keep each finished layer there and resume from it (the checkpoint must match
     ``fingerprint`` and the config). Under ``torchrun`` (``WORLD_SIZE`` > 1) the layers are split over the
-    ranks (:func:`leanml.prune.parallel.prune_distributed`); the other ranks return ``None``.
+    ranks (:func:`leanml.prune.parallel.distributed_walk`); the other ranks return ``None``.
     """
     import torch
 
     from leanml.config import check_argument, check_token_ids
     from leanml.prune.config import PruneConfig
+    from leanml.prune.engine import LayerWalk, WalkSettings
     from leanml.utils import parse_device
 
     swapped = "the order is leanml.prune(model, calibration, config)"
@@ -44,16 +45,14 @@ def prune(model: Any, calibration: Any, config: Any = None, *, adapter: Any = No
     check_argument(fingerprint, "fingerprint", (dict, type(None)), "a dict or None")
     check_argument(progress, "progress", bool, "True or False")
     config = PruneConfig() if config is None else config
-    kwargs = dict(config.engine_kwargs(), adapter=adapter, device=parse_device(config.device),
-                  checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, progress=progress,
-                  checked=True)  # the config checked its mask and profile when it was made
+    # the config checked its mask and profile when it was made: the settings are built, not checked again
+    settings = WalkSettings.from_config(config, adapter=adapter, device=parse_device(config.device),
+                                        checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, progress=progress)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from leanml.prune.parallel import prune_distributed
+        from leanml.prune.parallel import distributed_walk
 
-        return prune_distributed(model, calibration, config.pruner(), config.spec, **kwargs)
-    from leanml.prune.engine import prune_model
-
-    return prune_model(model, calibration, config.pruner(), config.spec, **kwargs)
+        return distributed_walk(model, calibration, settings)
+    return LayerWalk(model, calibration, settings).run()
 
 
 class _Package(types.ModuleType):

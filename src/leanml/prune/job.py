@@ -218,7 +218,8 @@ def run_streamed(job: PruneJob, device: torch.device, out: Path, ckpt: Path) -> 
 
     from leanml.data.text import calibration_windows
     from leanml.models import parse_dtype
-    from leanml.prune.stream import parse_memory, prune_streamed, stream_source
+    from leanml.prune.engine import WalkSettings
+    from leanml.prune.stream import parse_memory, stream_source, stream_walk
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise LeanmlError("--stream runs in one process; drop torchrun or --stream")
@@ -230,12 +231,10 @@ def run_streamed(job: PruneJob, device: torch.device, out: Path, ckpt: Path) -> 
     calib = calibration_windows(tokenizer, c.calib, c.nsamples, c.seqlen, c.seed)
     if job.eval:
         print("--stream does not evaluate (the model is never whole in memory): run leanml eval on the output")
-    settings = {k: v for k, v in c.engine_kwargs().items() if k in ("sequential", "intra_layer", "batch_size",
-                                                                      "sparsity_profile")}
+    # the config checked itself when made (and the job refused what a streamed run cannot take)
+    settings = WalkSettings.from_config(c, device=device, checkpoint_dir=ckpt, fingerprint=job.fingerprint())
     with atomic_dir(out, overwrite=job.overwrite) as tmp, clear_failed_checkpoint(ckpt):
-        report = prune_streamed(src, tmp, calib, c.pruner(), c.spec, dtype=parse_dtype(job.dtype),
-                                max_memory=max_memory, device=device, checkpoint_dir=ckpt,
-                                fingerprint=job.fingerprint(), checked=True, **settings)
+        report = stream_walk(src, tmp, calib, settings, parse_dtype(job.dtype), max_memory)
         tokenizer.save_pretrained(tmp)
         report.update({"config": as_dict(job),
                        "calibration": {"corpus": c.calib, "nsamples": c.nsamples, "seqlen": c.seqlen, "seed": c.seed},

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ from torch import nn
 from leanml.models.layout import get_adapter
 from leanml.models.surgery import load_layer_state
 from leanml.prune.base import Pruner
-from leanml.prune.engine import prune_model
+from leanml.prune.engine import LayerWalk, WalkSettings
+from leanml.prune.engine.walk import check_calib_ids
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
 
@@ -48,66 +50,41 @@ def assign_layers(n_layers: int, world_size: int, rank: int) -> list[int]:
 
 
 def prune_distributed(
-    model: nn.Module,
-    calib_ids: torch.Tensor,
-    pruner: Pruner,
-    spec: MaskSpec,
-    **engine_kwargs: Any,
+    model: nn.Module, calib_ids: torch.Tensor, pruner: Pruner, spec: MaskSpec, **options: Any,
 ) -> dict[str, Any] | None:
+    """Prune ``model`` with the layers split over the torchrun ranks: :func:`distributed_walk` with the
+    settings of ``pruner`` at ``spec`` and ``options`` (the fields of
+    :class:`~leanml.prune.engine.WalkSettings`; ``sequential`` defaults to False, what the ranks run),
+    checked here."""
+    check_calib_ids(calib_ids)
+    return distributed_walk(model, calib_ids, WalkSettings.checked(pruner, spec, **{"sequential": False, **options}))
+
+
+def distributed_walk(model: nn.Module, calib_ids: torch.Tensor, settings: WalkSettings) -> dict[str, Any] | None:
     """Prune ``model`` with the layers split over the torchrun ranks.
 
     Returns the merged report on rank 0 (its ``model`` then holds every pruned layer) and ``None`` on
-    the other ranks. ``engine_kwargs`` go to :func:`leanml.prune.engine.prune_model`; ``sequential``
-    is forced to ``False`` (dense inputs: the condition for independent layers) and recorded.
+    the other ranks. ``settings.sequential`` is overridden with ``False`` (dense inputs: the condition
+    for independent layers) and recorded; ``layers`` and ``finalize`` are the rank's own.
     ``checkpoint_dir`` gets one sub-directory per rank. Without a process group this function creates
     one and destroys it at the end; a program that prunes several times in one process should call
     ``dist.init_process_group`` once itself (re-creating gloo groups in one process can hang).
     """
-    rank, world_size, local_rank = world()
-    created = False
-    if not dist.is_initialized():
-        if world_size < 2:
-            raise LeanmlError("prune_distributed needs torchrun with --nproc_per_node >= 2 (WORLD_SIZE >= 2)")
-        use_cuda = torch.cuda.is_available()
-        if use_cuda:
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-        created = True
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    created = _open_group()
     t0 = time.perf_counter()
     try:
-        adapter = engine_kwargs.pop("adapter", None) or get_adapter(model)
-        requested_sequential = engine_kwargs.pop("sequential", False)
-        engine_kwargs.pop("layers", None)
-        engine_kwargs.pop("finalize", None)
-        if engine_kwargs.get("checkpoint_dir") is not None:
-            engine_kwargs["checkpoint_dir"] = os.path.join(os.fspath(engine_kwargs["checkpoint_dir"]), f"rank{rank}")
-        device = engine_kwargs.get("device")
-        if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
-            engine_kwargs["device"] = torch.device("cuda", torch.cuda.current_device())
-        if requested_sequential and rank == 0:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if settings.sequential and rank == 0:
             print("layer-parallel pruning uses dense inputs for every layer (sequential mode is off)", flush=True)
-        if rank != 0:
-            engine_kwargs["progress"] = False
-        layers_all = adapter.layers()
-        mine = assign_layers(len(layers_all), world_size, rank)
-        report = prune_model(
-            model,
-            calib_ids,
-            pruner,
-            spec,
-            adapter=adapter,
-            sequential=False,
-            layers=mine,
-            finalize=False,
-            **engine_kwargs,
-        )
+        mine = rank_settings(model, settings, rank, world_size)
+        report = LayerWalk(model, calib_ids, mine).run()
+        layers_all = mine.adapter.layers()
         payload = {
             "rank": rank,
-            "layers": {i: {k: v.detach().cpu() for k, v in layers_all[i].state_dict().items()} for i in mine},
+            "layers": {i: {k: v.detach().cpu() for k, v in layers_all[i].state_dict().items()} for i in mine.layers},
             "reports": report["layers"],
             "seconds": report["prune_seconds"],
-            "pruner": pruner.state_dict(),
+            "pruner": settings.pruner.state_dict(),
         }
         gathered: list[Any] | None = [None] * world_size if rank == 0 else None
         dist.gather_object(payload, gathered, dst=0)
@@ -115,29 +92,66 @@ def prune_distributed(
             _close(created, ok=True)
             return None
         assert gathered is not None
-        layer_reports: list[dict[str, Any]] = []
-        for part in gathered:
-            for i, state in part["layers"].items():
-                load_layer_state(layers_all[i], state)  # keeps biases added by bias compensation (FLAP)
-            for rep in part["reports"]:
-                rep["rank"] = part["rank"]
-                layer_reports.append(rep)
-        layer_reports.sort(key=lambda r: r["layer"])
-        pruner.load_state_dict(pruner.merge_states([part["pruner"] for part in gathered]))
-        final_info = pruner.finalize(model, adapter)
-        report["engine"]["sequential"] = False
-        report["engine"]["requested_sequential"] = bool(requested_sequential)
-        report["engine"]["world_size"] = world_size
-        report["engine"]["backend"] = dist.get_backend()
-        report["layers"] = layer_reports
-        report["finalize"] = final_info
-        report["rank_seconds"] = [part["seconds"] for part in gathered]
+        merge_ranks(model, mine, report, gathered)
+        report["engine"]["requested_sequential"] = bool(settings.sequential)
         report["prune_seconds"] = time.perf_counter() - t0
     except BaseException:
         _close(created, ok=False)
         raise
     _close(created, ok=True)
     return report
+
+
+def _open_group() -> bool:
+    """Join the torchrun process group, creating it when there is none (then True: this module closes it)."""
+    if dist.is_initialized():
+        return False
+    _rank, world_size, local_rank = world()
+    if world_size < 2:
+        raise LeanmlError("prune_distributed needs torchrun with --nproc_per_node >= 2 (WORLD_SIZE >= 2)")
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return True
+
+
+def rank_settings(model: nn.Module, settings: WalkSettings, rank: int, world_size: int) -> WalkSettings:
+    """This rank's walk: dense inputs, its own layers, no finalize (rank 0 runs it on the merged model),
+    its own checkpoint sub-directory, its own GPU, a progress bar on rank 0 only."""
+    adapter = settings.adapter or get_adapter(model)
+    device = settings.device
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        device = torch.device("cuda", torch.cuda.current_device())
+    ckpt = settings.checkpoint_dir
+    return replace(
+        settings, adapter=adapter, sequential=False, layers=assign_layers(len(adapter.layers()), world_size, rank),
+        finalize=False, device=device, progress=settings.progress and rank == 0,
+        checkpoint_dir=None if ckpt is None else os.path.join(os.fspath(ckpt), f"rank{rank}"),
+    )
+
+
+def merge_ranks(model: nn.Module, settings: WalkSettings, report: dict[str, Any], gathered: list[Any]) -> None:
+    """On rank 0: every rank's pruned layers loaded into ``model``, their reports and the pruners' states
+    merged, the method's finalize run; ``report`` updated in place."""
+    pruner, adapter = settings.pruner, settings.adapter
+    assert adapter is not None
+    layers_all = adapter.layers()
+    layer_reports: list[dict[str, Any]] = []
+    for part in gathered:
+        for i, state in part["layers"].items():
+            load_layer_state(layers_all[i], state)  # keeps biases added by bias compensation (FLAP)
+        for rep in part["reports"]:
+            rep["rank"] = part["rank"]
+            layer_reports.append(rep)
+    layer_reports.sort(key=lambda r: r["layer"])
+    pruner.load_state_dict(pruner.merge_states([part["pruner"] for part in gathered]))
+    report["finalize"] = pruner.finalize(model, adapter)
+    report["engine"]["sequential"] = False
+    report["engine"]["world_size"] = len(gathered)
+    report["engine"]["backend"] = dist.get_backend()
+    report["layers"] = layer_reports
+    report["rank_seconds"] = [part["seconds"] for part in gathered]
 
 
 def _close(created: bool, ok: bool) -> None:

@@ -1,7 +1,8 @@
 """Streamed pruning: models bigger than host memory, one decoder layer in memory at a time.
 
-:func:`prune_streamed` builds the model from its config on the meta device (no weights), and hands the
-engine (:func:`leanml.prune.engine.prune_model`) a :class:`~leanml.prune.engine.shard_store.ShardStore`,
+:func:`stream_walk` (and :func:`prune_streamed`, the same from a pruner and a mask) builds the model from
+its config on the meta device (no weights), and hands the engine's walk
+(:class:`~leanml.prune.engine.LayerWalk`) a :class:`~leanml.prune.engine.shard_store.ShardStore`,
 which
 
 - loads the embeddings, final norm and head from the safetensors shards only around the input
@@ -27,6 +28,7 @@ import contextlib
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +49,10 @@ from leanml.models.shards import (
     to_meta,
 )
 from leanml.prune.base import Pruner
-from leanml.prune.engine import prune_model
+from leanml.prune.engine import LayerWalk, WalkSettings
 from leanml.prune.engine.checkpoint import layer_path
 from leanml.prune.engine.shard_store import ShardStore, bound_allocator, memory_floor
+from leanml.prune.engine.walk import check_calib_ids
 from leanml.prune.masks import MaskSpec
 from leanml.utils import LeanmlError
 
@@ -203,87 +206,59 @@ def prune_streamed(
     *,
     dtype: torch.dtype = torch.float32,
     max_memory: int | None = None,
-    device: str | torch.device = "cpu",
-    checkpoint_dir: str | os.PathLike | None = None,
-    progress: bool = True,
-    **engine_kwargs: Any,
+    **options: Any,
+) -> dict[str, Any]:
+    """Prune the safetensors model in ``model_dir`` layer by layer from its shards into ``out_dir``:
+    :func:`stream_walk` with the settings of ``pruner`` at ``spec`` and ``options`` (the fields of
+    :class:`~leanml.prune.engine.WalkSettings`: ``device``, default cpu, ``checkpoint_dir``,
+    ``progress``, ``sequential``, ``intra_layer``, ``layers``, ``batch_size``, ``fingerprint``, ...),
+    checked here. OWL profiles are refused: they need a full pass over the dense model before pruning.
+    """
+    if options.get("sparsity_profile", "uniform") == "owl":
+        raise ConfigError("sparsity_profile owl is not streamed (it needs a pass over the whole dense model first); "
+                          "drop stream or use sparsity_profile uniform", None, ("sparsity_profile", "stream"))
+    check_calib_ids(calib_ids)
+    return stream_walk(model_dir, out_dir, calib_ids, WalkSettings.checked(pruner, spec, **options), dtype, max_memory)
+
+
+def stream_walk(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    calib_ids: torch.Tensor,
+    settings: WalkSettings,
+    dtype: torch.dtype = torch.float32,
+    max_memory: int | None = None,
 ) -> dict[str, Any]:
     """Prune the safetensors model in ``model_dir`` layer by layer from its shards into ``out_dir``
-    (shards, ``model.safetensors.index.json``, config, tokenizer files); returns the engine's report
-    with a ``"stream"`` section (peak RSS, bytes read and written, on CUDA the peak device memory).
+    (shards, ``model.safetensors.index.json``, config, tokenizer files) with ``settings`` (its
+    ``device``: default cpu); returns the engine's report with a ``"stream"`` section (peak RSS, bytes
+    read and written, on CUDA the peak device memory).
 
     ``max_memory`` (bytes): host-memory cap; below :func:`memory_floor` it is refused with the smallest
     cap that works; above it, the activation streams spill to disk once they exceed what the cap leaves.
-    ``checkpoint_dir``: per-layer checkpoint and the staging shards; a rerun with the same settings
-    resumes. ``engine_kwargs`` go to :func:`leanml.prune.engine.prune_model` (``sequential``,
-    ``intra_layer``, ``layers``, ``batch_size``, ``fingerprint``, ...). OWL profiles are refused: they
-    need a full pass over the dense model before pruning.
+    ``settings.checkpoint_dir``: per-layer checkpoint and the staging shards; a rerun with the same
+    settings resumes (without one, a staging folder beside ``out_dir``, removed at the end).
     """
-    if engine_kwargs.get("sparsity_profile", "uniform") == "owl":
-        raise ConfigError("sparsity_profile owl is not streamed (it needs a pass over the whole dense model first); "
-                          "drop stream or use sparsity_profile uniform", None, ("sparsity_profile", "stream"))
     t0 = time.perf_counter()
     io0 = io_bytes()
     if max_memory is not None:  # only a cap is worth the allocator's cost (see bound_allocator)
         bound_allocator()
-    device = torch.device(device)
+    device = torch.device(settings.device if settings.device is not None else "cpu")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    index = ShardIndex(model_dir)
-    model = build_skeleton(model_dir, dtype)
-    index.adopt_names(model)
-    adapter = get_adapter(model)
-    floor = process_floor(memory_floor(index, model, adapter, dtype), calib_ids, model, dtype)
-    if max_memory is not None and max_memory < floor["total_bytes"]:
-        raise ConfigError(
-            f"max_memory {mb(max_memory)} is below this run's peak resident memory; the smallest cap that works "
-            f"is {-(-floor['total_bytes'] // MB)}MiB (this process holds {mb(floor['process_bytes'])} already: libraries, "
-            f"tokenizer, calibration tokens; then {floor['phase']}); raise max_memory", None, ("max_memory",)
-        )
     out = Path(out_dir)
-    own_ckpt = checkpoint_dir is None
-    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else out.with_name(out.name + ".stream-tmp")
-    staging = ckpt / "shards"
-    # what the activation streams may hold in memory beside one layer's step before they spill to disk
-    budget = None if max_memory is None else max_memory - floor["process_bytes"] - floor["floor_bytes"]
-    store = ShardStore(index, model, adapter, staging, dtype, budget, ckpt / "streams")
-    n_layers = len(adapter.layers())
-    resuming = not own_ckpt and (ckpt / "state.pt").exists()  # the engine restores the pruner's state then
-    prepare_info: dict[str, Any] = {}
-    if pruner.structured and not resuming:  # the engine leaves a streamed run's dense pre-pass to us
-        with store.dense_walk():
-            prepare_info = pruner.prepare(model, adapter, calib_ids, batch_size=engine_kwargs.get("batch_size", 8),
-                                          device=device, spec=pruner.resolve_spec(spec), progress=progress) or {}
-    report = prune_model(model, calib_ids, pruner, spec, adapter=adapter, device=device, finalize=False,
-                         checkpoint_dir=None if own_ckpt else ckpt, progress=progress, layer_store=store,
-                         **engine_kwargs)
-    last = max(engine_kwargs.get("layers") or range(n_layers))
-    layers = adapter.layers()
-    for i in range(n_layers):  # layers after the walk: copied; a kill between checkpoint and write: recovered
-        if store.writer.has(f"layer-{i:05d}"):
-            continue
-        if i > last:
-            store.load(i, layers[i])
-            store.release(i, layers[i])
-        else:
-            _recover_layer(store, None if own_ckpt else ckpt, i, layers[i])
+    own_ckpt = settings.checkpoint_dir is None
+    ckpt = out.with_name(out.name + ".stream-tmp") if own_ckpt else Path(settings.checkpoint_dir)
+    store, floor = open_store(model_dir, calib_ids, dtype, max_memory, ckpt)
+    engine_ckpt = None if own_ckpt else ckpt
+    report, prepare_info = walk_shards(store, calib_ids, replace(
+        settings, adapter=store.adapter, device=device, finalize=False, checkpoint_dir=engine_ckpt,
+        layer_store=store))
+    n_layers = len(store.adapter.layers())
+    write_rest(store, engine_ckpt, max(settings.layers or range(n_layers)))
     out.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(out)
-    if pruner.structured:
-        report["finalize"] = _finalize_structured(store, writer, n_layers, bool(getattr(pruner.options, "shrink", True)),
-                                                  progress)
-    else:
-        for i in range(n_layers):
-            os.replace(store.writer.path(f"layer-{i:05d}"), writer.path(f"layer-{i:05d}"))
-        report["finalize"] = {}
-    writer.write("outer", store.index.read([s for _, s in store.outer_names()], dtype))
-    writer.finish([f"layer-{i:05d}" for i in range(n_layers)] + ["outer"])
-    config = model.config
-    config.use_cache = True
-    config.dtype = dtype
-    config.save_pretrained(out)
-    copy_side_files(model_dir, out)
-    shutil.rmtree(staging, ignore_errors=True)
+    report["finalize"] = assemble(store, out, settings.pruner, model_dir, settings.progress)
+    shutil.rmtree(ckpt / "shards", ignore_errors=True)  # the staging shards
     shutil.rmtree(ckpt / "streams", ignore_errors=True)
     if own_ckpt:
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -297,7 +272,7 @@ def prune_streamed(
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "read_bytes": io1["read_bytes"] - io0["read_bytes"],
         "write_bytes": io1["write_bytes"] - io0["write_bytes"],
-        "weights_bytes": sum(index.nbytes(n, dtype) for n in index.names()),
+        "weights_bytes": sum(store.index.nbytes(n, dtype) for n in store.index.names()),
         "spilled_layers": store.spilled_layers,
         "prepare": prepare_info,
         "load_seconds": store.load_seconds,
@@ -305,6 +280,79 @@ def prune_streamed(
         "seconds": time.perf_counter() - t0,
     }
     return report
+
+
+def open_store(model_dir: str | os.PathLike, calib_ids: torch.Tensor, dtype: torch.dtype, max_memory: int | None,
+               ckpt: Path) -> tuple[ShardStore, dict[str, Any]]:
+    """The model's skeleton over its shards (a :class:`ShardStore` staging into ``ckpt``) and the
+    process's floor; a ``max_memory`` below the floor is refused with the smallest cap that works."""
+    index = ShardIndex(model_dir)
+    model = build_skeleton(model_dir, dtype)
+    index.adopt_names(model)
+    adapter = get_adapter(model)
+    floor = process_floor(memory_floor(index, model, adapter, dtype), calib_ids, model, dtype)
+    if max_memory is not None and max_memory < floor["total_bytes"]:
+        raise ConfigError(
+            f"max_memory {mb(max_memory)} is below this run's peak resident memory; the smallest cap that works "
+            f"is {-(-floor['total_bytes'] // MB)}MiB (this process holds {mb(floor['process_bytes'])} already: libraries, "
+            f"tokenizer, calibration tokens; then {floor['phase']}); raise max_memory", None, ("max_memory",)
+        )
+    # what the activation streams may hold in memory beside one layer's step before they spill to disk
+    budget = None if max_memory is None else max_memory - floor["process_bytes"] - floor["floor_bytes"]
+    return ShardStore(index, model, adapter, ckpt / "shards", dtype, budget, ckpt / "streams"), floor
+
+
+def walk_shards(store: ShardStore, calib_ids: torch.Tensor, settings: WalkSettings,
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A structured method's dense pre-pass over the shards (the engine leaves a streamed run's to us;
+    not when resuming: the engine restores the pruner's state then), then the walk; returns its report
+    and the pre-pass's record."""
+    pruner = settings.pruner
+    ckpt = settings.checkpoint_dir
+    resuming = ckpt is not None and (Path(ckpt) / "state.pt").exists()
+    prepare_info: dict[str, Any] = {}
+    if pruner.structured and not resuming:
+        with store.dense_walk():
+            prepare_info = pruner.prepare(store.model, store.adapter, calib_ids, batch_size=settings.batch_size,
+                                          device=settings.device, spec=settings.spec,
+                                          progress=settings.progress) or {}
+    return LayerWalk(store.model, calib_ids, settings).run(), prepare_info
+
+
+def write_rest(store: ShardStore, ckpt: Path | None, last: int) -> None:
+    """The layers the walk did not write: those after ``last`` copied; a layer killed between its
+    checkpoint and its write recovered from the checkpoint."""
+    layers = store.adapter.layers()
+    for i in range(len(layers)):
+        if store.writer.has(f"layer-{i:05d}"):
+            continue
+        if i > last:
+            store.load(i, layers[i])
+            store.release(i, layers[i])
+        else:
+            _recover_layer(store, ckpt, i, layers[i])
+
+
+def assemble(store: ShardStore, out: Path, pruner: Pruner, model_dir: str | os.PathLike,
+             progress: bool) -> dict[str, Any]:
+    """The output directory from the staged layers (FASP: shrunk to one MLP width first), the outer
+    tensors, the config and the side files; returns the finalize record."""
+    n_layers = len(store.adapter.layers())
+    writer = ShardWriter(out)
+    if pruner.structured:
+        final = _finalize_structured(store, writer, n_layers, bool(getattr(pruner.options, "shrink", True)), progress)
+    else:
+        for i in range(n_layers):
+            os.replace(store.writer.path(f"layer-{i:05d}"), writer.path(f"layer-{i:05d}"))
+        final = {}
+    writer.write("outer", store.index.read([s for _, s in store.outer_names()], store.dtype))
+    writer.finish([f"layer-{i:05d}" for i in range(n_layers)] + ["outer"])
+    config = store.model.config
+    config.use_cache = True
+    config.dtype = store.dtype
+    config.save_pretrained(out)
+    copy_side_files(model_dir, out)
+    return final
 
 
 def stream_source(spec: str, progress: bool = True) -> Path:

@@ -30,13 +30,13 @@ dense target in sequential mode) the dense model's activations, otherwise the de
 the same (pruned-path) inputs.
 Embeddings and ``lm_head`` are never touched.
 
-The package, one job per module: :mod:`.walk` (:func:`prune_model`, the walk over the decoder
-layers), :mod:`.layer` (one layer), :mod:`.capture` (statistics), :mod:`.allocation` (uniform, OWL
+The package, one job per module: :mod:`.walk` (:class:`LayerWalk` with its :class:`WalkSettings`, and
+:func:`prune_model`, the walk as one call), :mod:`.layer` (one layer, :class:`~.layer.LayerPruning`), :mod:`.capture` (statistics), :mod:`.allocation` (uniform, OWL
 and custom profiles, exact per-linear counts), :mod:`.checkpoint` (resume), :mod:`.placement` (where
 the activation streams live), :mod:`.finished` (reuse of a layer's finished parts).
 """
 
 from leanml.prune.engine.allocation import linear_specs
-from leanml.prune.engine.walk import check_spec, prune_model
+from leanml.prune.engine.walk import LayerWalk, WalkSettings, check_spec, prune_model
 
-__all__ = ["check_spec", "linear_specs", "prune_model"]
+__all__ = ["LayerWalk", "WalkSettings", "check_spec", "linear_specs", "prune_model"]

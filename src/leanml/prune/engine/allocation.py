@@ -91,19 +91,16 @@ def layer_sparsities(
     target: float,
     *,
     adapter: DecoderAdapter,
-    batch_size: int,
-    device: torch.device,
-    progress: bool,
-    owl: dict[str, float] | None = None,
+    **owl_pass: Any,
 ) -> tuple[list[float] | None, dict[str, Any]]:
     """Every decoder layer's sparsity under the profile (``None``: ``target`` everywhere) and a record
-    for the report; ``"owl"`` runs :func:`owl_layer_sparsities` (options ``m``, ``lam`` in ``owl``)."""
+    for the report; ``"owl"`` runs :func:`owl_layer_sparsities` with ``owl_pass``, its keywords (the
+    pass's ``batch_size``, ``device``, ``progress`` and the options ``m``, ``lam``)."""
     name = sparsity_profile if isinstance(sparsity_profile, str) else "custom"
     if name == "uniform":
         return None, {"name": "uniform"}
     if name == "owl":
-        return owl_layer_sparsities(model, calib_ids, target, adapter=adapter, batch_size=batch_size, device=device,
-                                    progress=progress, **(owl or {}))
+        return owl_layer_sparsities(model, calib_ids, target, adapter=adapter, **owl_pass)
     n_layers = len(adapter.layers())
     layer_sparsity = [float(s) for s in sparsity_profile]
     if len(layer_sparsity) != n_layers:
@@ -168,14 +165,19 @@ def owl_layer_sparsities(
     batch_size: int = 8,
     device: str | torch.device | None = None,
     progress: bool = True,
-    m: float = OWL_M,
-    lam: float = OWL_LAMBDA,
+    **owl: float,
 ) -> tuple[list[float], dict[str, Any]]:
     """OWL's dense pre-pass: walk the dense model layer by layer on the calibration ids (each layer
     visits ``device``), compute every layer's outlier ratio from its linears' Wanda scores, and
-    allocate. Returns the per-layer sparsities and a record for the report."""
+    allocate. ``owl``: the options ``m`` (outlier threshold, default :data:`OWL_M`) and ``lam``
+    (largest deviation from the target, default :data:`OWL_LAMBDA`). Returns the per-layer sparsities
+    and a record for the report."""
     from leanml.models.layerwise import capture_layer_inputs, layer_on, outer_on, run_layer, to_device
 
+    unknown = sorted(set(owl) - {"m", "lam"})
+    if unknown:
+        raise TypeError(f"owl_layer_sparsities takes the owl options m and lam, not {', '.join(unknown)}")
+    m, lam = owl.get("m", OWL_M), owl.get("lam", OWL_LAMBDA)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     with outer_on(model, adapter, device):
         hidden, kwargs = capture_layer_inputs(model, adapter, calib_ids, batch_size)
