@@ -325,8 +325,7 @@ def part_memory(S: Sizes, device: str, assets: Path | None, emit: Emitter, args:
 
     from leanml.memory import Budget
     from leanml.memory.compiled import DEFAULT_COMPILE_BUDGETS
-    from leanml.memory.runner import StrategyRunner, lm_unoptimized_peak
-    from leanml.memory.train import TrainConfig
+    from leanml.train import StrategyRunner, TrainConfig, lm_unoptimized_peak
 
     tok, vocab = tokenizer_and_vocab(assets)
     model = llama(S.mem_hidden, S.mem_inter, S.mem_heads, S.mem_kv, S.mem_layers, vocab, S.mem_seqlen, device,

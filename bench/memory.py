@@ -36,8 +36,14 @@ from tqdm.auto import tqdm
 from _common import load_json, merge_records, replace_block
 from leanml.data.text import load_text, token_windows
 from leanml.memory import Budget
-from leanml.memory.runner import StrategyRunner, lm_unoptimized_peak
-from leanml.memory.train import TrainConfig, batches, remap_vocab, shared_weights_copy
+from leanml.train import (
+    StrategyRunner,
+    TrainConfig,
+    batches,
+    lm_unoptimized_peak,
+    remap_vocab,
+    shared_weights_copy,
+)
 from leanml.utils import machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"

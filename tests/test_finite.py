@@ -159,10 +159,10 @@ def test_the_saver_refuses_the_nan_model_a_diverged_run_would_save(inputs, tmp_p
     """With the training loop's check switched off, the NaN weights reach the saver (the checkpoint's
     after 2 steps, else the model's), which refuses them: exit 2, one line naming the first bad tensor,
     no output and no checkpoint."""
-    import leanml.memory.runner
+    import leanml.train.runner
     from leanml.cli import main
 
-    monkeypatch.setattr(leanml.memory.runner, "check_finite_step", lambda *args, **kwargs: None)
+    monkeypatch.setattr(leanml.train.runner, "check_finite_step", lambda *args, **kwargs: None)
     code = main(["recover", "--model", str(inputs / "pruned"), "--data", str(inputs / "text.txt"), "--no-eval",
                  "--seqlen", "32", "--steps", "4", "--checkpoint-every", every, "--batch-size", "2", "--lr", "1e30",
                  "--memory", "none", "--threads", "1", "--out", str(tmp_path / "out")])

@@ -49,7 +49,7 @@ def _child(req: dict) -> None:
 #: modules most commands import before they fail or finish (imported once here, not in every child)
 PRELOAD = ("leanml.data.text", "leanml.models", "leanml.models.check", "leanml.models.layout",
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
-           "leanml.prune.engine", "leanml.recover.api", "leanml.memory.train", "datasets", "pyarrow.parquet")
+           "leanml.prune.engine", "leanml.recover.api", "leanml.train", "datasets", "pyarrow.parquet")
 
 
 def serve() -> None:

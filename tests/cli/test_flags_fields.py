@@ -63,11 +63,11 @@ def test_library_refusals_name_fields_and_the_command_line_shows_flags(tmp_path)
     import torch
 
     from leanml.features.read.readers import LogReader
-    from leanml.memory.train import batches
     from leanml.models import check_dtype, parse_dtype
     from leanml.prune.cores.fasp import num_kept
     from leanml.prune.engine.allocation import owl_allocation
     from leanml.prune.masks import MaskSpec
+    from leanml.train import batches
 
     cases = [
         (lambda: MaskSpec(1.5), "leanml prune", "sparsity must be in (0, 1), got 1.5", "--sparsity must be"),

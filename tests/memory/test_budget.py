@@ -225,7 +225,7 @@ def test_bf16_model_gets_8_bit_options_within_budget() -> None:
 
 
 def test_profile_shared_between_models_sharing_weights() -> None:
-    from leanml.memory.train import shared_weights_copy
+    from leanml.train import shared_weights_copy
 
     model = tiny_llama()
     first = Adacc(model, budget=0.6)

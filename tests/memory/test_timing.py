@@ -6,10 +6,9 @@ import torch
 
 from leanml.memory import Adacc, Budget
 from leanml.memory.profiler import ProfileOptions, profile_step
-from leanml.memory.runner import StrategyRunner
 from leanml.memory.structure import SELF, find_blocks
 from leanml.memory.timing import DeviceTimer, device_synchronizer
-from leanml.memory.train import TrainConfig
+from leanml.train import StrategyRunner, TrainConfig
 from leanml.utils import LeanmlError
 
 from .test_runtime import IDS, tiny_llama

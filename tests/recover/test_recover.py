@@ -8,7 +8,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from builders import tiny_llama
 from leanml.memory import Budget
-from leanml.memory.train import TrainConfig
 from leanml.recover import (
     MaskKeeper,
     RecoverConfig,
@@ -18,6 +17,7 @@ from leanml.recover import (
     recover,
     recover_training,
 )
+from leanml.train import TrainConfig
 from leanml.utils import LeanmlError
 from recover.helpers import sparse_llama
 

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from builders import tiny_llama
-from leanml.memory.runner import StrategyRunner
-from leanml.memory.train import TrainConfig
 from leanml.recover.teacher import TeacherObjective
+from leanml.train import StepOptions, StrategyRunner, TrainConfig
 
 
 def _batches(n: int = 4, seqlen: int = 16, vocab: int = 256) -> list[torch.Tensor]:
@@ -52,8 +51,8 @@ def test_distillation_objective_clipping_schedule_and_hook_match_a_hand_written_
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     calls: list[int] = []
     runner = StrategyRunner(model, TrainConfig(strategy="checkpoint", lr=lr, steps=4, progress=False), optimizer=opt,
-                            objective=TeacherObjective(teacher, w, t), max_grad_norm=clip, scheduler=sched,
-                            after_update=lambda: calls.append(1), measure_every=2)
+                            options=StepOptions(objective=TeacherObjective(teacher, w, t), max_grad_norm=clip,
+                                                scheduler=sched, after_update=lambda: calls.append(1), measure_every=2))
     runner.setup(_batches()[0])
     got = [runner.step(x) for x in _batches()]
     runner.close()

@@ -1,7 +1,7 @@
 """``leanml train``: fine-tune a causal LM on a text corpus under a training-memory strategy.
 
 The options are the fields of :class:`~leanml.memory.job.TrainJob` (and the
-:class:`~leanml.memory.train.TrainConfig` it holds); the work is :func:`~leanml.memory.job.run_train_job`."""
+:class:`~leanml.train.config.TrainConfig` it holds); the work is :func:`~leanml.memory.job.run_train_job`."""
 
 from __future__ import annotations
 

@@ -16,9 +16,8 @@ def run_demo() -> None:
 
     from leanml.data.text import load_text, token_windows
     from leanml.memory import Budget
-    from leanml.memory.runner import StrategyRunner, lm_unoptimized_peak
-    from leanml.memory.train import TrainConfig, batches, remap_vocab
     from leanml.models import bundled_dir
+    from leanml.train import StrategyRunner, TrainConfig, batches, lm_unoptimized_peak, remap_vocab
 
     t0 = time.perf_counter()
     threads = torch.get_num_threads()

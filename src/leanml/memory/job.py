@@ -1,6 +1,6 @@
 """``leanml train`` as a library call: :class:`TrainJob` (every option of the command, each declared once)
 and :func:`run_train_job`, which checks the inputs, loads the model and corpus, trains under the memory
-strategy (:func:`~leanml.memory.train.run_training`) and writes the report atomically."""
+strategy (:func:`~leanml.train.run.run_training`) and writes the report atomically."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from leanml.config import Bounds, Form, option
-from leanml.memory.train import TrainConfig
+from leanml.train import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,13 @@ class TrainJob:
 
 def run_train_job(job: TrainJob) -> dict[str, Any]:
     """Run ``leanml train``; returns the report written to ``job.out_dir``/report.json (its ``result``:
-    :func:`~leanml.memory.train.run_training`'s record)."""
+    :func:`~leanml.train.run.run_training`'s record)."""
     import torch
 
     from leanml.data.text import check_corpus, load_text, token_windows
-    from leanml.memory.train import run_training
     from leanml.models import check_dtype, load_model, save_model
     from leanml.models.check import check_model_input
+    from leanml.train import run_training
     from leanml.utils import (
         apply_threads,
         atomic_dir,

@@ -5,7 +5,7 @@ Example::
     from leanml.models import load_model
     from leanml.data.text import load_text, token_windows
     from leanml.memory import Budget
-    from leanml.memory.train import TrainConfig
+    from leanml.train import TrainConfig
     from leanml.recover import RecoverConfig, recover
 
     model, tok = load_model("out/sgpt50")                     # written by `leanml prune`
@@ -15,7 +15,7 @@ Example::
     report = recover(model, windows, cfg, teacher=teacher)
     assert report["sparsity"]["out"] == report["sparsity"]["in"]
 
-The steps are taken by the one training runner (:class:`~leanml.memory.runner.StrategyRunner`, which
+The steps are taken by the one training runner (:class:`~leanml.train.runner.StrategyRunner`, which
 ``leanml train`` uses too) with the distillation objective of :mod:`leanml.recover.teacher`. One step:
 the teacher's forward (``no_grad``; its probabilities are the distillation targets), the student's
 forward and backward (gradients are masked as they are accumulated), Adacc's drift check, gradient
@@ -56,13 +56,12 @@ from tqdm.auto import tqdm
 from leanml.config import check_argument, check_token_ids
 from leanml.eval.job import evaluate_windows
 from leanml.finite import check_finite_tensors, lr_hint
-from leanml.memory.runner import StrategyRunner
-from leanml.memory.train import batches
 from leanml.prune.engine.checkpoint import CheckpointError, check_settings, weights_fingerprint
 from leanml.recover.config import RecoverConfig, lr_factor
 from leanml.recover.masks import MaskKeeper, linear_sparsity
 from leanml.recover.source import MIN_UNDECLARED
 from leanml.recover.teacher import TeacherObjective
+from leanml.train import StepOptions, StrategyRunner, batches
 from leanml.utils import LeanmlError, atomic_file, fingerprint
 
 PEAK_DEFINITION = ("saved-activation bytes of one training step (teacher targets included), storages de-duplicated, "
@@ -184,9 +183,10 @@ def recover(
         state = None
 
     objective = TeacherObjective(teacher, cfg.kd_weight, cfg.temperature)
-    runner = StrategyRunner(model, train, optimizer=optim, objective=objective, max_grad_norm=cfg.max_grad_norm,
-                            after_update=keeper.enforce if keeper is not None else None, scheduler=sched,
-                            measure_every=cfg.measure_every, hint=divergence_hint(cfg, teacher is not None))
+    runner = StrategyRunner(model, train, optimizer=optim, options=StepOptions(
+        objective=objective, max_grad_norm=cfg.max_grad_norm,
+        after_update=keeper.enforce if keeper is not None else None, scheduler=sched,
+        measure_every=cfg.measure_every, hint=divergence_hint(cfg, teacher is not None)))
     if keeper is not None:
         keeper.attach()
     model.train()

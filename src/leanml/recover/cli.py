@@ -1,7 +1,7 @@
 """``leanml recover``: fine-tune a model written by ``leanml prune``, keeping its sparsity, under a memory budget.
 
 The options are the fields of :class:`~leanml.recover.job.RecoverJob` (and the
-:class:`~leanml.recover.config.RecoverConfig` and :class:`~leanml.memory.train.TrainConfig` it holds);
+:class:`~leanml.recover.config.RecoverConfig` and :class:`~leanml.train.config.TrainConfig` it holds);
 the work is :func:`~leanml.recover.job.run_recover_job`."""
 
 from __future__ import annotations

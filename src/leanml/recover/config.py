@@ -1,4 +1,4 @@
-"""The options of one recovery run: a :class:`~leanml.memory.train.TrainConfig` (memory strategy and
+"""The options of one recovery run: a :class:`~leanml.train.config.TrainConfig` (memory strategy and
 budget, steps, batch size, learning rate, seed) plus what recovery adds (schedule, clipping,
 distillation, masks, checkpoints), each declared once (see :mod:`leanml.config`)."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from leanml.config import Bounds, Form, default, option, require
-from leanml.memory.train import TrainConfig
+from leanml.train import TrainConfig
 
 #: the memory strategies recovery offers
 MEMORY = ("none", "checkpoint", "sac", "adacc")

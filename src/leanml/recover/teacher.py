@@ -1,7 +1,7 @@
 """The dense teacher of a recovery run: the distillation objective the training runner minimises, the
 training windows sampled from the teacher, and the fingerprints that key checkpoints and caches.
 
-:class:`TeacherObjective` is the runner's objective hook (see :class:`~leanml.memory.runner.LMObjective`):
+:class:`TeacherObjective` is the runner's objective hook (see :class:`~leanml.train.runner.LMObjective`):
 before each forward it runs the teacher (``no_grad``) and turns its logits into the targets of
 :class:`~leanml.recover.distill.Objective`; the targets count in the step's activation peak and in
 Adacc's budget, and are dropped after the step.
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from leanml.memory.runner import LMObjective, measure_peak
 from leanml.recover.distill import Objective
+from leanml.train.runner import LMObjective, measure_peak
 from leanml.utils import LeanmlError, atomic_file, fingerprint
 
 if TYPE_CHECKING:

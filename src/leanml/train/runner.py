@@ -1,6 +1,6 @@
 """The one training runner: a model trained under a memory strategy, one step at a time.
 
-``leanml train`` (:func:`leanml.memory.train.run_training`), ``leanml recover``
+``leanml train`` (:func:`leanml.train.run.run_training`), ``leanml recover``
 (:func:`leanml.recover.recover`), the benchmark and the demo all step a :class:`StrategyRunner`. The
 memory strategies are set up here and nowhere else: ``none``, ``checkpoint`` (every layer), ``sac``
 (torch selective checkpointing, save matmuls), ``compile`` (``torch.compile`` with
@@ -11,7 +11,7 @@ What a step minimises is the runner's *objective* hook: :class:`LMObjective`, a 
 next-token loss, unless another is given (recovery passes one that distils a teacher's logits; its
 targets are set before each forward, counted in the step's peak, and dropped after the step). The
 optimizer step may be preceded by gradient clipping and followed by a hook (recovery re-applies its
-masks there) and a learning-rate scheduler.
+masks there) and a learning-rate scheduler: those hooks are one :class:`StepOptions`.
 
 Measurements (see :mod:`leanml.memory.meter`): the peak saved-activation bytes of every
 ``measure_every``-th step and of the first (on CUDA also ``torch.cuda.max_memory_allocated``); Adacc
@@ -26,6 +26,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +44,7 @@ from leanml.memory.structure import find_blocks
 from leanml.memory.timing import DeviceTimer
 
 if TYPE_CHECKING:
-    from leanml.memory.train import TrainConfig
+    from leanml.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -98,17 +99,30 @@ def measure_peak(model: nn.Module, x: torch.Tensor, forward: nn.Module | None = 
     return meter.peak
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """What a step does besides the plain LM step. ``objective``: what it minimises (default
+    :class:`LMObjective`). ``max_grad_norm`` (> 0: clip the gradients' norm), ``after_update`` (called after
+    each optimizer step) and ``scheduler`` (stepped after it). ``measure_every``: meter every n-th step (and
+    the first) when the strategy does not meter each step itself (Adacc does). ``hint``: the options a
+    non-finite step names (default: the learning rate)."""
+
+    objective: LMObjective | None = None
+    max_grad_norm: float = 0.0
+    after_update: Callable[[], None] | None = None
+    scheduler: Any = None
+    measure_every: int = 1
+    hint: str | None = None
+
+
 class StrategyRunner:
     """One model trained under one memory strategy, one step at a time (so several runners can be
     interleaved step by step and share the machine's load fairly). ``optimizer``: share one optimizer
     between runners whose models share weights (default: a new AdamW over every parameter). ``timer``:
     how steps are timed (default: a :class:`~leanml.memory.timing.DeviceTimer` of the model's device).
-    ``objective``: what a step minimises (default :class:`LMObjective`). ``max_grad_norm`` (> 0: clip the
-    gradients' norm), ``after_update`` (called after each optimizer step) and ``scheduler`` (stepped
-    after it). ``measure_every``: meter every n-th step (and the first) when the strategy does not meter
-    each step itself (Adacc does). Every step stops at a non-finite loss or gradient (before its optimizer
-    step) with a :class:`~leanml.finite.NonFiniteError` naming the step and ``hint``, the options that likely
-    caused it (default: the learning rate).
+    ``options``: the step's objective, clipping, hooks, metering and hint (:class:`StepOptions`). Every
+    step stops at a non-finite loss or gradient (before its optimizer step) with a
+    :class:`~leanml.finite.NonFiniteError` naming the step and the hint, the options that likely caused it.
 
     On CUDA each measured step also records ``torch.cuda.max_memory_allocated`` over its forward and
     backward (``cuda_peaks``: above the step's start; ``cuda_max_allocated``: absolute), and ``result()``
@@ -116,16 +130,15 @@ class StrategyRunner:
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, unoptimized_peak: int | None = None,
                  optimizer: torch.optim.Optimizer | None = None, profile: Any = None,
-                 timer: DeviceTimer | None = None, objective: LMObjective | None = None,
-                 max_grad_norm: float = 0.0, after_update: Callable[[], None] | None = None,
-                 scheduler: Any = None, measure_every: int = 1, hint: str | None = None) -> None:
+                 timer: DeviceTimer | None = None, options: StepOptions | None = None) -> None:
+        opts = options if options is not None else StepOptions()
         self.model = model
-        self.hint = hint if hint is not None else lr_hint(cfg.lr)
+        self.hint = opts.hint if opts.hint is not None else lr_hint(cfg.lr)
         self._named: list[tuple[str, torch.Tensor]] | None = None
         self.timer = timer if timer is not None else DeviceTimer.for_module(model)
-        self.objective = objective if objective is not None else LMObjective()
-        self.max_grad_norm, self.after_update, self.scheduler = max_grad_norm, after_update, scheduler
-        self.measure_every = measure_every
+        self.objective = opts.objective if opts.objective is not None else LMObjective()
+        self.max_grad_norm, self.after_update, self.scheduler = opts.max_grad_norm, opts.after_update, opts.scheduler
+        self.measure_every = opts.measure_every
         self.cuda_max_allocated: list[int] = []
         self._last_cuda_max = 0
         self.compile_s = 0.0
@@ -378,24 +391,31 @@ class StrategyRunner:
             "step_times": self.times,
         }
         if self.adacc is not None and self.adacc.plan is not None:
-            out["plan"] = self.adacc.plan.to_json()
-            out["compiled_loss"] = self.adacc.compiled_loss
-            out["history"] = self.adacc.history
-            assert self.adacc.profile is not None
-            out["profile_peak_bytes"] = self.adacc.profile.profile_peak_bytes
-            out["profile_s"] = self.adacc.profile.profile_s
-            out["profile_reused"] = bool(self.adacc.history and self.adacc.history[0].get("profile_reused"))
-            prof = self.adacc.profile
-            out["layer0"] = {  # what the planner saw for one layer: eager bytes and time, compiled variants
-                "eager_bytes": sum(g.bytes for g in prof.layer_groups(0)),
-                "eager_fwd_s": prof.layer_fwd_s[0],
-                "eager_fwd_bwd_s": prof.layer_eager_s[0] if prof.layer_eager_s else None,
-                "compiled": [{"budget": c.budget, "bytes": c.bytes, "time_s": c.time_s, "compile_s": c.compile_s}
-                             for c in prof.compiled.get(0, [])],
-            }
-            # per measured layer, the compiled blocks' forward+backward time against the eager block, per
-            # compiler budget, as profiled (before any pooling): how far apart identical layers are timed
-            out["compiled_time_s"] = {str(i): {f"{c.budget:g}": c.time_s for c in prof.compiled[i]}
-                                      for i in prof.measured_layers if i in prof.compiled}
-            out["compile_error"] = self.adacc.profile.compile_error
+            out.update(self._adacc_result(self.adacc))
+        return out
+
+    @staticmethod
+    def _adacc_result(adacc: Adacc) -> dict[str, Any]:
+        """Adacc's part of :meth:`result`: the plan, its history and what the planner saw."""
+        assert adacc.plan is not None
+        out: dict[str, Any] = {"plan": adacc.plan.to_json()}
+        out["compiled_loss"] = adacc.compiled_loss
+        out["history"] = adacc.history
+        assert adacc.profile is not None
+        out["profile_peak_bytes"] = adacc.profile.profile_peak_bytes
+        out["profile_s"] = adacc.profile.profile_s
+        out["profile_reused"] = bool(adacc.history and adacc.history[0].get("profile_reused"))
+        prof = adacc.profile
+        out["layer0"] = {  # what the planner saw for one layer: eager bytes and time, compiled variants
+            "eager_bytes": sum(g.bytes for g in prof.layer_groups(0)),
+            "eager_fwd_s": prof.layer_fwd_s[0],
+            "eager_fwd_bwd_s": prof.layer_eager_s[0] if prof.layer_eager_s else None,
+            "compiled": [{"budget": c.budget, "bytes": c.bytes, "time_s": c.time_s, "compile_s": c.compile_s}
+                         for c in prof.compiled.get(0, [])],
+        }
+        # per measured layer, the compiled blocks' forward+backward time against the eager block, per
+        # compiler budget, as profiled (before any pooling): how far apart identical layers are timed
+        out["compiled_time_s"] = {str(i): {f"{c.budget:g}": c.time_s for c in prof.compiled[i]}
+                                  for i in prof.measured_layers if i in prof.compiled}
+        out["compile_error"] = adacc.profile.compile_error
         return out

@@ -1,26 +1,20 @@
-"""Training options and a plain causal-LM training run, shared by ``leanml train``, the benchmark and
-the demo. The options are one :class:`TrainConfig` (validated once, when made; its fields are the
-command line's flags); the steps are taken by the one runner,
-:class:`~leanml.memory.runner.StrategyRunner`, which ``leanml recover`` uses too. Strategies: ``none``,
-``checkpoint`` (every layer), ``sac`` (torch selective checkpointing, save matmuls), ``compile``
-(``torch.compile`` with ``activation_memory_budget`` = the budget fraction) and ``adacc`` (optionally
-with compiled blocks among its options: ``compile_blocks``).
+"""The options of one training run under a memory strategy, shared by ``leanml train``, ``leanml recover``,
+the benchmark and the demo: one :class:`TrainConfig` (validated once, when made; its fields are the
+command line's flags). Strategies: ``none``, ``checkpoint`` (every layer), ``sac`` (torch selective
+checkpointing, save matmuls), ``compile`` (``torch.compile`` with ``activation_memory_budget`` = the budget
+fraction) and ``adacc`` (optionally with compiled blocks among its options: ``compile_blocks``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
-import torch
-from torch import nn
-
-from leanml.config import Bounds, ConfigError, Form, option, require
+from leanml.config import Bounds, Form, option, require
 from leanml.memory.adacc import AdaccOptions
 from leanml.memory.budget import DEFAULT_BUDGET, Budget
 from leanml.memory.compiled import DEFAULT_COMPILE_BUDGETS
-from leanml.memory.runner import StrategyRunner
-from leanml.utils import EtaBar, LeanmlError
+from leanml.utils import LeanmlError
 
 Strategy = Literal["none", "checkpoint", "sac", "compile", "adacc"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
@@ -100,71 +94,3 @@ class TrainConfig:
         name = self.strategy + ("+compile" if self.strategy == "adacc" and self.compile_blocks else "")
         name += f"@{self.memory_budget.label()}" if self.strategy in ("adacc", "compile") else ""
         return name + (" per-layer" if self.strategy == "adacc" and not self.pool_layers else "")
-
-
-def remap_vocab(windows: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Map the ``vocab - 1`` most frequent token ids to ``0..vocab-2`` and every other id to ``vocab-1``
-    (lets a small model with a small output layer train on real tokenized text)."""
-    counts = torch.bincount(windows.flatten())
-    top = torch.argsort(counts, descending=True)[: vocab - 1]
-    table = torch.full((counts.numel(),), vocab - 1, dtype=torch.long)
-    table[top] = torch.arange(top.numel())
-    return table[windows]
-
-
-def batches(windows: torch.Tensor, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
-    """``steps`` batches of windows in a seeded shuffled order (cycling when the data runs out)."""
-    if windows.shape[0] < batch_size:
-        raise ConfigError(f"only {windows.shape[0]} windows of text for a batch of {batch_size}; lower batch_size or "
-                          "seqlen", None, ("batch_size", "seqlen"))
-    gen = torch.Generator().manual_seed(seed)
-    order: list[int] = []
-    while len(order) < steps * batch_size:
-        order += torch.randperm(windows.shape[0], generator=gen).tolist()
-    return [windows[order[i * batch_size : (i + 1) * batch_size]] for i in range(steps)]
-
-
-def shared_weights_copy(model: nn.Module) -> nn.Module:
-    """A second module tree of the same Hugging Face model class sharing every parameter and buffer with
-    ``model`` (so several strategies, each with its own hooks or compiled code, train one set of weights)."""
-    with torch.device("meta"):
-        twin = type(model)(model.config)
-    twin.load_state_dict(model.state_dict(keep_vars=True), assign=True, strict=True)
-    mods = dict(model.named_modules())
-    for name, mod in twin.named_modules():  # non-persistent buffers and tensor attributes (rotary tables)
-        src = mods[name]
-        for bname, buf in list(mod._buffers.items()):
-            if buf is not None and buf.is_meta:
-                mod._buffers[bname] = src._buffers[bname]
-        for attr, val in list(vars(mod).items()):
-            if isinstance(val, torch.Tensor) and val.is_meta:
-                setattr(mod, attr, getattr(src, attr))
-    left = [n for n, t in [*twin.named_parameters(), *twin.named_buffers()] if t.is_meta]
-    if left:
-        raise LeanmlError(f"could not share {left[0]} of {type(model).__name__} between copies")
-    twin.train(model.training)
-    return twin
-
-
-def run_training(model: nn.Module, windows: torch.Tensor, cfg: TrainConfig,
-                 unoptimized_peak: int | None = None) -> dict[str, Any]:
-    """Train ``model`` in place with ``cfg.strategy``; returns a JSON-ready record of the run."""
-    device = next(model.parameters()).device
-    data = [b.to(device) for b in batches(windows, cfg.batch_size, cfg.steps, cfg.seed)]
-    runner = StrategyRunner(model, cfg, unoptimized_peak)
-    try:
-        runner.setup(data[0])
-        # a bar updated by hand: it prints the estimated time for the rest after the first step
-        bar = EtaBar(total=len(data), desc=f"train[{cfg.label}]", unit="step", disable=not cfg.progress, leave=False)
-        try:
-            for x in data:
-                bar.set_postfix(loss=f"{runner.step(x):.3f}")
-                bar.update(1)
-        finally:  # also on an error (a diverged step): the bar's line is cleared before the error is printed
-            bar.close()
-    finally:
-        runner.close()
-    out = runner.result()
-    out["batch_size"] = cfg.batch_size
-    out["seqlen"] = int(data[0].shape[1])
-    return out

@@ -9,11 +9,16 @@ import torch
 from leanml.config import ConfigError
 from leanml.memory import Budget
 from leanml.memory.meter import AllocatorPeak, param_tensors
-from leanml.memory.runner import StrategyRunner, lm_unoptimized_peak
-from leanml.memory.train import TrainConfig, parse_compile_budgets, shared_weights_copy
+from leanml.train import (
+    StepOptions,
+    StrategyRunner,
+    TrainConfig,
+    lm_unoptimized_peak,
+    parse_compile_budgets,
+    shared_weights_copy,
+)
 from leanml.utils import LeanmlError
-
-from .test_runtime import IDS, tiny_llama
+from memory.test_runtime import IDS, tiny_llama
 
 
 def test_allocator_peak_replays_allocations_and_frees() -> None:
@@ -111,7 +116,7 @@ def test_train_config_checks_once_and_keeps_what_was_asked() -> None:
 def test_result_with_a_meter_every_other_step_reads_the_measured_steps() -> None:
     torch.set_num_threads(1)
     r = StrategyRunner(tiny_llama(), TrainConfig(strategy="checkpoint", steps=4, warmup=2, progress=False),
-                       measure_every=2)
+                       options=StepOptions(measure_every=2))
     r.setup(IDS)
     for _ in range(4):
         r.step(IDS)
