@@ -94,16 +94,28 @@ class _DefaultInt(int):
         return int.__repr__(self)
 
 
-def default(value: float) -> Any:
-    """A numeric option default that :func:`given` tells apart from the same number given by the user
-    (on the command line or in Python): for an option that another option would silently override, so the
-    pair can be refused only when both are given. It compares, prints and serialises as the plain number."""
+class _DefaultStr(str):
+    """A str default that remembers it was not given (see :func:`default` and :func:`given`); ``str()`` of it
+    is itself, so argparse, which converts a string default with the option's type, keeps the mark."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return self
+
+
+def default(value: float | str) -> Any:
+    """A numeric or string option default that :func:`given` tells apart from the same value given by the
+    user (on the command line or in Python): for an option that another option would silently override, so
+    the pair can be refused only when both are given. It compares, prints and serialises as the plain value."""
+    if isinstance(value, str):
+        return _DefaultStr(value)
     return _DefaultInt(value) if isinstance(value, int) and not isinstance(value, bool) else _DefaultFloat(value)
 
 
 def given(value: Any) -> bool:
     """Whether a field's value was given, not its :func:`default` (True for any other default)."""
-    return not isinstance(value, (_DefaultFloat, _DefaultInt))
+    return not isinstance(value, (_DefaultFloat, _DefaultInt, _DefaultStr))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,9 +15,9 @@ from cli.parallel import Case, run_cases
 
 def recover(*extra: str, model: str = "pruned", data: str = "text.txt", out: str = "out"):
     def args(d: Path, shared: Path) -> list[str]:
-        return ["recover", "--model", resolve(model, d, shared), "--data", resolve(data, d, shared),
-                "--eval-data", str(shared / "text.txt"), "--seqlen", "32", "--eval-seqlen", "32",
-                "--steps", "4", "--batch-size", "2", "--out", str(d / out), *extra]
+        evals = [] if "--no-eval" in extra else ["--eval-data", str(shared / "text.txt"), "--eval-seqlen", "32"]
+        return ["recover", "--model", resolve(model, d, shared), "--data", resolve(data, d, shared), *evals,
+                "--seqlen", "32", "--steps", "4", "--batch-size", "2", "--out", str(d / out), *extra]
     return args
 
 

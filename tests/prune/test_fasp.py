@@ -369,11 +369,12 @@ def test_cli_options_are_added_once_and_parsed():
     def pruner(method: str, *argv: str):
         return prune_job(parser.parse_args(["--out", "o", "--method", method, *argv])).config.pruner()
 
-    argv = ["--fasp-pairs", "mlp", "--fasp-damp", "0.1", "--fasp-target", "dense", "--fasp-alloc", "uniform",
-            "--fasp-plan-samples", "3"]
+    argv = ["--fasp-pairs", "mlp", "--fasp-damp", "0.1", "--fasp-target", "dense", "--fasp-alloc", "score",
+            "--fasp-plan-samples", "3"]  # (--fasp-plan-samples with --fasp-alloc uniform is refused)
     p = pruner("fasp", *argv)
     assert p.options.pair_names == ("mlp",) and p.options.damp == 0.1 and p.needs_dense is True
-    assert p.options.alloc == "uniform" and p.options.plan_samples == 3 and p.options.groups is None
+    assert p.options.alloc == "score" and p.options.plan_samples == 3 and p.options.groups is None
+    assert pruner("fasp", "--fasp-alloc", "uniform").options.alloc == "uniform"
     q = pruner("wanda-sp", "--fasp-groups", "1")
     assert q.options.alloc == "score" and q.options.groups == 1 and q.config()["groups"] == 1
     assert FaspPruner.needs_dense is False and FaspPruner().needs_dense is False  # class default untouched

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from leanml.config import ConfigError, Form, option, require
+from leanml.config import ConfigError, Form, default, given, option, require
 from leanml.ctr.content_ids.trainer import ContentIDConfig
 from leanml.ctr.options import CTRConfig
 from leanml.utils import (
@@ -59,6 +59,8 @@ class FitJob:
         require(self, (self.data is None) != (self.images is None), ("data", "images"), "give data or images")
         require(self, self.images is None or self.captions is not None, ("images", "captions"),
                 "images needs captions CSV (ad_id,caption): text supervises the quantizer")
+        require(self, self.captions is None or self.images is not None, ("captions", "images", "data"),
+                "captions label the ads of images; data brings its own: drop captions or use images")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,12 +72,14 @@ class AssignJob:
     model: Path = option(help="folder written by `content-ids fit`", parse=Path)
     on_bad: OnBad = option("skip", "unreadable image: skip and report (default) or fail",
                            form=Form(show_default=False))
-    seed: int = option(0, "dataset seed (with --data)")
+    seed: int = option(default(0), "dataset seed (with --data)")
     out: Path = option(help="the Parquet file to write", parse=Path)
     cpu: Threads = option(default_factory=Threads, form=Form(prefix=""))
 
     def __post_init__(self) -> None:
         require(self, (self.data is None) != (self.images is None), ("data", "images"), "give data or images")
+        require(self, self.data is not None or not given(self.seed), ("seed", "images", "data"),
+                "seed draws a built-in dataset's ads; images are read as they are: drop seed or use data")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from leanml.config import add_options, flags_of, from_args
+from leanml.utils import LeanmlError
 
 PRUNE_EPILOG = """examples:
   leanml prune --model smollm2-135m --method sparsegpt --sparsity 0.5 --out out/sgpt50
@@ -60,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             skip = tuple(name for (_, name), flag in flags.items() if flag in added)
             made = add_options(p.add_argument_group((cls.__doc__ or cls.__name__).strip()), cls, cls.prefix, skip=skip)
             added.update(f.flag for f in made)
+            record_given(p, [f.flag for f in made])
     p.set_defaults(func=run_prune)
 
     e = sub.add_parser(
@@ -73,11 +75,53 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=run_eval)
 
 
+class _Given(argparse.Action):
+    """Mixed into an option's action: records on the namespace that the flag was typed (``_leanml_given``)."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        typed = (self.option_strings[0], option_string or self.option_strings[0])  # (its flag, as typed)
+        namespace._leanml_given = (*getattr(namespace, "_leanml_given", ()), typed)
+
+
+def record_given(parser: argparse.ArgumentParser, flags: list[str]) -> None:
+    """Make the options ``flags`` of ``parser`` record when they are typed (read by :func:`method_readers`'
+    check in :func:`prune_job`), whatever their value."""
+    for action in parser._actions:
+        if action.option_strings and action.option_strings[0] in flags and not isinstance(action, _Given):
+            action.__class__ = type(f"Given{type(action).__name__}", (_Given, type(action)), {})
+
+
+def method_readers() -> dict[str, list[str]]:
+    """``{flag: methods whose options declare it}`` for every method option flag (from the declarations)."""
+    from leanml.prune.methods import available, pruner_class
+
+    readers: dict[str, list[str]] = {}
+    for name in available():
+        opts = pruner_class(name).Options
+        for flag in flags_of(opts, opts.prefix).values():
+            readers.setdefault(flag, []).append(name)
+    return readers
+
+
+def check_method_flags(args: argparse.Namespace) -> None:
+    """Refuse a method option typed with a ``--method`` that does not read it (it would be ignored)."""
+    readers = method_readers()
+    for key, flag in getattr(args, "_leanml_given", ()):
+        methods = readers.get(key, [])
+        if methods and args.method not in methods:
+            which = methods[0] if len(methods) == 1 else ", ".join(methods[:-1]) + " or " + methods[-1]
+            raise LeanmlError(f"{flag} is read by --method {which} only; --method {args.method} ignores it: drop "
+                              f"{flag} or use --method {which}")
+
+
 def prune_job(args: argparse.Namespace) -> Any:
-    """The :class:`~leanml.prune.config.PruneJob` a parsed ``leanml prune`` command line asks for."""
+    """The :class:`~leanml.prune.config.PruneJob` a parsed ``leanml prune`` command line asks for (a method
+    option typed with a method that does not read it is refused)."""
     from leanml.prune.config import PruneConfig, PruneJob
     from leanml.prune.methods import pruner_class
 
+    check_method_flags(args)
     opts = pruner_class(args.method).Options
     config = from_args(PruneConfig, args, options=from_args(opts, args, opts.prefix))
     return from_args(PruneJob, args, config=config)

@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Literal
 
 from leanml.config import Bounds, ConfigError, Form, default, given, option, require
@@ -73,8 +73,12 @@ class PruneConfig(Compute):
     def __post_init__(self) -> None:
         super().__post_init__()
         cls = pruner_class(self.method)
-        require(self, self.options is None or isinstance(self.options, cls.Options), "options",
-                f"{self.method} takes {cls.Options.__name__}, got {type(self.options).__name__}")
+        # a subclass of the method's options (FaspOptions for wanda-sp) would carry fields the method ignores
+        extra = sorted({f.name for f in fields(type(self.options))} - {f.name for f in fields(cls.Options)}
+                       if is_dataclass(self.options) else ())
+        require(self, self.options is None or (isinstance(self.options, cls.Options) and not extra), "options",
+                f"{self.method} takes {cls.Options.__name__}, got {type(self.options).__name__}"
+                + (f" (whose {', '.join(extra)} {self.method} does not read)" if extra else ""))
         require(self, self.mode in ("sequential", "dense"), "mode", f"must be sequential or dense, got {self.mode!r}")
         check_spec(cls, self.spec)  # the engine's own checks, once (leanml.prune tells the engine they ran)
         if self.spec.pattern is not None:  # the pattern sets the sparsity: refuse another one given beside it
@@ -134,7 +138,7 @@ class PruneJob(ModelInput):
         "leanml reloads: a 50% model is 0.63x the dense directory; python -m leanml.models.compressed writes "
         "the dense copy other tools read)")
     eval: bool = option(True, "perplexity before and after (--no-eval skips it)")
-    eval_data: str = option("shakespeare", "corpus whose test split gives perplexity")
+    eval_data: str = option(default("shakespeare"), "corpus whose test split gives perplexity")
     eval_windows: int | None = option(None, "evaluate on the first N test windows (default all)",
                                       form=Form(show_default=False))
     stream: bool = option(False, "never hold the whole model: read each layer from the safetensors shards, write "
@@ -150,6 +154,8 @@ class PruneJob(ModelInput):
                 f"must be at least 1, got {self.eval_windows}")
         require(self, self.eval_windows is None or (self.eval and not self.streamed), ("eval_windows", "eval"),
                 "eval_windows sets the perplexity's windows, which --no-eval and --stream skip: drop one of them")
+        require(self, not given(self.eval_data) or (self.eval and not self.streamed), ("eval_data", "eval"),
+                "eval_data sets the perplexity's corpus, which --no-eval and --stream skip: drop one of them")
         if self.streamed:
             require(self, not self.config.calib_samples, ("calib_samples", "stream"),
                     "calib_samples samples from the whole model, which stream never holds; drop one of them")

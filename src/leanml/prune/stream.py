@@ -368,6 +368,11 @@ def stream_source(spec: str, progress: bool = True) -> Path:
     if path.suffix == ".gguf":
         target = cache_dir() / "gguf" / f"{path.stem}-{path.stat().st_size}"
         if not (target / "config.json").exists():
+            from leanml.faults import check_cache, gguf_dense_bytes
+            from leanml.models.check import check_gguf
+
+            check_gguf(path)  # a fake or cut file: one line, before the cache is touched
+            check_cache(gguf_dense_bytes(path), f"the converted {path.name}")  # writable, with room for float32
             print(f"converting {path.name} to safetensors in {target} (once, tensor by tensor)")
             try:
                 with atomic_dir(target, overwrite=True) as tmp:

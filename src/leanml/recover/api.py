@@ -289,6 +289,8 @@ def _check_arguments(model: Any, windows: Any, config: Any, teacher: Any, masks:
     check_argument(config, "config", (RecoverConfig, none), "a leanml.recover.config.RecoverConfig or None",
                    "build one with RecoverConfig(**options)" if isinstance(config, dict) else "")
     check_argument(teacher, "teacher", (nn.Module, none), "a torch.nn.Module or None")
+    if config is not None:
+        config.check_teacher(teacher)  # distillation options with no teacher would be ignored
     check_argument(masks, "masks", (MaskKeeper, none), "a leanml.recover.masks.MaskKeeper or None")
     check_argument(eval_sets, "eval_sets", (dict, none), "a dict of name -> token ids (n, seqlen), or None")
     for name, ids in (eval_sets or {}).items():

@@ -13,6 +13,8 @@ On ``on_train_begin`` the mask is read from the model's zeros (or taken from ``m
 hooks are installed, so gradients are masked before clipping and the optimizer; ``on_optimizer_step``
 writes the zeros back after every optimizer step; ``on_train_end`` removes the hooks and checks that no
 masked weight moved. The callback touches no other state, so it composes with Adacc and any optimizer.
+With ``check_finite`` (default) a NaN or infinite gradient or weight stops the run at that step, in one
+line naming it (:func:`leanml.memory.hf.check_trainer_step`), before the Trainer saves it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from leanml.config import check_argument
+from leanml.memory.hf import check_trainer_step
 from leanml.recover.masks import MaskKeeper
 from leanml.recover.source import MIN_UNDECLARED
 from leanml.utils import LeanmlError
@@ -35,11 +38,13 @@ class KeepMasksCallback(TrainerCallback):
     training begins). ``require``: raise :class:`LeanmlError` if the model has no zeros to keep.
     """
 
-    def __init__(self, masks: MaskKeeper | None = None, require: bool = True) -> None:
+    def __init__(self, masks: MaskKeeper | None = None, require: bool = True, check_finite: bool = True) -> None:
         check_argument(masks, "masks", (MaskKeeper, type(None)), "a leanml.recover.masks.MaskKeeper or None",
                        "the callback reads the model's zeros when training begins" if isinstance(masks, nn.Module)
                        else "")
         check_argument(require, "require", bool, "True or False")
+        check_argument(check_finite, "check_finite", bool, "True or False")
+        self.check_finite = check_finite
         self.keeper = masks
         self.require = require
         self.violations_at_end: int | None = None
@@ -58,13 +63,17 @@ class KeepMasksCallback(TrainerCallback):
                               "or use require=False")
         self.keeper.attach()
 
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.keeper is not None:
             self.keeper.mask_grads()  # gradients that bypassed the hooks (e.g. set by hand)
+        if self.check_finite:
+            check_trainer_step(model, args, state, "grads", "KeepMasksCallback")
 
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.keeper is not None:
             self.keeper.enforce()
+        if self.check_finite:
+            check_trainer_step(model, args, state, "weights", "KeepMasksCallback")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.keeper is not None:

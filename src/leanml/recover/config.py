@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from leanml.config import Bounds, Form, default, option, require
+from leanml.config import Bounds, Form, default, given, option, require
 from leanml.train import TrainConfig
 
 #: the memory strategies recovery offers
@@ -52,6 +52,15 @@ class RecoverConfig:
         require(train, train.budget is None or train.strategy == "adacc", ("budget", "strategy"),
                 f"budget is Adacc's memory limit; strategy {train.strategy} takes none: drop budget or use "
                 "strategy adacc")
+
+    def check_teacher(self, teacher: Any) -> None:
+        """The boundary check of :func:`leanml.recover`'s ``teacher`` against these options: ``kd_weight`` or
+        ``temperature`` given (not their defaults) set a distillation, which needs a teacher; ``ValueError``
+        naming ``teacher`` and the options, as ``leanml recover`` refuses ``--kd-weight`` without ``--teacher``."""
+        set_ = [f"config.{n}={getattr(self, n)!r}" for n in ("kd_weight", "temperature") if given(getattr(self, n))]
+        if teacher is None and set_:
+            raise ValueError(f"teacher is None, but {' and '.join(set_)} set a distillation from a teacher: pass "
+                             "teacher=the dense model, or leave kd_weight and temperature at their defaults")
 
 
 def lr_factor(step: int, cfg: RecoverConfig) -> float:

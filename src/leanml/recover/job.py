@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from leanml.config import Form, given, option, require
+from leanml.config import Form, default, given, option, require
 from leanml.eval.job import check_seqlen
 from leanml.finite import NonFiniteError
 from leanml.recover.config import RecoverConfig
@@ -40,9 +40,9 @@ class RecoverJob:
         None, "keep the teacher's samples in DIR and reuse them in later runs with the same teacher weights, window "
         "count, length, seed and start token (the report keeps the sampling time)", form=Form(metavar="DIR"))
     pattern: str | None = option(None, "N:M pattern the zeros must follow (checked; default: report.json's)")
-    eval_data: str = option("shakespeare,reviews", "comma-separated corpora whose test split gives perplexity "
-                                                   "before/after")
-    eval_seqlen: int = option(512, "tokens per evaluation window")
+    eval_data: str = option(default("shakespeare,reviews"), "comma-separated corpora whose test split gives "
+                                                            "perplexity before/after")
+    eval_seqlen: int = option(default(512), "tokens per evaluation window")
     eval_windows: int | None = option(None, "evaluate the first N test windows of each corpus")
     evaluate: bool = option(True, "measure the perplexities (--no-eval: skip them)", flag="--eval")
     resume: bool = option(False, "continue from the checkpoint of an interrupted run")
@@ -63,6 +63,9 @@ class RecoverJob:
                 f"must be at least 1, got {self.eval_windows}")
         require(self, self.eval_windows is None or self.evaluate, ("eval_windows", "evaluate"),
                 "eval_windows sets the perplexity's windows, which --no-eval skips: drop one of them")
+        for name in ("eval_data", "eval_seqlen"):
+            require(self, self.evaluate or not given(getattr(self, name)), (name, "evaluate"),
+                    f"{name} sets the perplexity, which --no-eval skips: drop one of them")
         require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
         require(self, 0.0 <= self.teacher_samples <= 1.0, "teacher_samples",
                 f"is a share of the training windows in [0, 1], got {self.teacher_samples}")

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from leanml.config import Bounds, ConfigError, Form, option, require
+from leanml.config import Bounds, ConfigError, Form, default, given, option, require
 from leanml.finite import solver_error
 from leanml.models import surgery
 from leanml.models.layout import DecoderAdapter
@@ -64,8 +64,8 @@ class StructuredOptions:
         "MLP units by score; uniform: every pair of every layer loses the fraction --sparsity of its units")
     groups: int | None = option(None, "with --fasp-alloc score: remove exactly this many key/value groups per layer "
                                       "(default: chosen by score)", form=Form(show_default=False))
-    plan_samples: int = option(8, "with --fasp-alloc score: calibration windows the allocation's dense pre-pass "
-                                  "reads", bounds=Bounds(ge=1))
+    plan_samples: int = option(default(8), "with --fasp-alloc score: calibration windows the allocation's dense "
+                                           "pre-pass reads", bounds=Bounds(ge=1))
     multiple: int = option(1, "round the kept units per layer to a multiple of this", bounds=Bounds(ge=1))
     shrink: bool = option(True, "remove pruned units physically (smaller MLPs and attention); --fasp-no-shrink "
                                 "keeps them as zeros", form=Form(negative="--fasp-no-shrink"))
@@ -77,6 +77,9 @@ class StructuredOptions:
         require(self, self.groups is None or (self.alloc == "score" and "attention" in self.pair_names
                                               and self.groups >= 0), ("groups", "alloc", "pairs"),
                 f"groups needs alloc score with attention among pairs and a count >= 0, got {self.groups}")
+        require(self, self.alloc == "score" or not given(self.plan_samples), ("plan_samples", "alloc"),
+                f"plan_samples sets the windows of alloc score's pre-pass, which alloc {self.alloc} does not run: "
+                "drop plan_samples or use alloc score")
 
     @property
     def pair_names(self) -> tuple[str, ...]:
