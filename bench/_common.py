@@ -85,7 +85,7 @@ def cpu_lock(path: str = CPU_LOCK) -> Iterator[None]:
 def write_outputs(records: list[Record], results: Path, render: Callable[[list[Record]], str],
                   plot: Callable[[list[Record], Path], None]) -> None:
     """A benchmark's ``NAME.json``, ``NAME.md`` (``render``) and ``NAME.png`` (``plot``), each written atomically."""
-    from leanml.utils import atomic_file, write_json
+    from leanml.outputs import atomic_file, write_json
 
     write_json(results, records)
     with atomic_file(results.with_suffix(".md")) as tmp:

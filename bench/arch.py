@@ -36,12 +36,14 @@ import torch
 
 from _common import merge_records, replace_block
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
+from leanml.machine import machine_info, machine_line
 from leanml.models import count_parameters, decoder_linear_names
 from leanml.models.tiny import FAMILIES, tiny_family
+from leanml.outputs import write_json
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods import pruner_class
-from leanml.utils import LeanmlError, machine_info, machine_line, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -46,12 +46,13 @@ from leanml.ctr.content import (
     content_items,
     fit_dataset_content_ids,
 )
-from leanml.ctr.content_ids.trainer import ContentIDConfig
+from leanml.ctr.content_ids.config import ContentIDConfig
 from leanml.ctr.data import CTRData, image_attributes, load_dataset, validation_split
 from leanml.ctr.metrics import bootstrap_auc_diff_se
 from leanml.ctr.options import DEFAULT_LR, CTRConfig
 from leanml.ctr.train import record, run_ctr
-from leanml.utils import atomic_file, machine_info, machine_line, write_json
+from leanml.machine import machine_info, machine_line
+from leanml.outputs import atomic_file, write_json
 
 RESULTS = Path(__file__).parent / "results"
 DATASETS = ("fashion", "movielens")

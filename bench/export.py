@@ -36,11 +36,12 @@ import torch
 from _common import replace_block
 from leanml.config import replace, to_argv
 from leanml.eval.speed import dir_size_bytes
+from leanml.machine import machine_info, machine_line
 from leanml.models import bundled_dir, decoder_linear_names, load_model
 from leanml.models.compressed import decompress_dir
+from leanml.outputs import atomic_file, write_json
 from leanml.prune.config import PruneConfig, PruneJob
 from leanml.prune.job import run_job
-from leanml.utils import atomic_file, machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "prune.md"

@@ -31,12 +31,13 @@ import torch
 from leanml.data.text import calibration_windows, load_text, token_windows
 from leanml.eval.perplexity import perplexity
 from leanml.eval.speed import measure_speeds
+from leanml.machine import machine_info, machine_line
 from leanml.models import load_model
 from leanml.models.surgery import count_nonzero, count_parameters
+from leanml.outputs import write_json
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods import pruner_class
-from leanml.utils import machine_info, machine_line, write_json
 
 METHODS = ["fasp", "wanda-sp", "flap", "magnitude-sp"]
 CORPORA = {"hamlet": "shakespeare", "reviews": "reviews"}

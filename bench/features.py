@@ -11,7 +11,7 @@ and the tables give the median and the min-max spread over repeats. Ratios betwe
 within each repeat (side by side) and then summarised the same way.
 
 CPU accounting: ``cores_available`` comes from the cgroup CPU quota and the affinity mask
-(``leanml.utils.cores_available``); each run records the CPU seconds of the extraction (producer
+(``leanml.machine.cores_available``); each run records the CPU seconds of the extraction (producer
 threads / worker processes) and of the training steps, the CPU seconds of the whole process tree
 (``getrusage`` of this process and its reaped children), the utilisation (those CPU seconds / wall
 seconds, i.e. cores busy on average) and ``os.getloadavg()`` before and after.
@@ -62,7 +62,8 @@ from leanml.features.run.scheduler import clear_caches
 from leanml.features.train.model import CTROptimizer, model_for_graph
 from leanml.features.train.pipeline import evaluate, run_pipelined, train_on
 from leanml.features.train.twostage import run_two_stage
-from leanml.utils import cache_dir, cores_available, machine_info, machine_line, write_json
+from leanml.machine import cores_available, machine_info, machine_line
+from leanml.outputs import cache_dir, write_json
 
 RESULTS = Path(__file__).parent / "results"
 DOCS = Path(__file__).parent.parent / "docs" / "features.md"

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-from leanml.utils import atomic_file, machine_info, write_json  # noqa: E402
+from leanml.machine import machine_info  # noqa: E402
+from leanml.outputs import atomic_file, write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fista_width.json"
 #: name -> (hidden, mlp) of the synthetic shapes

@@ -35,7 +35,9 @@ from tqdm.auto import tqdm
 
 from _common import load_json, merge_records, replace_block
 from leanml.data.text import load_text, token_windows
+from leanml.machine import machine_info, machine_line
 from leanml.memory import Budget
+from leanml.outputs import write_json
 from leanml.train import (
     StrategyRunner,
     TrainConfig,
@@ -44,7 +46,6 @@ from leanml.train import (
     remap_vocab,
     shared_weights_copy,
 )
-from leanml.utils import machine_info, machine_line, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "memory.md"

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from leanml.machine import machine_info, machine_line
 from leanml.memory.compressors import make_compressor
-from leanml.utils import machine_info, machine_line, write_json
+from leanml.outputs import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

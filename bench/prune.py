@@ -59,15 +59,10 @@ from leanml.data.text import (  # noqa: E402
     load_text,
     token_windows,
 )
-from leanml.utils import (  # noqa: E402
-    LeanmlError,
-    atomic_file,
-    cache_dir,
-    exit_on_sigterm,
-    machine_info,
-    run_child,
-    write_json,
-)
+from leanml.errors import LeanmlError  # noqa: E402
+from leanml.machine import machine_info  # noqa: E402
+from leanml.outputs import atomic_file, cache_dir, write_json  # noqa: E402
+from leanml.processes import exit_on_sigterm, run_child  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"

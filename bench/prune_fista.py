@@ -392,7 +392,7 @@ def _fista_records(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def merge_into_prune_json(records: list[dict[str, Any]], path: Path) -> None:
     """Add/replace the FISTA records in ``prune.json`` (``merge_records`` of ``bench/prune.py``, keyed by
     method, pattern, profile, seed and corpus); every other record (the baselines) is kept."""
-    from leanml.utils import write_json
+    from leanml.outputs import write_json
     from prune import merge_records  # bench/prune.py
 
     write_json(path, merge_records(records, path))
@@ -556,7 +556,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     from leanml.data.text import calibration_windows
     from leanml.eval.perplexity import perplexity
-    from leanml.utils import machine_line, write_json
+    from leanml.machine import machine_line
+    from leanml.outputs import write_json
 
     s = _base_settings()
     tag = args.tag

@@ -44,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import prune as P  # noqa: E402
 import prune_harness as H  # noqa: E402
-from leanml.utils import LeanmlError, cache_dir, exit_on_sigterm  # noqa: E402
+from leanml.errors import LeanmlError  # noqa: E402
+from leanml.outputs import cache_dir  # noqa: E402
+from leanml.processes import exit_on_sigterm  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prune_frontier.json"
 KEY = ("method", "pattern", "seed", "nsamples", "corpus")

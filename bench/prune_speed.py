@@ -172,10 +172,10 @@ def _layer_stats(args: argparse.Namespace, model, tok) -> dict[str, Any]:
 
     from leanml.data.text import calibration_windows, load_text, token_windows
     from leanml.models.layout import discover_groups, get_adapter
+    from leanml.outputs import cache_dir
     from leanml.prune.engine import prune_model
     from leanml.prune.masks import MaskSpec
     from leanml.prune.methods import pruner_class
-    from leanml.utils import cache_dir
 
     layer = args.study_layer
     path = cache_dir() / "bench" / f"solver_stats_l{layer}_{args.nsamples}x{args.seqlen}_val{args.study_val}.pt"
@@ -292,7 +292,7 @@ def key(r: dict[str, Any]) -> tuple:
 
 
 def render(records: list[dict[str, Any]]) -> str:
-    from leanml.utils import machine_line
+    from leanml.machine import machine_line
 
     recs = sorted(records, key=lambda r: (-r["layers_pruned"], r["nsamples"], r["method"], r["code"] != "before",
                                           r["mode"]))
@@ -331,7 +331,7 @@ def _solver_key(r: dict[str, Any]) -> tuple:
 
 
 def render_solver(records: list[dict[str, Any]]) -> str:
-    from leanml.utils import machine_line
+    from leanml.machine import machine_line
 
     recs = sorted(records, key=lambda r: (r["layer"], r["pattern"] or "", r["variant"]))
     lines = ["# FISTA solver settings at the operator level (`bench/prune_speed.py --solver-study`)", "",
@@ -353,7 +353,7 @@ def render_solver(records: list[dict[str, Any]]) -> str:
 
 
 def main_solver_study(args: argparse.Namespace) -> int:
-    from leanml.utils import write_json
+    from leanml.outputs import write_json
 
     records = json.loads(SOLVER_JSON.read_text()) if SOLVER_JSON.exists() else []
     if not args.render_only:
@@ -404,7 +404,7 @@ def main() -> int:
     if not args.render_only:
         from leanml.data.text import calibration_windows
         from leanml.models import load_model
-        from leanml.utils import write_json
+        from leanml.outputs import write_json
 
         if not args.torchrun:
             model, tok = load_model("smollm2-135m")

@@ -44,10 +44,10 @@ from typing import Any
 from _common import load_json, replace_block
 from leanml.config import replace, to_argv
 from leanml.memory.budget import Budget
+from leanml.processes import exit_on_sigterm, run_child
 from leanml.prune.config import PruneConfig, PruneJob
 from leanml.recover.config import RecoverConfig, recover_training
 from leanml.recover.job import RecoverJob
-from leanml.utils import exit_on_sigterm, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -130,7 +130,7 @@ def teacher_label(teacher: str, s: dict[str, Any]) -> str:
 
 
 def work_dir() -> Path:
-    from leanml.utils import cache_dir
+    from leanml.outputs import cache_dir
 
     path = cache_dir() / "bench-recover"
     path.mkdir(parents=True, exist_ok=True)
@@ -322,7 +322,7 @@ def run_chunk(chunk: str, s: dict[str, Any]) -> dict[str, Any]:
         result = chunk_eval(rest, s)
     else:
         raise SystemExit(f"unknown chunk {chunk!r}; one of: {', '.join(all_chunks())}")
-    from leanml.utils import machine_info
+    from leanml.machine import machine_info
 
     result.update({"load_before": load0, "load_after": os.getloadavg(), "chunk_seconds": time.perf_counter() - t0,
                    "chunk_cpu_seconds_self": time.process_time() - c0, "machine": machine_info(),
@@ -486,7 +486,7 @@ def _pruned_models_lines(chunks: dict[str, Any]) -> list[str]:
 
 
 def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: list[dict[str, Any]]) -> str:
-    from leanml.utils import machine_line
+    from leanml.machine import machine_line
 
     s = data.get("settings", DEFAULTS)
     chunks = data["chunks"]
@@ -573,7 +573,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from leanml.utils import atomic_file
+    from leanml.outputs import atomic_file
 
     fig, axes = plt.subplots(1, len(CORPORA), figsize=(10, 3.8), sharey=True)
     models = list(PRUNED)
@@ -606,7 +606,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def render(data: dict[str, Any], out: Path) -> None:
-    from leanml.utils import atomic_file, write_json
+    from leanml.outputs import atomic_file, write_json
 
     records = build_records(data)
     tgts = targets(records, data)
@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
             data = load_chunks(path)  # merge into the latest file (other chunks may have finished meanwhile)
             data.setdefault("settings", settings)
             store_chunk(data["chunks"], chunk.strip(), result)
-            from leanml.utils import write_json
+            from leanml.outputs import write_json
 
             write_json(path, data)
     elif args.all:

@@ -63,7 +63,7 @@ KEY = ("model", "method", "mode", "max_memory_bytes", "nsamples", "seqlen", "pro
 
 
 def scale_dir() -> Path:
-    from leanml.utils import cache_dir
+    from leanml.outputs import cache_dir
 
     return cache_dir() / "scale"
 
@@ -83,7 +83,7 @@ def build(name: str) -> Path:
 
     from leanml.models.layout import get_adapter
     from leanml.models.shards import ShardWriter, build_skeleton_from_config
-    from leanml.utils import atomic_dir
+    from leanml.outputs import atomic_dir
 
     path = scale_dir() / name
     if (path / "config.json").exists():
@@ -213,7 +213,7 @@ def run_one(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     h, inter, layers, _, _, vocab, tied = CONFIGS[spec["model"]]
     cfg = llama_config(spec["model"])
     params = _params(cfg)
-    from leanml.utils import machine_line
+    from leanml.machine import machine_line
 
     return {
         "model": spec["model"], "params": params, "layers": layers, "hidden": h, "intermediate": inter,
@@ -269,7 +269,8 @@ def load_records() -> dict[str, Any]:
 
 
 def save_record(rec: dict[str, Any]) -> None:
-    from leanml.utils import machine_info, write_json
+    from leanml.machine import machine_info
+    from leanml.outputs import write_json
 
     data = load_records()
     data["machine"] = machine_info()
@@ -337,7 +338,7 @@ def _line(x: list[float], y: list[float]) -> list[float]:
 
 
 def render() -> None:
-    from leanml.utils import write_json
+    from leanml.outputs import write_json
 
     data = load_records()
     recs = data["records"]

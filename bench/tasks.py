@@ -42,7 +42,8 @@ import _common  # noqa: E402
 import prune as P  # noqa: E402  (bench/prune.py: its pruning rows and calibration files)
 import prune_harness as H  # noqa: E402
 from leanml.eval.tasks import LM_EVAL_VERSION, OFFLINE_TASKS  # noqa: E402
-from leanml.utils import cache_dir, exit_on_sigterm, write_json  # noqa: E402
+from leanml.outputs import cache_dir, write_json  # noqa: E402
+from leanml.processes import exit_on_sigterm  # noqa: E402
 
 RESULTS = HERE / "results" / "tasks.json"
 KEY = ("method", "pattern", "seed")

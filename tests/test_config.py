@@ -130,7 +130,7 @@ class Size:
     @classmethod
     def parse(cls, text: str) -> Size:
         if not text.isdigit():
-            from leanml.utils import LeanmlError
+            from leanml.errors import LeanmlError
 
             raise LeanmlError(f"cannot read size {text!r}; give a whole number")
         return cls(int(text))

@@ -17,8 +17,8 @@ import pytest
 import leanml
 from cli.conftest import CliResult, assert_user_error, cli_env, save_tiny_llama
 from leanml import extras
+from leanml.errors import LeanmlError
 from leanml.extras import EXTRAS, MissingExtraError, missing_extra, require_extra
-from leanml.utils import LeanmlError
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "leanml"

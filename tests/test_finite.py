@@ -81,7 +81,7 @@ def test_solver_errors_name_the_statistics_when_they_are_not_finite() -> None:
 def test_save_model_refuses_a_nan_model_and_writes_nothing(tmp_path) -> None:
     from builders import tiny_llama
     from leanml.models import save_model
-    from leanml.utils import atomic_dir
+    from leanml.outputs import atomic_dir
 
     model = tiny_llama()
     with torch.no_grad():

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from cli.conftest import SAMPLE_TEXT, assert_user_error, cli_env, run_cli, save_tiny_llama
+from leanml.errors import LeanmlError
 from leanml.locks import lock_path, output_lock
-from leanml.utils import LeanmlError
 
 HOLD = """
 import sys, time

@@ -25,19 +25,26 @@ from pathlib import Path
 
 from leanml import extras
 from leanml.config import ConfigError, cli_message
+from leanml.errors import LeanmlError
 from leanml.locks import output_lock
-from leanml.utils import LeanmlError, SigtermInterrupt, interrupt_on_sigterm
+from leanml.processes import SigtermInterrupt, interrupt_on_sigterm
 
-# Modules that provide ``register(subparsers)``; order is the order shown in --help.
-SUBSYSTEMS = [
-    "leanml.prune.cli",  # prune, eval
-    "leanml.eval.speed_cli",  # speed
-    "leanml.memory.cli",  # train
-    "leanml.recover.cli",  # recover
-    "leanml.ctr.cli",  # ctr
-    "leanml.features.cli",  # features
-    "leanml.demo",  # demo
-]
+#: command -> (the module whose ``register(subparsers)`` adds it, its line in ``leanml --help``), in the order
+#: shown. The lines are here, not only in the modules, so that ``leanml --help`` imports no subsystem (and so no
+#: torch), and ``leanml COMMAND ...`` imports only COMMAND's; tests/test_house.py checks that they match.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prune": ("leanml.prune.cli", "prune an LLM post-training (magnitude, wanda, sparsegpt, fista, fasp, ...)"),
+    "eval": ("leanml.prune.cli", "perplexity of a causal LM (SparseGPT protocol)"),
+    "speed": ("leanml.eval.speed_cli", "prefill/decode tokens/s, peak memory and disk size of models"),
+    "train": ("leanml.memory.cli", "fine-tune a causal LM under a training-memory strategy (Adacc)"),
+    "recover": ("leanml.recover.cli",
+                "fine-tune a pruned model keeping its sparsity, with optional distillation, under a memory budget"),
+    "ctr": ("leanml.ctr.cli", "visual content IDs and CTR models (new-ad cold start)"),
+    "features": ("leanml.features.cli", "FeatureBox: raw logs -> feature ops pipelined into CTR training"),
+    "demo": ("leanml.demo", "run every system briefly on the bundled model and data"),
+}
+#: ``build_parser(ALL)``: every command registered by its module
+ALL = "*"
 
 EPILOG = """examples:
   leanml eval --model smollm2-135m --data shakespeare --seqlen 512
@@ -62,7 +69,10 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
+    """The ``leanml`` parser. ``command`` names the command whose module is imported and registers its
+    options (with the other commands of that module); the rest are listed by their line only, so they
+    cannot be run from this parser. ``None``: no module is imported; :data:`ALL` (the default): every one."""
     parser = Parser(
         prog="leanml",
         description="Cheaper, better industrial deep learning.",
@@ -72,20 +82,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true",
                         help="print the versions of leanml, torch and transformers and the device, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBSYSTEMS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:  # a subsystem not present in this checkout
-            if exc.name is not None and name.startswith(exc.name):
-                continue
-            missing = extras.missing_extra(exc)
-            if missing is None:
-                raise
-            for command in extras.COMMANDS.get(name, ()):  # its extra is not installed: say so when it is run
-                register_missing(sub, command, exc)
-            continue
-        module.register(sub)
+    wanted = {m for c, (m, _) in COMMANDS.items() if command in (ALL, c)}
+    for name, (module_name, line) in COMMANDS.items():
+        missing = extras.not_installed(extras.COMMAND_EXTRAS.get(name, ""))
+        if missing is not None:
+            register_missing(sub, name, ModuleNotFoundError(f"No module named {missing!r}", name=missing))
+        elif module_name in wanted:
+            wanted.discard(module_name)
+            register_module(sub, module_name)
+        if name not in sub.choices:
+            sub.add_parser(name, help=line, add_help=False)
     return parser
+
+
+def register_module(sub: argparse._SubParsersAction, name: str) -> None:
+    """Import subsystem module ``name`` and let it register its commands; a command whose extra is not
+    installed is registered to refuse with one line naming the extra."""
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:  # a subsystem not present in this checkout
+        if exc.name is not None and name.startswith(exc.name):
+            return
+        if extras.missing_extra(exc) is None:
+            raise
+        for command in (c for c, (m, _) in COMMANDS.items() if m == name):  # its extra is missing: say so when run
+            register_missing(sub, command, exc)
+        return
+    module.register(sub)
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The command ``argv`` runs (its first word that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def register_missing(sub: argparse._SubParsersAction, command: str, exc: ModuleNotFoundError) -> None:
@@ -125,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(version_text())
         return 0
-    parser = build_parser()
+    parser = build_parser(command_of(argv))
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:  # name the subcommand whose --help lists the options

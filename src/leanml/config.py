@@ -36,7 +36,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 MISSING = dataclasses.MISSING
 _META = "leanml"  # key of the field metadata this module reads

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from leanml.config import Form, add_command, option, require
-from leanml.utils import apply_threads, cores_available
+from leanml.machine import apply_threads, cores_available
 
 # Each module provides ``run_demo(fast: bool) -> None`` and prints its own short table.
 #: the systems the demo runs, in order; each has a ``leanml.<part>.demo`` module

@@ -9,9 +9,10 @@ with one line naming the fix, e.g. ``pip install 'leanml[features]'``: either wh
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 #: extra -> the import names it provides (the order says which extra names a module that several bring)
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -24,18 +25,6 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "bench": ("matplotlib",),
     "dev": ("pytest", "hypothesis", "sklearn"),
 }
-
-#: the command line's subsystem modules (see ``leanml.cli.SUBSYSTEMS``) -> the commands each registers
-COMMANDS: dict[str, tuple[str, ...]] = {
-    "leanml.prune.cli": ("prune", "eval"),
-    "leanml.eval.speed_cli": ("speed",),
-    "leanml.memory.cli": ("train",),
-    "leanml.recover.cli": ("recover",),
-    "leanml.ctr.cli": ("ctr",),
-    "leanml.features.cli": ("features",),
-    "leanml.demo": ("demo",),
-}
-
 
 class MissingExtraError(LeanmlError, ModuleNotFoundError):
     """A package of an optional extra is not installed; the message names the ``pip install`` that adds it."""
@@ -56,6 +45,16 @@ def missing_message(extra: str, module: str, command: str | None = None) -> str:
     what = f"leanml {command}" if command else "this command"
     return (f"{what} needs the '{extra}' extra ({module.split('.')[0]} is not installed); "
             f"install it with: pip install 'leanml[{extra}]'")
+
+
+#: commands that need their whole extra to start (FeatureBox reads and plans with pyarrow): without it they
+#: are listed, and refuse to run, with the line naming the extra
+COMMAND_EXTRAS = {"features": "features"}
+
+
+def not_installed(extra: str) -> str | None:
+    """The first import name of ``extra`` that is not installed (found without importing it), or None."""
+    return next((m for m in EXTRAS.get(extra, ()) if importlib.util.find_spec(m) is None), None)
 
 
 def require_extra(extra: str, *modules: str, command: str | None = None) -> ModuleType:

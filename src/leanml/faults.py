@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 def size(n: int | None) -> str:

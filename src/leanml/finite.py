@@ -5,7 +5,7 @@ Every training loop calls :func:`check_finite_step` (or :func:`check_finite_loss
 :func:`check_finite_grads`) after its backward and before its optimizer step, with a ``hint`` naming the
 options that most likely caused it (the learning rate, weight decay, a distillation temperature); every
 saver calls :func:`check_finite_tensors` on what it is about to write, before anything is written. Both
-raise :class:`NonFiniteError` (a :class:`~leanml.utils.LeanmlError`: one line, exit 2). The checks are
+raise :class:`NonFiniteError` (a :class:`~leanml.errors.LeanmlError`: one line, exit 2). The checks are
 always on and cost one pass over each tensor (its ``aminmax``, tensor by tensor, so a big model needs no
 second copy); a step's loss and gradients are read back from the device once.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 __all__ = ["NonFiniteError", "check_finite_grads", "check_finite_loss", "check_finite_step",
            "check_finite_tensors", "check_finite_weights", "first_bad_grad", "first_non_finite", "lr_hint",

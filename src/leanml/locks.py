@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 def lock_path(out: str | os.PathLike) -> Path:

@@ -202,10 +202,10 @@ def test_our_rows_run_with_the_cli_defaults():
     """Our rows take `leanml prune --method X`'s settings; FISTA rows need no option to run at its defaults."""
     import argparse
 
+    from leanml.errors import LeanmlError
     from leanml.prune.cli import prune_job, register
     from leanml.prune.methods.baselines import SparseGPTPruner, WandaPruner
     from leanml.prune.methods.fista import FistaPruner
-    from leanml.utils import LeanmlError
 
     sub = argparse.ArgumentParser().add_subparsers()
     register(sub)

@@ -160,7 +160,7 @@ def test_eval_with_a_read_only_cache_names_leanml_cache_before_converting(llm_in
 
 def test_a_full_cache_names_the_bytes_needed_and_free(monkeypatch, tmp_path) -> None:
     from leanml import faults
-    from leanml.utils import LeanmlError
+    from leanml.errors import LeanmlError
 
     monkeypatch.setenv("LEANML_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(faults, "free_bytes", lambda path: 999)

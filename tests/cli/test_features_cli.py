@@ -238,10 +238,10 @@ def test_fuzzed_logs_train_or_fail_in_one_line(tmp_path) -> None:
 def test_gzip_damage_past_the_upfront_check_is_one_line(tmp_path, monkeypatch) -> None:
     """A .gz log too large to check up front and cut short fails, when the reader reaches the cut, with a
     LeanmlError naming the file and the last line read (so a worker passes it on as one line)."""
+    from leanml.errors import LeanmlError
     from leanml.features.read import checks
     from leanml.features.read.data import LOG_SCHEMA
     from leanml.features.read.readers import LogReader
-    from leanml.utils import LeanmlError
 
     generate_logs(tmp_path / "g", LogSpec(3000, seed=4), progress=False)
     packed = gzip.compress((tmp_path / "g" / "impressions_000.tsv").read_bytes())

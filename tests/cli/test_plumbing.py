@@ -14,16 +14,10 @@ import pytest
 import torch
 
 from leanml.cli import interrupted_line
-from leanml.utils import (
-    EtaBar,
-    LeanmlError,
-    announce_eta,
-    atomic_dir,
-    check_output_dir,
-    clean_stale,
-    clean_stale_in,
-    parse_device,
-)
+from leanml.device import parse_device
+from leanml.errors import LeanmlError
+from leanml.outputs import atomic_dir, check_output_dir, clean_stale, clean_stale_in
+from leanml.progress import EtaBar, announce_eta
 
 
 def dead_pid() -> int:

@@ -19,7 +19,7 @@ from leanml.ctr.content_ids.trainer import (
     token_targets,
 )
 from leanml.ctr.data import fashion_ads
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 # single-threaded torch: faster and fairer on a shared 2-core machine
 pytestmark = pytest.mark.usefixtures("one_thread")

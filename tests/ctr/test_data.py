@@ -17,7 +17,7 @@ from leanml.ctr.data import (
     movielens,
     validation_split,
 )
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 SMALL = dict(n_ads=400, n_users=50, per_day=1500)
 

@@ -8,7 +8,7 @@ import torch
 
 from leanml.ctr.metrics import auc
 from leanml.ctr.models import MODELS, CrossLayer, FieldSpec, build_model, fm_interaction
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 # single-threaded torch: faster and fairer on a shared 2-core machine
 pytestmark = pytest.mark.usefixtures("one_thread")

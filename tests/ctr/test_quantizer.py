@@ -22,7 +22,7 @@ from leanml.ctr.content_ids.quantizer import (
 )
 from leanml.ctr.content_ids.schema import global_ids
 from leanml.ctr.content_ids.trainer import ContentIDConfig, ContentIDModel, info_nce
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 # single-threaded torch: faster and fairer on a shared 2-core machine
 pytestmark = pytest.mark.usefixtures("one_thread")

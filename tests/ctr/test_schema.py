@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from leanml.ctr.content_ids.schema import SCHEMA_VERSION, global_ids, read_table, write_table
+from leanml.errors import LeanmlError
 from leanml.features.ops import ContentIdLookup, OpContext, op_from_spec
-from leanml.utils import LeanmlError
 
 
 def _raw_table(path, ad_ids, lists, meta, list_type=None):

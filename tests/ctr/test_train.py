@@ -16,7 +16,7 @@ from leanml.ctr.metrics import auc
 from leanml.ctr.models import build_model
 from leanml.ctr.options import CTRConfig
 from leanml.ctr.train import predict, run_ctr, train_ctr_model, zero_unseen_rows
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,7 @@ import torch
 
 from builders import tiny_llama
 from leanml.data.sampling import Sampling, sample_windows, start_token
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 from recover.helpers import tiny_tokenizer
 
 

@@ -14,7 +14,7 @@ from leanml.data.text import (
     shakespeare_plays,
     token_windows,
 )
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 @pytest.fixture(scope="module")

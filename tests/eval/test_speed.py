@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from leanml.errors import LeanmlError
 from leanml.eval.speed import dir_size_bytes, greedy_decode, measure_speed, measure_speeds
-from leanml.utils import LeanmlError
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:

@@ -199,9 +199,9 @@ def test_hub_task_is_refused_when_the_hub_is_unreachable(inputs) -> None:
 
 
 def test_hub_task_is_refused_without_a_connection(monkeypatch) -> None:
+    from leanml.errors import LeanmlError
     from leanml.eval.tasks import runner
     from leanml.models import check
-    from leanml.utils import LeanmlError
 
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)

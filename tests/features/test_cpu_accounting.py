@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from leanml.utils import cores_available
+from leanml.machine import cores_available
 
 
 def _write(root, rel, text):

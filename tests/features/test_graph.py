@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leanml.cli import main as cli_main
+from leanml.errors import LeanmlError
 from leanml.features.ops import Cross, Filter, Hash, LogTransform, Normalize, Split, TruncatePad
 from leanml.features.run.arena import ALIGN, Arena
 from leanml.features.run.graph import FeatureGraph, graph, load_graph
 from leanml.features.run.scheduler import LayerwiseExecutor, make_plan
-from leanml.utils import LeanmlError
 
 SCHEMA = {"a": "int", "b": "int", "s": "str", "y": "int"}
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.features.run.batch import FeatureBatch
 from leanml.features.train.lookup import bag_labels, build_plan
 from leanml.features.train.model import FeatureDNN
-from leanml.utils import LeanmlError
 
 SIZES = (7, 50, 3, 40, 9)  # three sparse fields, then two sequences
 LAYOUT = (3, 6, 3)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from leanml.errors import LeanmlError
 from leanml.features.run.batch import FeatureBatch
 from leanml.features.train.model import CTROptimizer, FeatureDNN, FusedEmbedding
-from leanml.utils import LeanmlError
 
 SPARSE, SEQ, DIM = [7, 50, 3], [40, 9], 4
 

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from leanml.errors import LeanmlError
 from leanml.features.ops import (
     Bucketize,
     ContentIdLookup,
@@ -30,7 +31,6 @@ from leanml.features.ops import (
     write_content_id_table,
 )
 from leanml.features.ops import hashing as H
-from leanml.utils import LeanmlError
 
 FAST = settings(max_examples=40, deadline=None)
 ints64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)

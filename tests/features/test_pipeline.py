@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from leanml.cli import main as cli_main
+from leanml.errors import LeanmlError
 from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
 from leanml.features.read.data import movielens_logs
 from leanml.features.run.batch import FeatureBatch
@@ -17,7 +18,6 @@ from leanml.features.run.graph import FeatureGraph
 from leanml.features.run.producers import Prefetcher
 from leanml.features.train.pipeline import run_pipelined
 from leanml.features.train.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
-from leanml.utils import LeanmlError
 
 ROWS = 3000
 

@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from leanml.errors import LeanmlError
 from leanml.features.read.data import LOG_SCHEMA, LogSpec, generate_logs
 from leanml.features.read.logschema import Quarantine, Schema
 from leanml.features.read.readers import LogReader
-from leanml.utils import LeanmlError
 
 SCHEMA = Schema.parse("ts:int,user:int,price:float,tags:str")
 

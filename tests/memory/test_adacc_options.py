@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.memory import Adacc, AdaccOptions
 from leanml.memory.budget import DEFAULT_BUDGET, Budget
 from leanml.memory.hf import AdaccCallback
-from leanml.utils import LeanmlError
 
 from .test_runtime import IDS, tiny_llama
 

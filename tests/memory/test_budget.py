@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch import nn
 
+from leanml.errors import LeanmlError
 from leanml.memory import ActivationMeter, Adacc, AdaccOptions, Budget
 from leanml.memory.meter import param_tensors
 from leanml.memory.profiler import ProfileOptions, profile_step
 from leanml.memory.runtime import RECOMPUTE, AppliedPlan, apply_strategy
 from leanml.memory.structure import GroupKey, find_blocks
-from leanml.utils import LeanmlError
 
 from .test_runtime import IDS, Stack, peak_of, tiny_llama, tiny_opt
 

@@ -7,12 +7,12 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
+from leanml.errors import LeanmlError
 from leanml.memory import ActivationMeter, Adacc, Budget
 from leanml.memory.meter import param_tensors
 from leanml.memory.policy import DriftMonitor, DriftThresholds
 from leanml.memory.runtime import RECOMPUTE, SELECTIVE, AppliedPlan, Compression, apply_strategy
 from leanml.memory.structure import GroupKey, find_blocks
-from leanml.utils import LeanmlError
 
 torch.set_num_threads(1)
 

@@ -4,12 +4,12 @@ profiler that prices the planner's options, in Adacc and in the training loop; o
 import pytest
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.memory import Adacc, Budget
 from leanml.memory.profiler import ProfileOptions, profile_step
 from leanml.memory.structure import SELF, find_blocks
 from leanml.memory.timing import DeviceTimer, device_synchronizer
 from leanml.train import StrategyRunner, TrainConfig
-from leanml.utils import LeanmlError
 
 from .test_runtime import IDS, tiny_llama
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import leanml
+from leanml.errors import LeanmlError
 from leanml.memory import Adacc, compiled, meter, runtime
 from leanml.memory.runtime import SAC_SAVE_OPS, AppliedPlan, apply_strategy, sac_policy
 from leanml.memory.structure import find_blocks
-from leanml.utils import LeanmlError
 
 from .test_runtime import IDS, grads, peak_of, tiny_llama, tiny_opt
 

@@ -16,10 +16,10 @@ import torch
 
 from builders import tiny_llama, tiny_llama_untied
 from cli.conftest import SAMPLE_TEXT, assert_user_error, run_cli, save_tiny_tokenizer
+from leanml.errors import LeanmlError
 from leanml.models import load_model
 from leanml.models.check import check_gguf, gguf_tensor_extents
 from leanml.models.shards import ShardIndex, build_skeleton
-from leanml.utils import LeanmlError
 
 
 def save_dir(model: torch.nn.Module, path: Path) -> Path:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from builders import tiny_family
+from leanml.errors import LeanmlError
 from leanml.models import decoder_linear_names, load_model, save_model
 from leanml.models.compressed import (
     WEIGHTS_NAME,
@@ -23,7 +24,6 @@ from leanml.models.compressed import (
     main,
     read_state_dict,
 )
-from leanml.utils import LeanmlError
 
 DATA = Path(__file__).parent / "data"
 CT013 = DATA / "ct013-bitmask"

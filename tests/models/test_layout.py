@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from builders import FAMILIES, tiny_family
+from leanml.errors import LeanmlError
 from leanml.models.layerwise import capture_layer_inputs, forward_layer
 from leanml.models.layout import DecoderAdapter, discover_groups, find_layers, get_adapter
-from leanml.utils import LeanmlError
 
 IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from leanml.errors import LeanmlError
 from leanml.models.shards import build_skeleton, build_skeleton_from_config, materialize_buffers
 from leanml.models.tiny import FAMILIES, tiny_family
-from leanml.utils import LeanmlError
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from builders import tiny_family
+from leanml.errors import LeanmlError
 from leanml.models import load_model, save_model
 from leanml.models.sparse import (
     check_24,
@@ -24,7 +25,6 @@ from leanml.models.sparse import (
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods import pruner_class
-from leanml.utils import LeanmlError
 
 CALIB = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0))
 

@@ -10,6 +10,7 @@ import torch
 
 from builders import tiny_family
 from leanml.cli import main
+from leanml.errors import LeanmlError
 from leanml.models import check_dtype, count_parameters, decoder_linear_names, save_model
 from leanml.models.compressed import is_compressed_dir, load_compressed
 from leanml.prune.base import Pruner
@@ -17,7 +18,6 @@ from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods import pruner_class
 from leanml.prune.methods.baselines import SparseGPTPruner
-from leanml.utils import LeanmlError
 
 CALIB = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0))
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from builders import tiny_llama, tiny_opt
+from leanml.errors import LeanmlError
 from leanml.models.layerwise import capture_layer_inputs
 from leanml.models.layout import get_adapter
 from leanml.prune.base import GroupStats, Pruner, output_error
@@ -13,7 +14,6 @@ from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec, satisfies_nm
 from leanml.prune.methods import pruner_class
 from leanml.prune.methods.baselines import SparseGPTPruner
-from leanml.utils import LeanmlError
 
 IDS = torch.randint(0, 256, (12, 32), generator=torch.Generator().manual_seed(0))
 

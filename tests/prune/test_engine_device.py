@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from builders import tiny_llama
+from leanml.errors import LeanmlError
 from leanml.prune.engine import prune_model
 from leanml.prune.engine.placement import Place, stream_home
 from leanml.prune.engine.walk import OOM
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods.baselines import SparseGPTPruner, WandaPruner
-from leanml.utils import LeanmlError
 
 IDS = torch.randint(0, 256, (12, 32), generator=torch.Generator().manual_seed(0))
 CUDA = torch.device("cuda")

@@ -9,13 +9,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from builders import FAMILIES, tiny_family
+from leanml.errors import LeanmlError
 from leanml.models import count_parameters
 from leanml.models.layout import get_adapter
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec, satisfies_nm
 from leanml.prune.methods import pruner_class
 from leanml.prune.methods.fista import FistaPruner
-from leanml.utils import LeanmlError
 
 CALIB = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
 TEST = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))

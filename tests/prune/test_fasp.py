@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from builders import tiny_llama_untied, tiny_opt_biased
 from leanml.config import ConfigError, cli_message, flags_of
+from leanml.errors import LeanmlError
 from leanml.models.layout import get_adapter
 from leanml.models.surgery import count_parameters, live_units
 from leanml.prune.base import GroupStats
@@ -24,7 +25,6 @@ from leanml.prune.methods.fasp import (
     StructuredPairPruner,
     WandaStructuredPruner,
 )
-from leanml.utils import LeanmlError
 
 torch.set_num_threads(1)
 

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from builders import tiny_family
 from builders import tiny_llama_untied as tiny_llama
 from builders import tiny_opt_biased as tiny_opt
+from leanml.errors import LeanmlError
 from leanml.models import surgery
 from leanml.models.layout import get_adapter
 from leanml.models.surgery import count_parameters, live_units
@@ -23,7 +24,6 @@ from leanml.prune.methods.fasp import (
     MagnitudeStructuredPruner,
     WandaStructuredPruner,
 )
-from leanml.utils import LeanmlError
 
 torch.set_num_threads(1)
 

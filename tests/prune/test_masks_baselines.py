@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.prune.cores.magnitude import magnitude_prune
 from leanml.prune.cores.sparsegpt import hinv_upper, sparsegpt_prune, sparsegpt_prune_many
 from leanml.prune.cores.wanda import wanda_prune
 from leanml.prune.masks import MaskSpec, keep_mask, parse_pattern, satisfies_nm, sparsity_of
-from leanml.utils import LeanmlError
 
 
 @pytest.mark.parametrize("text,expected", [("2:4", (2, 4)), ("4:8", (4, 8)), (" 1 : 3 ", (1, 3)), (None, None)])

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from builders import tiny_family
+from leanml.errors import LeanmlError
 from leanml.models.layout import get_adapter
 from leanml.prune.engine import linear_specs, prune_model
 from leanml.prune.engine.allocation import outlier_ratio, owl_allocation, owl_layer_sparsities
 from leanml.prune.masks import MaskSpec
 from leanml.prune.methods import pruner_class
-from leanml.utils import LeanmlError
 
 CALIB = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0))
 

@@ -14,8 +14,8 @@ import torch
 
 from cli.conftest import SAMPLE_TEXT, save_tiny_llama
 from leanml.cli import main
+from leanml.errors import LeanmlError
 from leanml.prune.engine import checkpoint as ck
-from leanml.utils import LeanmlError
 
 
 @pytest.fixture(scope="module")

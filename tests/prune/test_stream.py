@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from builders import FAMILIES, tiny_family
+from leanml.errors import LeanmlError
 from leanml.models.layout import get_adapter
 from leanml.models.shards import INDEX_NAME, ShardIndex, ShardWriter, build_skeleton, read_header
 from leanml.prune.engine import prune_model
@@ -19,7 +20,6 @@ from leanml.prune.masks import MaskSpec
 from leanml.prune.methods import pruner_class
 from leanml.prune.methods.fista import FistaPruner
 from leanml.prune.stream import parse_memory, prune_streamed
-from leanml.utils import LeanmlError
 
 CALIB = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.recover import KeepMasksCallback, linear_sparsity, masked_linears
-from leanml.utils import LeanmlError
 from recover.helpers import sparse_llama
 
 

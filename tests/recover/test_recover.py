@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from builders import tiny_llama
+from leanml.errors import LeanmlError
 from leanml.memory import Budget
 from leanml.recover import (
     MaskKeeper,
@@ -18,7 +19,6 @@ from leanml.recover import (
     recover_training,
 )
 from leanml.train import TrainConfig
-from leanml.utils import LeanmlError
 from recover.helpers import sparse_llama
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.memory import Budget
 from leanml.memory.meter import AllocatorPeak, param_tensors
 from leanml.train import (
@@ -17,7 +18,6 @@ from leanml.train import (
     parse_compile_budgets,
     shared_weights_copy,
 )
-from leanml.utils import LeanmlError
 from memory.test_runtime import IDS, tiny_llama
 
 

@@ -24,7 +24,9 @@ from leanml.ctr.content_ids.trainer import (
     save_content_model,
 )
 from leanml.ctr.data import CTRData
-from leanml.utils import LeanmlError, cache_dir, default_device
+from leanml.device import default_device
+from leanml.errors import LeanmlError
+from leanml.outputs import cache_dir
 
 # training schedule of the built-in data (a config's unset epochs / warm-up / batch size): Fashion-MNIST ad
 # images ("cnn") and MovieLens content vectors ("mlp")

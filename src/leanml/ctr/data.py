@@ -49,8 +49,8 @@ import pandas as pd
 import torch
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.extras import require_extra
-from leanml.utils import LeanmlError
 
 FASHION_CLASSES = [
     "t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot",

@@ -6,9 +6,9 @@ import dataclasses
 
 import torch
 
-from leanml.ctr.content_ids.trainer import ContentIDConfig
+from leanml.ctr.content_ids.config import ContentIDConfig
 from leanml.ctr.options import CTRConfig
-from leanml.utils import Timer
+from leanml.progress import Timer
 
 # The design the benchmark chose on Fashion's validation split (bench/results/ctr.md): post-hoc product
 # quantization, 16 codes of 64 values per ad (12 bytes) on the content vector L2-normalized in 16 groups,

@@ -43,7 +43,7 @@ from leanml.ctr.content_ids.schema import global_ids
 from leanml.ctr.data import CTRData
 from leanml.ctr.models import FieldSpec
 from leanml.ctr.options import VISUAL_FIELDS, CTRConfig
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 _MERSENNE = (1 << 31) - 1
 

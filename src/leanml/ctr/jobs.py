@@ -9,17 +9,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from leanml.config import ConfigError, Form, default, given, option, require
-from leanml.ctr.content_ids.trainer import ContentIDConfig
+from leanml.ctr.content_ids.config import ContentIDConfig
 from leanml.ctr.options import CTRConfig
-from leanml.utils import (
-    LeanmlError,
-    Timer,
-    apply_threads,
-    check_output_dir,
-    check_writable,
-    default_device,
-    write_json,
-)
+from leanml.device import default_device
+from leanml.errors import LeanmlError
+from leanml.machine import apply_threads
+from leanml.outputs import check_output_dir, check_writable, write_json
+from leanml.progress import Timer
 
 DATASETS = ("fashion", "movielens")
 Dataset = Literal["fashion", "movielens"]

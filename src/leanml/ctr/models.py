@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 @dataclass(frozen=True)

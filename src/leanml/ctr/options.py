@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from leanml.config import Form, option, require
-from leanml.ctr.models import MODELS
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
+#: the CTR models, by name (:data:`leanml.ctr.models.MODELS` builds them)
+CTR_MODELS = ("lr", "dnn", "deepfm", "dcnv2")
 FEATURE_ORDER = ("id", "raw", "visual")
 VisualFields = Literal["codes", "prefix", "codes+prefix", "bag", "none"]
 VISUAL_FIELDS: tuple[str, ...] = get_args(VisualFields)
@@ -75,8 +76,8 @@ class CTRConfig:
 
     def __post_init__(self) -> None:
         # the message keeps "CTR model" as words (not a field name the command line would rewrite)
-        require(self, self.model.lower() in MODELS, (),
-                f"unknown CTR model {self.model!r}; choose one of {', '.join(sorted(MODELS))}")
+        require(self, self.model.lower() in CTR_MODELS, (),
+                f"unknown CTR model {self.model!r}; choose one of {', '.join(sorted(CTR_MODELS))}")
         require(self, _canonical(self.features) is not None, "features", _bad_features(self.features))
         require(self, self.epochs >= 1, "epochs", f"must be at least 1, got {self.epochs}")
         require(self, self.embed_dim >= 1, "embed_dim", f"must be >= 1, got {self.embed_dim}")

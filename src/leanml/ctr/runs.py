@@ -15,8 +15,9 @@ from leanml.ctr.fields import FieldBuilder
 from leanml.ctr.models import CTRModel, ResidualID
 from leanml.ctr.options import CTRConfig
 from leanml.ctr.train import build_ctr_model
+from leanml.errors import LeanmlError
 from leanml.finite import check_finite_tensors
-from leanml.utils import LeanmlError, atomic_dir, write_json
+from leanml.outputs import atomic_dir, write_json
 
 
 def save_ctr_run(out: str | Path, model: CTRModel | ResidualID, builder: FieldBuilder, report: dict[str, Any],

@@ -16,8 +16,9 @@ from leanml.ctr.fields import FieldBuilder
 from leanml.ctr.metrics import ctr_metrics
 from leanml.ctr.models import CTRModel, ResidualID, build_model
 from leanml.ctr.options import CTRConfig
+from leanml.device import default_device
 from leanml.finite import check_finite_step, lr_hint
-from leanml.utils import EtaBar, default_device
+from leanml.progress import EtaBar
 
 
 @torch.no_grad()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from leanml.utils import LeanmlError, cache_dir
+from leanml.errors import LeanmlError
+from leanml.outputs import cache_dir
 
 
 def package_dir(package: str, install_hint: str) -> Path:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from leanml.data.offline import shakespeare_dir
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 SHAKESPEARE_TEST = ["hamlet"]
 SHAKESPEARE_CALIB = [

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.eval.config import EvalJob
-from leanml.utils import LeanmlError, check_writable, clean_stale
+from leanml.outputs import check_writable, clean_stale
 
 
 def check_seqlen(model: nn.Module, seqlen: int, owner: Any = None, name: str = "seqlen") -> None:
@@ -65,11 +66,13 @@ def evaluate_job(job: EvalJob) -> dict[str, Any]:
     the perplexity record and/or the tasks' accuracies under ``tasks`` (written to ``job.json`` when
     given)."""
     from leanml.data.text import check_corpus
+    from leanml.device import parse_device
     from leanml.eval.sparsity import model_sparsity
     from leanml.faults import check_model_cache
+    from leanml.machine import apply_threads, machine_info
     from leanml.models import check_dtype, load_model, parse_dtype
     from leanml.models.check import check_model_input, check_model_spec
-    from leanml.utils import apply_threads, machine_info, parse_device, write_json
+    from leanml.outputs import write_json
 
     json_out = check_json_out(job.json)
     threads = apply_threads(job.threads)

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from leanml.errors import LeanmlError
 from leanml.models.shards import peak_rss_bytes
-from leanml.utils import LeanmlError
 
 if TYPE_CHECKING:
     from leanml.eval.config import SpeedSettings
@@ -287,9 +287,11 @@ def sparse_kernels_or_dense(model: nn.Module, spec: str) -> dict[str, Any] | Non
 def run_speed_job(job: Any) -> dict[str, Any]:
     """``leanml speed`` (a :class:`~leanml.eval.config.SpeedJob`): load each model, time them interleaved,
     write the JSON report (its path under ``"json"``) and return it."""
+    from leanml.device import parse_device
     from leanml.eval.job import check_json_out
+    from leanml.machine import apply_threads, machine_info
     from leanml.models import BUNDLED, bundled_dir, check_dtype, count_parameters, load_model, parse_dtype
-    from leanml.utils import apply_threads, machine_info, parse_device, write_json
+    from leanml.outputs import write_json
 
     device = parse_device(job.device)
     dtype = parse_dtype(job.dtype)

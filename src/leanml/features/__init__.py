@@ -10,38 +10,23 @@ The two-stage baseline (extract to Parquet, then train) runs the same graph for 
 same graph runs on Ray Data and feeds ``torchrun`` DDP training. See docs/features.md.
 """
 
-from leanml.features.ops import (
-    OPS,
-    Bucketize,
-    ContentIdLookup,
-    Cross,
-    DictJoin,
-    Filter,
-    Hash,
-    LogTransform,
-    Normalize,
-    Op,
-    Ragged,
-    Split,
-    TruncatePad,
-)
-from leanml.features.options import PipelineOptions, ProducerOptions, TrainOptions
-from leanml.features.read.logschema import Quarantine, Schema
-from leanml.features.read.readers import LogReader
-from leanml.features.run.arena import Arena, NoArena
-from leanml.features.run.batch import FeatureBatch
-from leanml.features.run.extract import ExtractConfig, Extractor
-from leanml.features.run.graph import FeatureGraph, OutputSpec, graph, load_graph
-from leanml.features.run.producers import FeatureStream, Prefetcher
-from leanml.features.run.scheduler import LayerwiseExecutor, Plan, make_plan
-from leanml.features.train.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
-from leanml.features.train.pipeline import run_pipelined
-from leanml.features.train.twostage import extract_to_parquet, read_parquet_batches, run_two_stage
+from leanml.lazy import lazy_exports
 
-__all__ = [
-    "OPS", "Arena", "Bucketize", "CTROptimizer", "ContentIdLookup", "Cross", "DictJoin", "ExtractConfig", "Extractor",
-    "FeatureBatch", "FeatureDNN", "FeatureGraph", "FeatureStream", "FusedEmbedding", "Filter", "Hash", "LayerwiseExecutor", "LogReader", "LogTransform", "NoArena",
-    "Normalize", "Op", "OutputSpec", "PipelineOptions", "Plan", "Prefetcher", "ProducerOptions", "Quarantine", "Ragged", "Schema", "Split",
-    "TrainOptions", "TruncatePad", "extract_to_parquet", "graph", "load_graph", "make_plan", "model_for_graph", "read_parquet_batches",
-    "run_pipelined", "run_two_stage",
-]
+#: the operators and their column types, re-exported from :mod:`leanml.features.ops`
+_OPS = ("OPS", "Op", "Ragged", "Bucketize", "ContentIdLookup", "Cross", "DictJoin", "Filter", "Hash", "LogTransform",
+        "Normalize", "Split", "TruncatePad")
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "leanml.features.ops": _OPS,
+    "leanml.features.options": ("PipelineOptions", "ProducerOptions", "TrainOptions"),
+    "leanml.features.read.logschema": ("Quarantine", "Schema"),
+    "leanml.features.read.readers": ("LogReader",),
+    "leanml.features.run.arena": ("Arena", "NoArena"),
+    "leanml.features.run.batch": ("FeatureBatch",),
+    "leanml.features.run.extract": ("ExtractConfig", "Extractor"),
+    "leanml.features.run.graph": ("FeatureGraph", "OutputSpec", "graph", "load_graph"),
+    "leanml.features.run.producers": ("FeatureStream", "Prefetcher"),
+    "leanml.features.run.scheduler": ("LayerwiseExecutor", "Plan", "make_plan"),
+    "leanml.features.train.model": ("CTROptimizer", "FeatureDNN", "FusedEmbedding", "model_for_graph"),
+    "leanml.features.train.pipeline": ("run_pipelined",),
+    "leanml.features.train.twostage": ("extract_to_parquet", "read_parquet_batches", "run_two_stage"),
+})

@@ -13,7 +13,8 @@ from leanml.features.run.extract import ExtractConfig, Extractor
 from leanml.features.run.graph import load_graph
 from leanml.features.train.pipeline import evaluate, run_pipelined
 from leanml.features.train.twostage import run_two_stage
-from leanml.utils import cache_dir, machine_line, write_json
+from leanml.machine import machine_line
+from leanml.outputs import cache_dir, write_json
 
 
 def run_demo(epochs: int = 1) -> None:

@@ -1,6 +1,6 @@
 """The jobs of ``leanml features``: one function per command, taking that command's options
 (:mod:`leanml.features.options`). Each checks every input before any work (a bad one is a one-line
-:class:`~leanml.utils.LeanmlError` naming the flag that set it), writes its outputs atomically and returns
+:class:`~leanml.errors.LeanmlError` naming the flag that set it), writes its outputs atomically and returns
 its report.
 """
 
@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leanml.config import as_dict, flags_of
+from leanml.errors import LeanmlError
 from leanml.features.options import ExtractJob, GenerateJob, Inputs, PipelineOptions, PlanJob, TrainJob
-from leanml.utils import LeanmlError, apply_threads, cache_dir, write_json
+from leanml.machine import apply_threads
+from leanml.outputs import cache_dir, write_json
 
 if TYPE_CHECKING:  # the heavy modules load when a job runs
     from leanml.features.run.extract import ExtractConfig
@@ -93,7 +95,7 @@ def extract_job(job: ExtractJob, progress: bool = True) -> tuple[dict[str, Any],
     """Stage 1 of two-stage: the graph over the logs into ``job.out`` (Parquet + ``report.json``); returns the
     report and the folder."""
     from leanml.features.train.twostage import extract_to_parquet
-    from leanml.utils import check_output_dir
+    from leanml.outputs import check_output_dir
 
     out = check_output_dir(job.out, job.overwrite, _flag(ExtractJob, "out"))
     quarantine = _quarantine_path(job.inputs, out.parent / f"{out.name}.quarantine.jsonl")

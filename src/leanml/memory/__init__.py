@@ -7,21 +7,14 @@ checkpointing, measures every step's peak, plans each new input shape, and re-pl
 error, outliers or step time drift. ``AdaccCallback`` does the same inside a ``transformers.Trainer``.
 """
 
-from typing import Any
+from leanml.lazy import lazy_exports
 
-from leanml.memory.adacc import Adacc, AdaccOptions
-from leanml.memory.budget import Budget
-from leanml.memory.compressors import make_compressor
-from leanml.memory.meter import ActivationMeter
-from leanml.memory.planner import solve_plan
-from leanml.memory.problem import build_problem
-
-__all__ = ["Adacc", "AdaccCallback", "AdaccOptions", "ActivationMeter", "Budget", "build_problem", "make_compressor", "solve_plan"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "AdaccCallback":  # imports transformers' Trainer machinery only when asked for
-        from leanml.memory.hf import AdaccCallback
-
-        return AdaccCallback
-    raise AttributeError(f"module 'leanml.memory' has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "leanml.memory.adacc": ("Adacc", "AdaccOptions"),
+    "leanml.memory.budget": ("Budget",),
+    "leanml.memory.compressors": ("make_compressor",),
+    "leanml.memory.hf": ("AdaccCallback",),  # transformers' Trainer machinery
+    "leanml.memory.meter": ("ActivationMeter",),
+    "leanml.memory.planner": ("solve_plan",),
+    "leanml.memory.problem": ("build_problem",),
+})

@@ -10,7 +10,7 @@ Example::
         adacc.step()                            # per-step peak, drift tracking; may re-plan
 
 The budget is a promise: a budget below the smallest feasible plan, or one calibration cannot meet,
-raises :class:`~leanml.utils.LeanmlError` naming the smallest budget that holds; every training step's
+raises :class:`~leanml.errors.LeanmlError` naming the smallest budget that holds; every training step's
 peak is measured (``adacc.step_peaks``), and a step over the budget tightens the plan (or raises when
 no tighter plan exists); a batch of a new shape is planned before it runs (plans are cached per shape)
 or, with ``on_new_shape="error"``, refused. Profiling runs block by block and never holds more than full
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from leanml.config import check_argument, option, require
+from leanml.errors import LeanmlError
 from leanml.memory.budget import DEFAULT_BUDGET, Budget, BudgetLike
 from leanml.memory.calibrate import MIB, Calibration
 from leanml.memory.compiled import (
@@ -53,7 +54,6 @@ from leanml.memory.records import PlanRecord, ShapePlan
 from leanml.memory.runtime import AppliedPlan, Compression, disable_kv_cache
 from leanml.memory.structure import find_blocks, tensors_in
 from leanml.memory.timing import DeviceTimer
-from leanml.utils import LeanmlError
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 :class:`Calibration` solves a shape's problem, installs the plan on the model and measures one step
 under it; while the measured peak is over the budget it lowers the planner's budget by the overshoot and
 solves again, falls back to the plan of smallest modelled peak when that one holds, and otherwise
-raises :class:`~leanml.utils.LeanmlError` naming the smallest budget that holds. Under
+raises :class:`~leanml.errors.LeanmlError` naming the smallest budget that holds. Under
 ``torch.distributed`` every rank takes rank 0's plan and the same decisions.
 """
 
@@ -13,12 +13,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from leanml.errors import LeanmlError
 from leanml.memory.costs import Profile
 from leanml.memory.devices import broadcast_plan, max_over_ranks
 from leanml.memory.plan_types import PlanInfeasible
 from leanml.memory.planner import min_peak_plan, solve_plan
 from leanml.memory.records import PlanRecord, ShapePlan
-from leanml.utils import LeanmlError
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 import torch._functorch.config as _functorch_config
 from torch import nn
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 log = logging.getLogger(__name__)
 

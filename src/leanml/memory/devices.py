@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.memory.plan_types import Solution
-from leanml.utils import LeanmlError
 
 # the device allocator's out-of-memory errors (torch.OutOfMemoryError is newer than torch.cuda's)
 OOM_ERRORS: tuple[type[BaseException], ...] = tuple(

@@ -33,7 +33,7 @@ from leanml.config import check_argument
 from leanml.finite import NonFiniteError, first_bad_grad, first_non_finite
 from leanml.memory.adacc import Adacc
 from leanml.memory.budget import DEFAULT_BUDGET, Budget, BudgetLike
-from leanml.utils import write_json
+from leanml.outputs import write_json
 
 MIB = 2**20
 

@@ -42,17 +42,12 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
     import torch
 
     from leanml.data.text import check_corpus, load_text, token_windows
+    from leanml.device import default_device
+    from leanml.machine import apply_threads, machine_info
     from leanml.models import check_dtype, load_model, save_model
     from leanml.models.check import check_model_input
+    from leanml.outputs import atomic_dir, check_output_dir, write_json
     from leanml.train import run_training
-    from leanml.utils import (
-        apply_threads,
-        atomic_dir,
-        check_output_dir,
-        default_device,
-        machine_info,
-        write_json,
-    )
 
     out = job.out_dir
     check_output_dir(out, job.overwrite)

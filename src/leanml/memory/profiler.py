@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
+from leanml.errors import LeanmlError
 from leanml.memory.compiled import compile_module_forward
 from leanml.memory.compressors import (
     FLOAT_COMPRESSORS,
@@ -49,7 +50,6 @@ from leanml.memory.meter import ActivationMeter, note, param_tensors
 from leanml.memory.runtime import SAC_SAVE_OPS, dense_order, wrap_checkpoint
 from leanml.memory.structure import SELF, GroupKey, ScopeTracker, kind_of, param_storage_ptrs, tensors_in
 from leanml.memory.timing import CPU_TIMER, DeviceTimer
-from leanml.utils import LeanmlError
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.finite import check_finite_tensors, check_finite_weights
-from leanml.utils import LeanmlError, atomic_dir, cache_dir
+from leanml.outputs import atomic_dir, cache_dir
 
 BUNDLED = {"smollm2-135m"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

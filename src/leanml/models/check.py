@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 #: JSON files of a model directory that loading reads
 JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -40,9 +40,10 @@ import torch
 from torch import nn
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.finite import check_finite_tensors
 from leanml.models.check import refuse_incomplete
-from leanml.utils import LeanmlError, atomic_dir
+from leanml.outputs import atomic_dir
 
 FORMAT = "sparse-bitmask"
 CONFIG_KEY = "leanml_compressed"

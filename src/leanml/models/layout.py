@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 #: attribute paths of the decoder-layer list in common causal LMs, tried before a generic search
 LAYER_PATHS = (

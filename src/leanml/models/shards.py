@@ -28,9 +28,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from leanml.errors import LeanmlError
 from leanml.finite import check_finite_tensors, check_finite_weights
 from leanml.models.check import check_gguf, refuse_incomplete, safetensors_header
-from leanml.utils import LeanmlError, atomic_file, write_json
+from leanml.outputs import atomic_file, write_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

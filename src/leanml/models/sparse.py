@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ def prune(model: Any, calibration: Any, config: Any = None, *, adapter: Any = No
     import torch
 
     from leanml.config import check_argument, check_token_ids
+    from leanml.device import parse_device
     from leanml.prune.config import PruneConfig
     from leanml.prune.engine import LayerWalk, WalkSettings
-    from leanml.utils import parse_device
 
     swapped = "the order is leanml.prune(model, calibration, config)"
     check_argument(model, "model", torch.nn.Module, "a torch.nn.Module (a causal LM)",

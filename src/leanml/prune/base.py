@@ -165,7 +165,7 @@ class Pruner:
         return cls.default_intra_layer if intra_layer is None else bool(intra_layer)
 
     def check_layer(self, groups: list[Group], spec: MaskSpec) -> None:
-        """Raise :class:`~leanml.utils.LeanmlError` if this method cannot prune a layer with these groups
+        """Raise :class:`~leanml.errors.LeanmlError` if this method cannot prune a layer with these groups
         at ``spec``; the engine calls it for every layer to prune before any calibration pass (for
         unstructured methods each group is one linear; for structured methods the declared pairs)."""
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Literal
 
 from leanml.config import Bounds, ConfigError, Form, default, given, option, require
+from leanml.errors import LeanmlError
 from leanml.eval.config import Compute, ModelInput
 from leanml.prune.engine.allocation import OwlOptions, check_profile
 from leanml.prune.engine.walk import check_spec
 from leanml.prune.masks import MaskSpec, parse_pattern
 from leanml.prune.methods import available, pruner_class
-from leanml.utils import LeanmlError
 
 __all__ = ["OwlOptions", "PruneConfig", "PruneJob"]
 

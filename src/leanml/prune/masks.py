@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from leanml.config import ConfigError
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 @dataclass(frozen=True)

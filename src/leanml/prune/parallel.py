@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from leanml.errors import LeanmlError
 from leanml.models.layout import get_adapter
 from leanml.models.surgery import load_layer_state
 from leanml.prune.base import Pruner
 from leanml.prune.engine import LayerWalk, WalkSettings
 from leanml.prune.engine.walk import check_calib_ids
 from leanml.prune.masks import MaskSpec
-from leanml.utils import LeanmlError
 
 
 def world() -> tuple[int, int, int]:

@@ -37,6 +37,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.models.layout import get_adapter
 from leanml.models.shards import (
     ShardIndex,
@@ -54,7 +55,6 @@ from leanml.prune.engine.checkpoint import layer_path
 from leanml.prune.engine.shard_store import ShardStore, bound_allocator, memory_floor
 from leanml.prune.engine.walk import check_calib_ids
 from leanml.prune.masks import MaskSpec
-from leanml.utils import LeanmlError
 
 MB = 2**20
 
@@ -360,7 +360,7 @@ def stream_source(spec: str, progress: bool = True) -> Path:
     cached copy, or a ``.gguf`` file converted once, tensor by tensor, into the cache."""
     from leanml.models import BUNDLED, bundled_dir
     from leanml.models.shards import gguf_to_safetensors
-    from leanml.utils import atomic_dir, cache_dir
+    from leanml.outputs import atomic_dir, cache_dir
 
     if spec in BUNDLED:
         return bundled_dir(spec)

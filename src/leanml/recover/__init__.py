@@ -7,20 +7,12 @@ to resume from. ``KeepMasksCallback`` keeps the mask under ``transformers.Traine
 is ``leanml recover``.
 """
 
-from leanml.recover.api import evaluate, recover
-from leanml.recover.config import RecoverConfig, lr_factor, recover_training
-from leanml.recover.distill import Objective, distill_kl, next_token_ce
-from leanml.recover.masks import MaskKeeper, linear_sparsity, masked_linears, nm_violations
+from leanml.lazy import lazy_exports
 
-__all__ = [
-    "KeepMasksCallback", "MaskKeeper", "Objective", "RecoverConfig", "distill_kl", "evaluate", "linear_sparsity",
-    "lr_factor", "masked_linears", "next_token_ce", "nm_violations", "recover", "recover_training",
-]
-
-
-def __getattr__(name: str):  # the Trainer callback imports transformers' Trainer machinery: load it on demand
-    if name == "KeepMasksCallback":
-        from leanml.recover.callback import KeepMasksCallback
-
-        return KeepMasksCallback
-    raise AttributeError(name)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "leanml.recover.api": ("evaluate", "recover"),
+    "leanml.recover.callback": ("KeepMasksCallback",),  # transformers' Trainer machinery
+    "leanml.recover.config": ("RecoverConfig", "lr_factor", "recover_training"),
+    "leanml.recover.distill": ("Objective", "distill_kl", "next_token_ce"),
+    "leanml.recover.masks": ("MaskKeeper", "linear_sparsity", "masked_linears", "nm_violations"),
+})

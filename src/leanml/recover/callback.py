@@ -25,10 +25,10 @@ from torch import nn
 from transformers import TrainerCallback
 
 from leanml.config import check_argument
+from leanml.errors import LeanmlError
 from leanml.memory.hf import check_trainer_step
 from leanml.recover.masks import MaskKeeper
 from leanml.recover.source import MIN_UNDECLARED
-from leanml.utils import LeanmlError
 
 
 class KeepMasksCallback(TrainerCallback):

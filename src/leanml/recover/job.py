@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from leanml.config import Form, default, given, option, require
+from leanml.device import parse_device
+from leanml.errors import LeanmlError
 from leanml.eval.job import check_seqlen
 from leanml.finite import NonFiniteError
 from leanml.recover.config import RecoverConfig
 from leanml.recover.source import parse_nm
-from leanml.utils import LeanmlError, parse_device
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -104,9 +105,10 @@ def run_recover_job(job: RecoverJob) -> dict[str, Any]:
     """Run ``leanml recover``: every input is checked before a model is loaded; a run refused after that
     (a budget below the smallest plan) removes the checkpoint folder it made. Returns the report
     written to ``job.out``/report.json."""
+    from leanml.machine import apply_threads
     from leanml.models.compressed import require_compressed
+    from leanml.outputs import check_output_dir, check_writable, clean_stale_in
     from leanml.prune.engine.checkpoint import check_checkpoint
-    from leanml.utils import apply_threads, check_output_dir, check_writable, clean_stale_in
 
     cache = job.teacher_samples_cache
     if cache is not None and Path(cache).is_file():
@@ -157,12 +159,14 @@ def _check_inputs(job: RecoverJob) -> None:
 
 def _run(job: RecoverJob, out: Path, ckpt: Path, device: Any, threads: int) -> dict[str, Any]:
     from leanml.data.text import load_text, token_windows
+    from leanml.machine import machine_info
     from leanml.models import count_parameters, decoder_linear_names, load_model, parse_dtype, save_model
+    from leanml.outputs import atomic_dir, write_json
+    from leanml.progress import announce_eta
     from leanml.recover.api import recover
     from leanml.recover.masks import MaskKeeper, cast_keeping_zeros
     from leanml.recover.source import check_masks, check_teacher, declaration, read_report
     from leanml.recover.teacher import mix_teacher_samples
-    from leanml.utils import announce_eta, atomic_dir, machine_info, write_json
 
     cfg = job.recover
     save_dtype = job.dtype or input_dtype(job.model)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 # ---------------------------------------------------------------------------- pure cores

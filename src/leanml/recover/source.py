@@ -26,8 +26,8 @@ from typing import Any
 
 from torch import nn
 
+from leanml.errors import LeanmlError
 from leanml.recover.masks import MaskKeeper
-from leanml.utils import LeanmlError
 
 #: tolerance on the declared unstructured sparsity (fraction of all linear weights)
 SPARSITY_TOLERANCE = 0.01

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from leanml.config import Bounds, Form, option, require
+from leanml.errors import LeanmlError
 from leanml.memory.adacc import AdaccOptions
 from leanml.memory.budget import DEFAULT_BUDGET, Budget
 from leanml.memory.compiled import DEFAULT_COMPILE_BUDGETS
-from leanml.utils import LeanmlError
 
 Strategy = Literal["none", "checkpoint", "sac", "compile", "adacc"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)

@@ -9,10 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from leanml.errors import LeanmlError
+from leanml.progress import EtaBar
 from leanml.train.config import TrainConfig
 from leanml.train.data import batches
 from leanml.train.runner import StrategyRunner
-from leanml.utils import EtaBar, LeanmlError
 
 
 def shared_weights_copy(model: nn.Module) -> nn.Module:

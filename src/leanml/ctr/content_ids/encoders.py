@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from leanml.utils import LeanmlError, atomic_file, cache_dir
+from leanml.errors import LeanmlError
+from leanml.outputs import atomic_file, cache_dir
 
 
 class SmallCNN(nn.Module):

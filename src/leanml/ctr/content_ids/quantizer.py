@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 def split_subvectors(x: torch.Tensor, m: int) -> torch.Tensor:

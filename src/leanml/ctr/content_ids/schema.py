@@ -1,7 +1,7 @@
 """The content-ID serving table: ONE contract for the writer (``leanml ctr content-ids assign``) and
 every reader (``leanml ctr train --visual-ids``, FeatureBox's ``content_ids`` op).
 
-This module depends only on NumPy, pyarrow and ``leanml.utils`` (no torch model code), so FeatureBox
+This module depends only on NumPy, pyarrow, ``leanml.errors`` and ``leanml.outputs`` (no torch model code), so FeatureBox
 imports it without pulling in the CTR models.
 
 A Parquet file with
@@ -42,7 +42,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from leanml.utils import LeanmlError, atomic_file
+from leanml.errors import LeanmlError
+from leanml.outputs import atomic_file
 
 SCHEMA_VERSION = "leanml.content_ids/2"
 AD_ID = "ad_id"

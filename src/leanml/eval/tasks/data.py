@@ -21,7 +21,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from leanml.utils import LeanmlError, atomic_file, cache_dir
+from leanml.errors import LeanmlError
+from leanml.outputs import atomic_file, cache_dir
 
 SEED = 0
 #: bump when the construction changes: the cached files are named by it, so old ones are never reused

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from leanml.errors import LeanmlError
 from leanml.eval.tasks import LM_EVAL_VERSION, OFFLINE_TASKS, YAML_DIR
-from leanml.utils import LeanmlError
 
 INSTALL = "pip install 'leanml[eval]'"
 

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.features.ops import hashing as H
 from leanml.features.ops.columns import Column
 from leanml.features.run.arena import Arena, NoArena
-from leanml.utils import LeanmlError
 
 
 @dataclass

@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from leanml.ctr.content_ids.schema import ContentIdTable, read_table, write_table
+from leanml.errors import LeanmlError
 from leanml.features.ops.base import Op, OpContext, register_op
 from leanml.features.ops.columns import Column
-from leanml.utils import LeanmlError
 
 
 @register_op

@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from leanml.errors import LeanmlError
 from leanml.features.ops.base import Op, OpContext, register_op
 from leanml.features.ops.columns import Column, is_arrow
-from leanml.utils import LeanmlError
 
 _ARROW_OPS = {"==": pc.equal, "!=": pc.not_equal, "<": pc.less, "<=": pc.less_equal, ">": pc.greater,
               ">=": pc.greater_equal}

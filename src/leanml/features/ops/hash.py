@@ -9,10 +9,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.features.ops import hashing as H
 from leanml.features.ops.base import MapOp, Op, OpContext, default_seed, register_op
 from leanml.features.ops.columns import Column, Gathered, Ragged, copy_out, to_device
-from leanml.utils import LeanmlError
 
 
 @register_op

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow as pa
 
+from leanml.errors import LeanmlError
 from leanml.features.ops.base import Op, OpContext, register_op
 from leanml.features.ops.columns import Column, take_rows
-from leanml.utils import LeanmlError
 
 _TABLES: dict[tuple[str, float], Any] = {}
 _PREPARED: dict[tuple[str, float, str], Any] = {}  # per process; forked workers inherit what the parent built

@@ -8,9 +8,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.features.ops.base import MapOp, OpContext, register_op
 from leanml.features.ops.columns import Column
-from leanml.utils import LeanmlError
 
 
 @register_op

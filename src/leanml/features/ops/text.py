@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from leanml.errors import LeanmlError
 from leanml.features.ops.base import Op, OpContext, register_op
 from leanml.features.ops.columns import Column, Ragged, as_arrow_strings, string_lengths
-from leanml.utils import LeanmlError
 
 
 @register_op

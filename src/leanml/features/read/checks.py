@@ -1,7 +1,7 @@
 """Checks run before any expensive step, and files published as a whole.
 
 * :func:`check_file_target`: an output file can be created (probed with a real file by
-  :func:`leanml.utils.check_writable`), before the work that would then be lost.
+  :func:`leanml.outputs.check_writable`), before the work that would then be lost.
 * :func:`check_log`: a log exists, is not empty, is not a truncated gzip or an unreadable Parquet file,
   has at least one non-blank line and lines shaped like the graph's schema (the columns it needs);
   returns an estimate of its line count (for the progress bar and the estimated time).
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from leanml.utils import LeanmlError, check_writable, clean_stale
+from leanml.errors import LeanmlError
+from leanml.outputs import check_writable, clean_stale
 
 if TYPE_CHECKING:
     from leanml.features.read.logschema import Schema
@@ -189,7 +190,7 @@ def check_logs(paths: Sequence[str | os.PathLike], schema: Schema, what: str = "
 def temp_sibling(final: Path) -> Path:
     """``DIR/.NAME.tmp-PID.SUFFIX``: the temporary name of ``final`` while this process writes it (the
     suffix is kept for writers that derive names from it, e.g. the per-worker quarantine files
-    ``.NAME.tmp-PID.workerN.SUFFIX``); :func:`leanml.utils.clean_stale` removes those of killed runs."""
+    ``.NAME.tmp-PID.workerN.SUFFIX``); :func:`leanml.outputs.clean_stale` removes those of killed runs."""
     return final.with_name(f".{final.name}.tmp-{os.getpid()}{final.suffix}")
 
 

@@ -25,8 +25,10 @@ import numpy as np
 import pandas as pd
 
 from leanml.data.offline import widedeep_data_dir
+from leanml.errors import LeanmlError
 from leanml.features.read.logschema import Schema
-from leanml.utils import EtaBar, LeanmlError, atomic_dir, atomic_file, cache_dir
+from leanml.outputs import atomic_dir, atomic_file, cache_dir
+from leanml.progress import EtaBar
 
 LOG_SCHEMA = Schema((("ts", "int"), ("user_id", "int"), ("item_id", "int"), ("click", "int"), ("hist", "str")))
 GENRES = ["unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.json as pjson
 
+from leanml.errors import LeanmlError
 from leanml.features.read.logschema import (
     ARROW_TYPES,
     Chunk,
@@ -36,7 +37,6 @@ from leanml.features.read.logschema import (
     objects_to_arrow,
     typed_columns,
 )
-from leanml.utils import LeanmlError
 
 
 def open_binary(path: Path) -> IO[bytes]:

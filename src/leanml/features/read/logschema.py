@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 TYPES = ("int", "float", "str")
 Chunk = dict[str, Any]  # field -> np.ndarray (int, float) | pa.Array or object np.ndarray (str)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from leanml.errors import LeanmlError
 from leanml.features.read.logschema import (
     ARROW_TYPES,
     Chunk,
@@ -25,7 +26,6 @@ from leanml.features.read.logschema import (
     objects_to_arrow,
     typed_columns,
 )
-from leanml.utils import LeanmlError
 
 
 def parquet_chunks(path: Path, schema: Schema, quarantine: Quarantine, chunk_rows: int,

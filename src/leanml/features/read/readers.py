@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.features.options import BATCH_ROWS, ENGINES
 from leanml.features.read.linelogs import line_chunks
 from leanml.features.read.logschema import Chunk, Quarantine, Schema
 from leanml.features.read.parquetlogs import parquet_chunks
-from leanml.utils import LeanmlError
 
 
 def detect_format(path: str | Path) -> str:

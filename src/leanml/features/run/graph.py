@@ -24,9 +24,9 @@ from typing import Any
 
 import yaml
 
+from leanml.errors import LeanmlError
 from leanml.features.ops import Op, TruncatePad, op_from_spec
 from leanml.features.read.logschema import Schema
-from leanml.utils import LeanmlError
 
 GRAPHS_DIR = Path(__file__).parents[1] / "graphs"
 

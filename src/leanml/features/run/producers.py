@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.features.options import ProducerOptions
 from leanml.features.run.batch import FeatureBatch
 from leanml.features.run.extract import ExtractConfig, Extractor, ExtractReport, merge_reports
 from leanml.features.run.shm import SlotRef, SlotRing
-from leanml.utils import LeanmlError
 
 # ----------------------------------------------------------------------------------------- producers
 _DONE = "__done__"

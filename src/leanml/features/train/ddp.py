@@ -28,7 +28,7 @@ from leanml.features.run.extract import ExtractConfig
 from leanml.features.run.producers import Prefetcher
 from leanml.features.train.model import model_for_graph
 from leanml.features.train.pipeline import train_on
-from leanml.utils import write_json
+from leanml.outputs import write_json
 
 # what a rank does differently from `leanml features train`: smaller batches, a producer thread, Adam's usual lr
 DEFAULTS = {"batch_rows": SMALL_BATCH_ROWS, "producer": "thread", "lr": 1e-3}

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 @dataclass

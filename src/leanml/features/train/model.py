@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from leanml.errors import LeanmlError
 from leanml.features.run.batch import FeatureBatch
 from leanml.features.run.graph import FeatureGraph
 from leanml.features.train.lookup import LookupPlan, build_plan
-from leanml.utils import LeanmlError
 
 
 class _BagLookup(torch.autograd.Function):

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from leanml.ctr.metrics import auc as ctr_auc
+from leanml.errors import LeanmlError
 from leanml.features.options import ProducerOptions, TrainOptions
 from leanml.features.run.batch import FeatureBatch
 from leanml.features.run.extract import ExtractConfig, merge_reports
 from leanml.features.run.producers import Prefetcher
 from leanml.features.train.model import CTROptimizer, FeatureDNN, FusedEmbedding, model_for_graph
 from leanml.finite import check_finite_loss, lr_hint
-from leanml.utils import EtaBar, LeanmlError
+from leanml.progress import EtaBar
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.extras import require_extra
 from leanml.features.read.linelogs import parse_lines
 from leanml.features.read.logschema import Quarantine
@@ -26,7 +27,6 @@ from leanml.features.run.graph import FeatureGraph
 from leanml.features.run.scheduler import LayerwiseExecutor
 from leanml.features.train.model import CTROptimizer, FeatureDNN, model_for_graph
 from leanml.features.train.pipeline import TrainOptions, train_on
-from leanml.utils import LeanmlError
 
 
 class RayExtract:

@@ -17,13 +17,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.features.read.checks import temp_sibling
 from leanml.features.run.batch import FeatureBatch, split_ids
 from leanml.features.run.extract import ExtractConfig, Extractor, no_rows_message
 from leanml.features.run.graph import FeatureGraph
 from leanml.features.train.model import CTROptimizer, FeatureDNN, model_for_graph
 from leanml.features.train.pipeline import TrainOptions, train_on
-from leanml.utils import EtaBar, LeanmlError, atomic_dir, clean_stale, write_json
+from leanml.outputs import atomic_dir, clean_stale, write_json
+from leanml.progress import EtaBar
 
 BATCHES_PER_FILE = 64
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from leanml.config import ConfigError
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 def column_to_unit(col_scores: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

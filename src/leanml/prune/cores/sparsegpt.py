@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
+from leanml.errors import LeanmlError
 from leanml.prune.masks import (
     MaskSpec,
     lowest_indices,
@@ -20,7 +21,6 @@ from leanml.prune.masks import (
     prune_lowest_per_row,
     row_quotas,
 )
-from leanml.utils import LeanmlError
 
 
 @contextlib.contextmanager

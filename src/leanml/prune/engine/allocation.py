@@ -30,10 +30,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanml.config import Bounds, ConfigError, option
+from leanml.errors import LeanmlError
 from leanml.models.layout import DecoderAdapter, layer_linears
 from leanml.prune.base import Pruner
 from leanml.prune.masks import MaskSpec
-from leanml.utils import LeanmlError
 
 
 def linear_specs(

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.models.surgery import load_layer_state
-from leanml.utils import LeanmlError, atomic_file, fingerprint
+from leanml.outputs import atomic_file, fingerprint
 
 #: bumped when the checkpoint layout changes, so an old checkpoint is refused instead of misread
 CHECKPOINT_VERSION = 3

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 
 
 def batch_ranges(n: int, batch_size: int) -> list[tuple[int, int, int]]:

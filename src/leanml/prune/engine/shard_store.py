@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from leanml.errors import LeanmlError
 from leanml.models.layout import DecoderAdapter, layer_linears
 from leanml.models.shards import ShardIndex, ShardWriter, assign, to_meta
-from leanml.utils import LeanmlError
 
 
 class DiskStream:

@@ -21,9 +21,12 @@ import torch
 from torch import nn
 
 from leanml.config import ConfigError
+from leanml.errors import LeanmlError
 from leanml.models.layerwise import capture_layer_inputs, layer_on, to_device
 from leanml.models.layout import DecoderAdapter, Group, get_adapter, layer_linears
 from leanml.models.shards import LayerStore
+from leanml.outputs import fingerprint as settings_fingerprint  # the walk has a fingerprint parameter
+from leanml.progress import EtaBar
 from leanml.prune.base import Pruner
 from leanml.prune.engine.allocation import check_profile, layer_sparsities, linear_specs
 from leanml.prune.engine.capture import forward_stream
@@ -39,8 +42,6 @@ from leanml.prune.engine.finished import nbytes
 from leanml.prune.engine.layer import prune_layer
 from leanml.prune.engine.placement import LayerFeed, Place, Streams, stream_home, sync_device
 from leanml.prune.masks import MaskSpec
-from leanml.utils import EtaBar, LeanmlError
-from leanml.utils import fingerprint as settings_fingerprint  # the walk has a fingerprint parameter
 
 #: out of device memory (``torch.OutOfMemoryError`` where torch has it)
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)

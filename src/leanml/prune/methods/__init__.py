@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+from leanml.errors import LeanmlError
 from leanml.prune.base import Pruner
-from leanml.utils import LeanmlError
 
 METHODS: dict[str, str] = {
     "magnitude": "leanml.prune.methods.baselines:MagnitudePruner",

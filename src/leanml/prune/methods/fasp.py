@@ -39,13 +39,13 @@ import torch
 from torch import nn
 
 from leanml.config import Bounds, ConfigError, Form, default, given, option, require
+from leanml.errors import LeanmlError
 from leanml.finite import solver_error
 from leanml.models import surgery
 from leanml.models.layout import DecoderAdapter
 from leanml.prune.base import Group, GroupStats, Pruner
 from leanml.prune.cores import fasp as core
 from leanml.prune.masks import MaskSpec
-from leanml.utils import LeanmlError
 
 PAIRS = {"attention": "attn_out", "mlp": "mlp_out"}
 ALLOCS = ("score", "uniform")

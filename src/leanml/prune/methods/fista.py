@@ -14,11 +14,11 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 
 from leanml.config import Bounds, Form, option, require
+from leanml.errors import LeanmlError
 from leanml.prune.base import Group, GroupStats, LinearSpecs, Pruner, linear_spec
 from leanml.prune.cores.fista import FistaProblem, fista_prune
 from leanml.prune.cores.refine import REFINE_METHODS
 from leanml.prune.masks import MaskSpec
-from leanml.utils import LeanmlError
 
 WarmStart = Literal["dense", "magnitude", "wanda", "sparsegpt"]
 WARM_STARTS: tuple[str, ...] = get_args(WarmStart)

@@ -1,4 +1,4 @@
-"""leanml.utils: ``run_child`` -- a killed parent takes its child's whole process group with it."""
+"""leanml.processes: ``run_child`` -- a killed parent takes its child's whole process group with it."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from leanml.utils import run_child
+from leanml.processes import run_child
 
 PARENT = """
 import sys
-from leanml.utils import exit_on_sigterm, run_child
+from leanml.processes import exit_on_sigterm, run_child
 exit_on_sigterm()
 # the child starts a grandchild (as flock starts its command) and both sleep
 run_child(["sh", "-c", "sleep 60 & echo $! > {pids}; echo $$ >> {pids}; wait"])
