@@ -89,6 +89,31 @@ def test_compressed_bfloat16_input_keeps_its_dtype_and_format(work, tmp_path, ca
     assert "(compressed, bfloat16)" in capsys.readouterr().out
 
 
+def test_recover_of_a_4_8_model_records_its_pattern_as_prune_does(work, tmp_path):
+    """Prune and recover save through one path: a 4:8 model recovered and saved compressed records 4:8 in
+    the layout's config and in report.json's save record, exactly as the pruned model does."""
+    from leanml.models.compressed import CONFIG_KEY
+
+    pruned = _prune(work, "mag48-compressed", "--method", "magnitude", "--pattern", "4:8", "--save-format",
+                    "compressed")
+    out = tmp_path / "rec"
+    assert main(_recover_args(work, pruned, out, "--memory", "none", "--no-eval", "--save-format", "compressed")) == 0
+
+    def record(path: Path) -> tuple[dict, dict]:
+        config = json.loads((path / "config.json").read_text())[CONFIG_KEY]
+        save = json.loads((path / "report.json").read_text())["save"]
+        return config, save
+
+    (p_config, p_save), (r_config, r_save) = record(pruned), record(out)
+    assert p_config["sparsity_structure"] == r_config["sparsity_structure"] == "4:8"
+    assert p_save["structure"] == r_save["structure"] == "4:8"
+    assert p_config["targets"] == r_config["targets"] and len(r_config["targets"]) > 0
+    assert p_config["global_sparsity"] == r_config["global_sparsity"] == p_save["sparsity"] == r_save["sparsity"]
+    assert r_save["sparsity"] == pytest.approx(0.5)
+    assert sorted(p_save) == sorted(r_save)  # the same record: format, dtype, bytes, sparsity, structure
+    assert json.loads((out / "report.json").read_text())["mask"]["pattern"] == "4:8"
+
+
 def test_fasp_model_recovers_at_its_smaller_size(work, tmp_path):
     pruned = _prune(work, "fasp30", "--method", "fasp", "--sparsity", "0.3")
     out = tmp_path / "rec"

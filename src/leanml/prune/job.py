@@ -16,13 +16,10 @@ from typing import Any
 import torch
 
 from leanml.config import as_dict
-from leanml.errors import LeanmlError
-from leanml.faults import check_model_cache, check_space, write_fault
-from leanml.machine import machine_info
-from leanml.outputs import atomic_dir, write_json
-from leanml.progress import Timer
+from leanml.faults import check_model_cache, check_space
 from leanml.prune.config import PruneConfig, PruneJob
 from leanml.prune.engine.checkpoint import CheckpointError, CheckpointMismatch, check_checkpoint
+from leanml.utils import LeanmlError, Timer, atomic_dir, machine_info, write_json
 
 
 def measured_sparsity(model: torch.nn.Module, adapter: Any) -> float:
@@ -100,12 +97,10 @@ def calibration(model: Any, tokenizer: Any, config: PruneConfig, device: torch.d
 def _check_inputs(job: PruneJob, rank: int) -> tuple[Path, Path, int, torch.device]:
     """Everything that can be checked before loading: output, checkpoint, device, model, corpora."""
     from leanml.data.text import check_corpus
-    from leanml.device import parse_device
-    from leanml.machine import apply_threads
     from leanml.models import check_dtype, parse_dtype
     from leanml.models.check import check_model_input
-    from leanml.outputs import check_output_dir, clean_stale_in
     from leanml.prune.methods import pruner_class
+    from leanml.utils import apply_threads, check_output_dir, clean_stale_in, parse_device
 
     out = Path(job.out)
     if rank == 0:
@@ -150,8 +145,9 @@ def clear_failed_checkpoint(ckpt: Path) -> Iterator[None]:
 def run_job(job: PruneJob) -> dict[str, Any] | None:
     """Run ``leanml prune``; return the report (``None`` on the other ranks of a ``torchrun`` run)."""
     from leanml.eval.job import check_seqlen, evaluate_text
-    from leanml.models import count_parameters, decoder_linear_names, load_model, parse_dtype, save_model
+    from leanml.models import count_parameters, load_model, parse_dtype
     from leanml.models.layout import get_adapter
+    from leanml.models.saving import SaveSpec, save_pruned
     from leanml.prune import prune
 
     t_total = time.perf_counter()
@@ -198,19 +194,9 @@ def run_job(job: PruneJob) -> dict[str, Any] | None:
         "threads": threads,
         "machine": machine_info(),
     })
-    sparse = [n for n in decoder_linear_names(model) if bool((model.get_submodule(n).weight == 0).any())]
-    with atomic_dir(out, overwrite=job.overwrite) as tmp:
-        model.config.use_cache = True
-        # the mask's structure as written in the compressed format's config: "2:4", "4:8", ... or unstructured
-        try:
-            sizes = save_model(model, tokenizer, tmp, job.save_format, sparse, sparsity, c.spec.describe())
-        except Exception as exc:  # a full disk or a permission error, also inside safetensors' own error
-            if isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError":
-                raise write_fault(exc, out, need, "the pruned model") from exc
-            raise
-        report["save"] = {"format": job.save_format, **(sizes or {}),
-                          "weights_bytes": sum(f.stat().st_size for f in tmp.glob("*.safetensors"))}
-        write_json(tmp / "report.json", report)
+    # the mask's structure as written in the compressed format's config: "2:4", "4:8", ... or unstructured
+    save_pruned(model, tokenizer, out, report, SaveSpec(job.save_format, c.spec.describe(), job.dtype, job.overwrite,
+                                                        need, "the pruned model"))
     shutil.rmtree(ckpt, ignore_errors=True)
     report["out"] = str(out)
     return report

@@ -9,17 +9,17 @@ import csv
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from leanml.config import Form, default, given, option, require
-from leanml.device import parse_device
-from leanml.errors import LeanmlError
+from leanml.config import Form, given, option, require
 from leanml.eval.job import check_seqlen
 from leanml.finite import NonFiniteError
 from leanml.recover.config import RecoverConfig
 from leanml.recover.source import parse_nm
+from leanml.utils import LeanmlError, parse_device
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -41,9 +41,9 @@ class RecoverJob:
         None, "keep the teacher's samples in DIR and reuse them in later runs with the same teacher weights, window "
         "count, length, seed and start token (the report keeps the sampling time)", form=Form(metavar="DIR"))
     pattern: str | None = option(None, "N:M pattern the zeros must follow (checked; default: report.json's)")
-    eval_data: str = option(default("shakespeare,reviews"), "comma-separated corpora whose test split gives "
-                                                            "perplexity before/after")
-    eval_seqlen: int = option(default(512), "tokens per evaluation window")
+    eval_data: str = option("shakespeare,reviews", "comma-separated corpora whose test split gives perplexity "
+                                                   "before/after")
+    eval_seqlen: int = option(512, "tokens per evaluation window")
     eval_windows: int | None = option(None, "evaluate the first N test windows of each corpus")
     evaluate: bool = option(True, "measure the perplexities (--no-eval: skip them)", flag="--eval")
     resume: bool = option(False, "continue from the checkpoint of an interrupted run")
@@ -64,9 +64,6 @@ class RecoverJob:
                 f"must be at least 1, got {self.eval_windows}")
         require(self, self.eval_windows is None or self.evaluate, ("eval_windows", "evaluate"),
                 "eval_windows sets the perplexity's windows, which --no-eval skips: drop one of them")
-        for name in ("eval_data", "eval_seqlen"):
-            require(self, self.evaluate or not given(getattr(self, name)), (name, "evaluate"),
-                    f"{name} sets the perplexity, which --no-eval skips: drop one of them")
         require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
         require(self, 0.0 <= self.teacher_samples <= 1.0, "teacher_samples",
                 f"is a share of the training windows in [0, 1], got {self.teacher_samples}")
@@ -105,10 +102,9 @@ def run_recover_job(job: RecoverJob) -> dict[str, Any]:
     """Run ``leanml recover``: every input is checked before a model is loaded; a run refused after that
     (a budget below the smallest plan) removes the checkpoint folder it made. Returns the report
     written to ``job.out``/report.json."""
-    from leanml.machine import apply_threads
     from leanml.models.compressed import require_compressed
-    from leanml.outputs import check_output_dir, check_writable, clean_stale_in
     from leanml.prune.engine.checkpoint import check_checkpoint
+    from leanml.utils import apply_threads, check_output_dir, check_writable, clean_stale_in
 
     cache = job.teacher_samples_cache
     if cache is not None and Path(cache).is_file():
@@ -157,31 +153,55 @@ def _check_inputs(job: RecoverJob) -> None:
         check_corpus(name, "test", "--eval-data")
 
 
+@dataclass
+class _Loaded:
+    """What a recovery job loaded and checked: the pruned model and its tokenizer, the report it came with
+    and its mask declaration, the mask to keep (None with ``--no-mask``) and the teacher."""
+
+    model: Any
+    tokenizer: Any
+    report_in: dict[str, Any] | None
+    decl: Any
+    mask_info: dict[str, Any]
+    keeper: Any = None
+    teacher: Any = None
+    teacher_spec: str | None = None
+
+
 def _run(job: RecoverJob, out: Path, ckpt: Path, device: Any, threads: int) -> dict[str, Any]:
-    from leanml.data.text import load_text, token_windows
-    from leanml.machine import machine_info
-    from leanml.models import count_parameters, decoder_linear_names, load_model, parse_dtype, save_model
-    from leanml.outputs import atomic_dir, write_json
-    from leanml.progress import announce_eta
+    from leanml.models import count_parameters
     from leanml.recover.api import recover
-    from leanml.recover.masks import MaskKeeper, cast_keeping_zeros
-    from leanml.recover.source import check_masks, check_teacher, declaration, read_report
-    from leanml.recover.teacher import mix_teacher_samples
 
     cfg = job.recover
     save_dtype = job.dtype or input_dtype(job.model)
-    model, tokenizer = load_model(job.model)  # float32: training keeps float32 weights and optimizer state
+    loaded = _load(job)
+    windows, samples_info, eval_sets = _training_data(job, loaded, ckpt, device)
+    params = count_parameters(loaded.model)
+    result = recover(loaded.model, windows, cfg, teacher=loaded.teacher, masks=loaded.keeper, eval_sets=eval_sets,
+                     checkpoint_dir=ckpt, device=device, on_step=_eta_printer(cfg.train.steps))
+    report = _job_report(job, loaded, result, samples_info, params, threads)
+    _save(job, out, loaded, result, report, save_dtype)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return report
+
+
+def _load(job: RecoverJob) -> _Loaded:
+    """The pruned model (float32: training keeps float32 weights and optimizer state), its mask checked
+    against what its report declares, and the teacher (``source``: the model it was pruned from)."""
+    from leanml.models import load_model
+    from leanml.recover.masks import MaskKeeper
+    from leanml.recover.source import check_masks, check_teacher, declaration, read_report
+
+    model, tokenizer = load_model(job.model)
     report_in = read_report(job.model)
     decl = declaration(report_in, job.pattern)
-    mask_info: dict[str, Any] = {"source": None, **decl.to_json()}
-    keeper = None
-    if cfg.keep_masks:
-        keeper = MaskKeeper.from_zeros(model)
-        mask_info = check_masks(keeper, decl, job.model)
+    loaded = _Loaded(model, tokenizer, report_in, decl, {"source": None, **decl.to_json()})
+    if job.recover.keep_masks:
+        loaded.keeper = MaskKeeper.from_zeros(model)
+        loaded.mask_info = check_masks(loaded.keeper, decl, job.model)
     check_seqlen(model, job.seqlen, job)
     if job.eval_names:
         check_seqlen(model, job.eval_seqlen, job, "eval_seqlen")
-    teacher = None
     teacher_spec = job.teacher
     if teacher_spec == "source":
         if not decl.source_model:
@@ -191,42 +211,65 @@ def _run(job: RecoverJob, out: Path, ckpt: Path, device: Any, threads: int) -> d
     if teacher_spec is not None:
         teacher, teacher_tok = load_model(teacher_spec)
         check_teacher(model, tokenizer, teacher, teacher_tok, where=f"teacher {teacher_spec}")
+        loaded.teacher, loaded.teacher_spec = teacher, teacher_spec
+    return loaded
 
+
+def _training_data(job: RecoverJob, loaded: _Loaded, ckpt: Path,
+                   device: Any) -> tuple[Any, dict[str, Any] | None, dict[str, Any]]:
+    """The training windows (with the teacher's samples mixed in), what the samples were, and the
+    evaluation windows of each corpus."""
+    from leanml.data.text import load_text, token_windows
+    from leanml.recover.teacher import TeacherSampling, mix_teacher_samples
+
+    tokenizer = loaded.tokenizer
     windows = token_windows(tokenizer, load_text(job.data, "train"), job.seqlen)
     samples_info = None
     if job.teacher_samples > 0:
-        assert teacher is not None and teacher_spec is not None
-        windows, samples_info = mix_teacher_samples(windows, teacher, teacher_spec, tokenizer, cfg, job.teacher_samples,
-                                                    ckpt, device, cache_dir=job.teacher_samples_cache)
+        assert loaded.teacher is not None and loaded.teacher_spec is not None
+        sampling = TeacherSampling(job.teacher_samples, ckpt, cache_dir=job.teacher_samples_cache)
+        windows, samples_info = mix_teacher_samples(windows, loaded.teacher, loaded.teacher_spec, tokenizer,
+                                                    job.recover, sampling, device)
     eval_sets = {}
     for name in job.eval_names:
         w = token_windows(tokenizer, load_text(name, "test"), job.eval_seqlen)
         eval_sets[name] = w[: job.eval_windows] if job.eval_windows else w
-    params = count_parameters(model)
+    return windows, samples_info, eval_sets
+
+
+def _eta_printer(steps: int) -> Callable[[int, dict[str, Any]], None]:
+    """An ``on_step`` that prints one plain line with the estimated time of the rest after the first step."""
+    from leanml.utils import announce_eta
 
     first: dict[str, Any] = {}
 
-    def say_eta(done: int, entry: dict[str, Any]) -> None:  # one plain line after the first step
+    def say_eta(done: int, entry: dict[str, Any]) -> None:
         if not first:
             first["done"] = done
-            line = announce_eta("recover", 1, cfg.train.steps - done + 1, entry["step_s"], "step")
+            line = announce_eta("recover", 1, steps - done + 1, entry["step_s"], "step")
             if line:
                 print(line, file=sys.stderr, flush=True)
 
-    result = recover(model, windows, cfg, teacher=teacher, masks=keeper, eval_sets=eval_sets,
-                     checkpoint_dir=ckpt, device=device, on_step=say_eta)
+    return say_eta
 
-    kept = cfg.keep_masks
-    pattern = mask_info.get("pattern") or ("structured" if decl.structured else "unstructured")
-    report = {
+
+def _job_report(job: RecoverJob, loaded: _Loaded, result: dict[str, Any], samples_info: dict[str, Any] | None,
+                params: int, threads: int) -> dict[str, Any]:
+    """``report.json`` of the run, but for where it was saved: the job, the mask, the models, the data and
+    :func:`~leanml.recover.recover`'s report."""
+    from leanml.utils import machine_info
+
+    decl, kept, report_in = loaded.decl, job.recover.keep_masks, loaded.report_in
+    pattern = loaded.mask_info.get("pattern") or ("structured" if decl.structured else "unstructured")
+    return {
         "command": "recover",
         "config": asdict(job),
         "method": decl.method,
         "mask": {"pattern": pattern if kept else "dense", "sparsity": result["sparsity"]["out"],
                  "structured": decl.structured, "kept": kept},
-        "mask_check": mask_info,
+        "mask_check": loaded.mask_info,
         "model": {"source": decl.source_model or job.model, "recovered_from": job.model, "params": params},
-        "teacher_model": teacher_spec,
+        "teacher_model": loaded.teacher_spec,
         "data": {"corpus": job.data, "split": "train", **result["data"],
                  "note": "shakespeare train = every play except Hamlet (the test split)"
                  if job.data == "shakespeare" else "", "teacher_samples": samples_info},
@@ -238,21 +281,25 @@ def _run(job: RecoverJob, out: Path, ckpt: Path, device: Any, threads: int) -> d
         "threads": threads,
         "machine": machine_info(),
     }
+
+
+def _save(job: RecoverJob, out: Path, loaded: _Loaded, result: dict[str, Any], report: dict[str, Any],
+          save_dtype: str) -> None:
+    """Cast to the saved dtype keeping every zero, then the one save path of pruned models, with
+    ``losses.csv`` beside the report."""
+    from leanml.models import parse_dtype
+    from leanml.models.saving import SaveSpec, save_pruned
+    from leanml.recover.masks import cast_keeping_zeros
+
+    model = loaded.model
     dtype = parse_dtype(save_dtype)
     if dtype != next(model.parameters()).dtype:
         underflow = cast_keeping_zeros(model, dtype)
         report["save_cast"] = {"dtype": save_dtype, "kept_weights_raised_from_underflow": underflow}
-    sparse = [n for n in decoder_linear_names(model) if bool((model.get_submodule(n).weight == 0).any())]
-    structure = "2:4" if mask_info.get("pattern") == "2:4" and kept else "unstructured"
-    with atomic_dir(out, overwrite=job.overwrite) as tmp:
-        model.config.use_cache = True
-        sizes = save_model(model, tokenizer, tmp, job.save_format, sparse, result["sparsity"]["out"], structure)
-        report["save"] = {"format": job.save_format, "dtype": save_dtype, **(sizes or {}),
-                          "weights_bytes": sum(f.stat().st_size for f in tmp.glob("*.safetensors"))}
-        write_json(tmp / "report.json", report)
-        write_losses(tmp / "losses.csv", result["losses"])
-    shutil.rmtree(ckpt, ignore_errors=True)
-    return report
+    pattern = loaded.mask_info.get("pattern") if job.recover.keep_masks else None
+    spec = SaveSpec(job.save_format, pattern, save_dtype, job.overwrite, what="the recovered model")
+    save_pruned(model, loaded.tokenizer, out, report, spec,
+                write_more=lambda tmp: write_losses(tmp / "losses.csv", result["losses"]))
 
 
 def write_losses(path: Path, log: dict[str, list]) -> None:

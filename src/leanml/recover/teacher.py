@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from leanml.errors import LeanmlError
-from leanml.outputs import atomic_file, fingerprint
 from leanml.recover.distill import Objective
 from leanml.train.runner import LMObjective, measure_peak
+from leanml.utils import LeanmlError, atomic_file, fingerprint
 
 if TYPE_CHECKING:
     from leanml.recover.config import RecoverConfig
@@ -78,19 +78,32 @@ def teacher_fingerprint(teacher: nn.Module) -> str:
     return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class TeacherSampling:
+    """How many training windows the teacher writes and where its samples are kept: ``share`` of the
+    windows training reads; ``checkpoint_dir`` keeps them for a resumed run; ``cache_dir`` (optional) keeps
+    them for later runs with the same teacher weights and sampling settings."""
+
+    share: float
+    checkpoint_dir: Path
+    cache_dir: str | Path | None = None
+
+
 def mix_teacher_samples(windows: torch.Tensor, teacher: nn.Module, teacher_name: str, tokenizer: Any,
-                        cfg: RecoverConfig, share: float, ckpt: Path, device: Any,
-                        cache_dir: str | Path | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The training windows with a share ``share`` of the ``steps x batch_size`` windows training reads
-    sampled from the teacher and the rest drawn (seeded) from the corpus. The samples
-    are kept in the checkpoint directory ``ckpt``, so a resumed run trains on the same windows; samples of
-    another teacher (``teacher_name``) or other settings are drawn again, and the run's checkpoint then
-    refuses the data. ``cache_dir``: samples are also looked up in (and written to) this directory, keyed
-    by a hash of the teacher's weights and the sampling settings, so runs with the same teacher sample
-    once. ``seconds`` in the result is this run's time to get the samples; ``sampling_seconds`` the time
-    the sampling took (in this run, or in the run that cached or checkpointed them)."""
+                        cfg: RecoverConfig, sampling: TeacherSampling,
+                        device: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The training windows with a share ``sampling.share`` of the ``steps x batch_size`` windows training
+    reads sampled from the teacher and the rest drawn (seeded) from the corpus. The samples are kept in
+    the checkpoint directory ``sampling.checkpoint_dir``, so a resumed run trains on the same windows;
+    samples of another teacher (``teacher_name``) or other settings are drawn again, and the run's
+    checkpoint then refuses the data. ``sampling.cache_dir``: samples are also looked up in (and written
+    to) this directory, keyed by a hash of the teacher's weights and the sampling settings, so runs with
+    the same teacher sample once. ``seconds`` in the result is this run's time to get the samples;
+    ``sampling_seconds`` the time the sampling took (in this run, or in the run that cached or
+    checkpointed them)."""
     from leanml.data.sampling import Sampling, sample_windows, start_token
 
+    share, ckpt, cache_dir = sampling.share, sampling.checkpoint_dir, sampling.cache_dir
     total, seed = cfg.train.steps * cfg.train.batch_size, cfg.train.seed
     n_teacher = min(total, max(1, round(share * total)))
     n_corpus = total - n_teacher
