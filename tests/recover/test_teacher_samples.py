@@ -10,7 +10,7 @@ import torch
 
 from builders import tiny_llama
 from leanml.cli import main
-from leanml.utils import LeanmlError
+from leanml.errors import LeanmlError
 from recover.helpers import save_dir, text, tiny_tokenizer
 
 

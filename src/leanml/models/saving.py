@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from leanml.faults import write_fault
-from leanml.utils import atomic_dir, write_json
+from leanml.outputs import atomic_dir, write_json
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,13 @@ from typing import Any
 import torch
 
 from leanml.config import as_dict
+from leanml.errors import LeanmlError
 from leanml.faults import check_model_cache, check_space
+from leanml.machine import machine_info
+from leanml.outputs import atomic_dir, write_json
+from leanml.progress import Timer
 from leanml.prune.config import PruneConfig, PruneJob
 from leanml.prune.engine.checkpoint import CheckpointError, CheckpointMismatch, check_checkpoint
-from leanml.utils import LeanmlError, Timer, atomic_dir, machine_info, write_json
 
 
 def measured_sparsity(model: torch.nn.Module, adapter: Any) -> float:
@@ -97,10 +100,12 @@ def calibration(model: Any, tokenizer: Any, config: PruneConfig, device: torch.d
 def _check_inputs(job: PruneJob, rank: int) -> tuple[Path, Path, int, torch.device]:
     """Everything that can be checked before loading: output, checkpoint, device, model, corpora."""
     from leanml.data.text import check_corpus
+    from leanml.device import parse_device
+    from leanml.machine import apply_threads
     from leanml.models import check_dtype, parse_dtype
     from leanml.models.check import check_model_input
+    from leanml.outputs import check_output_dir, clean_stale_in
     from leanml.prune.methods import pruner_class
-    from leanml.utils import apply_threads, check_output_dir, clean_stale_in, parse_device
 
     out = Path(job.out)
     if rank == 0:

@@ -54,15 +54,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanml.config import check_argument, check_token_ids
+from leanml.errors import LeanmlError
 from leanml.eval.job import evaluate_windows
 from leanml.finite import check_finite_tensors, lr_hint
+from leanml.outputs import atomic_file, fingerprint
 from leanml.prune.engine.checkpoint import CheckpointError, check_settings, weights_fingerprint
 from leanml.recover.config import RecoverConfig, lr_factor
 from leanml.recover.masks import MaskKeeper, linear_sparsity
 from leanml.recover.source import MIN_UNDECLARED
 from leanml.recover.teacher import TeacherObjective
 from leanml.train import StepOptions, StrategyRunner, batches
-from leanml.utils import LeanmlError, atomic_file, fingerprint
 
 PEAK_DEFINITION = ("saved-activation bytes of one training step (teacher targets included), storages de-duplicated, "
                    "parameters excluded; the largest over the measured steps")
@@ -377,6 +378,8 @@ def _check_arguments(model: Any, windows: Any, config: Any, teacher: Any, masks:
     check_argument(config, "config", (RecoverConfig, none), "a leanml.recover.config.RecoverConfig or None",
                    "build one with RecoverConfig(**options)" if isinstance(config, dict) else "")
     check_argument(teacher, "teacher", (nn.Module, none), "a torch.nn.Module or None")
+    if config is not None:
+        config.check_teacher(teacher)  # distillation options with no teacher would be ignored
     check_argument(masks, "masks", (MaskKeeper, none), "a leanml.recover.masks.MaskKeeper or None")
     check_argument(eval_sets, "eval_sets", (dict, none), "a dict of name -> token ids (n, seqlen), or None")
     for name, ids in (eval_sets or {}).items():

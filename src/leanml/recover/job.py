@@ -14,12 +14,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from leanml.config import Form, given, option, require
+from leanml.config import Form, default, given, option, require
+from leanml.device import parse_device
+from leanml.errors import LeanmlError
 from leanml.eval.job import check_seqlen
 from leanml.finite import NonFiniteError
 from leanml.recover.config import RecoverConfig
 from leanml.recover.source import parse_nm
-from leanml.utils import LeanmlError, parse_device
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -41,9 +42,9 @@ class RecoverJob:
         None, "keep the teacher's samples in DIR and reuse them in later runs with the same teacher weights, window "
         "count, length, seed and start token (the report keeps the sampling time)", form=Form(metavar="DIR"))
     pattern: str | None = option(None, "N:M pattern the zeros must follow (checked; default: report.json's)")
-    eval_data: str = option("shakespeare,reviews", "comma-separated corpora whose test split gives perplexity "
-                                                   "before/after")
-    eval_seqlen: int = option(512, "tokens per evaluation window")
+    eval_data: str = option(default("shakespeare,reviews"), "comma-separated corpora whose test split gives "
+                                                            "perplexity before/after")
+    eval_seqlen: int = option(default(512), "tokens per evaluation window")
     eval_windows: int | None = option(None, "evaluate the first N test windows of each corpus")
     evaluate: bool = option(True, "measure the perplexities (--no-eval: skip them)", flag="--eval")
     resume: bool = option(False, "continue from the checkpoint of an interrupted run")
@@ -64,6 +65,9 @@ class RecoverJob:
                 f"must be at least 1, got {self.eval_windows}")
         require(self, self.eval_windows is None or self.evaluate, ("eval_windows", "evaluate"),
                 "eval_windows sets the perplexity's windows, which --no-eval skips: drop one of them")
+        for name in ("eval_data", "eval_seqlen"):
+            require(self, self.evaluate or not given(getattr(self, name)), (name, "evaluate"),
+                    f"{name} sets the perplexity, which --no-eval skips: drop one of them")
         require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
         require(self, 0.0 <= self.teacher_samples <= 1.0, "teacher_samples",
                 f"is a share of the training windows in [0, 1], got {self.teacher_samples}")
@@ -102,9 +106,10 @@ def run_recover_job(job: RecoverJob) -> dict[str, Any]:
     """Run ``leanml recover``: every input is checked before a model is loaded; a run refused after that
     (a budget below the smallest plan) removes the checkpoint folder it made. Returns the report
     written to ``job.out``/report.json."""
+    from leanml.machine import apply_threads
     from leanml.models.compressed import require_compressed
+    from leanml.outputs import check_output_dir, check_writable, clean_stale_in
     from leanml.prune.engine.checkpoint import check_checkpoint
-    from leanml.utils import apply_threads, check_output_dir, check_writable, clean_stale_in
 
     cache = job.teacher_samples_cache
     if cache is not None and Path(cache).is_file():
@@ -239,7 +244,7 @@ def _training_data(job: RecoverJob, loaded: _Loaded, ckpt: Path,
 
 def _eta_printer(steps: int) -> Callable[[int, dict[str, Any]], None]:
     """An ``on_step`` that prints one plain line with the estimated time of the rest after the first step."""
-    from leanml.utils import announce_eta
+    from leanml.progress import announce_eta
 
     first: dict[str, Any] = {}
 
@@ -257,7 +262,7 @@ def _job_report(job: RecoverJob, loaded: _Loaded, result: dict[str, Any], sample
                 params: int, threads: int) -> dict[str, Any]:
     """``report.json`` of the run, but for where it was saved: the job, the mask, the models, the data and
     :func:`~leanml.recover.recover`'s report."""
-    from leanml.utils import machine_info
+    from leanml.machine import machine_info
 
     decl, kept, report_in = loaded.decl, job.recover.keep_masks, loaded.report_in
     pattern = loaded.mask_info.get("pattern") or ("structured" if decl.structured else "unstructured")

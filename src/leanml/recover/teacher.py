@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from leanml.errors import LeanmlError
+from leanml.outputs import atomic_file, fingerprint
 from leanml.recover.distill import Objective
 from leanml.train.runner import LMObjective, measure_peak
-from leanml.utils import LeanmlError, atomic_file, fingerprint
 
 if TYPE_CHECKING:
     from leanml.recover.config import RecoverConfig
