@@ -254,3 +254,24 @@ def test_stream_of_a_gguf_into_a_read_only_cache_names_leanml_cache(llm_inputs, 
                       str(llm_inputs / "text.txt"), "--out", str(tmp_path / "out")], env={"LEANML_CACHE": str(cache)})
     assert_user_error(result, "LEANML_CACHE", str(cache))
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# the bytes a save needs, estimated before the work
+
+
+def test_stream_with_too_little_space_is_refused_before_the_work(llm_inputs, tmp_path, monkeypatch, capsys) -> None:
+    from leanml import faults
+    from leanml.cli import main
+
+    monkeypatch.setattr(faults, "free_bytes", lambda path: 999)
+    out = tmp_path / "out"
+    assert main(["prune", "--model", str(llm_inputs / "model"), "--stream", "--no-eval", "--calib",
+                 str(llm_inputs / "text.txt"), "--seqlen", "32", "--nsamples", "2", "--threads", "1",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("leanml: error:")]
+    assert len(lines) == 1 and "streamed" not in err, err
+    assert f"not enough disk space for the pruned model in {tmp_path}: it needs about " in lines[0], lines
+    assert "999 bytes free" in lines[0] and "unknown" not in lines[0], lines
+    assert not out.exists() and not (tmp_path / "out.ckpt").exists() and not list(tmp_path.glob(".out*"))

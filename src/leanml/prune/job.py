@@ -214,6 +214,7 @@ def run_streamed(job: PruneJob, device: torch.device, out: Path, ckpt: Path) -> 
 
     from leanml.data.text import calibration_windows
     from leanml.models import parse_dtype
+    from leanml.models.shards import ShardIndex
     from leanml.prune.engine import WalkSettings
     from leanml.prune.stream import parse_memory, stream_source, stream_walk
 
@@ -223,6 +224,9 @@ def run_streamed(job: PruneJob, device: torch.device, out: Path, ckpt: Path) -> 
     max_memory = parse_memory(job.max_memory)
     t0 = time.perf_counter()
     src = stream_source(job.model)
+    index = ShardIndex(src)  # before the work: the shards written need about the weights' bytes at the output dtype
+    need = sum(index.nbytes(name, parse_dtype(job.dtype)) for name in index.names())
+    check_space(out.parent, need, "the pruned model", "free space there or choose another --out")
     tokenizer = AutoTokenizer.from_pretrained(src)
     calib = calibration_windows(tokenizer, c.calib, c.nsamples, c.seqlen, c.seed)
     if job.eval:
