@@ -32,6 +32,7 @@ import torch
 
 from leanml.data.offline import shakespeare_dir
 from leanml.errors import LeanmlError
+from leanml.hub import hub_offline, hub_reachable
 
 SHAKESPEARE_TEST = ["hamlet"]
 SHAKESPEARE_CALIB = [
@@ -191,8 +192,6 @@ def _hub_text(name: str, split: str) -> str:
 
     load_dataset = require_extra("hub", "datasets").load_dataset
     hf_split = {"calib": "train", "train": "train", "test": "test"}[split]
-    from leanml.models.check import hub_offline, hub_reachable
-
     if not hub_offline() and not hub_reachable():
         # no connection: read only the local datasets cache rather than retrying the hub for half a minute
         os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"

@@ -23,6 +23,7 @@ __all__ = ["get_adapter", "structured_model_types"]
 
 _LLAMA_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 _LLAMA_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_OPT_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj")
 
 
 @register
@@ -30,12 +31,8 @@ class LlamaAdapter(DecoderAdapter):
     """LLaMA 2/3, SmolLM2: grouped-query attention, gated MLP; ``attention_bias`` / ``mlp_bias`` flags."""
 
     model_types = ("llama",)
-    q_proj = "self_attn.q_proj"
-    k_proj = "self_attn.k_proj"
-    v_proj = "self_attn.v_proj"
-    o_proj = "self_attn.o_proj"
-    mlp_in = ("mlp.gate_proj", "mlp.up_proj")
-    mlp_out = "mlp.down_proj"
+    q_proj, k_proj, v_proj, o_proj = _LLAMA_ATTN
+    mlp_in, mlp_out = _LLAMA_MLP[:2], _LLAMA_MLP[2]
     bias_flags = {"attention_bias": _LLAMA_ATTN, "mlp_bias": _LLAMA_MLP}
 
 
@@ -103,16 +100,11 @@ class OPTAdapter(DecoderAdapter):
     """OPT: multi-head attention and a two-linear MLP, biases everywhere unless ``enable_bias`` is off."""
 
     model_types = ("opt",)
-    q_proj = "self_attn.q_proj"
-    k_proj = "self_attn.k_proj"
-    v_proj = "self_attn.v_proj"
-    o_proj = "self_attn.out_proj"
-    mlp_in = ("fc1",)
-    mlp_out = "fc2"
+    q_proj, k_proj, v_proj, o_proj = _OPT_ATTN
+    mlp_in, mlp_out = ("fc1",), "fc2"
     intermediate_size_key = "ffn_dim"
     fixed_heads = "OPTAttention sizes its heads as hidden_size / num_attention_heads"
-    bias_flags = {"enable_bias": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                  "self_attn.out_proj", "fc1", "fc2")}
+    bias_flags = {"enable_bias": (*_OPT_ATTN, "fc1", "fc2")}
 
 
 @register

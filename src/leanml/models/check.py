@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from leanml.errors import LeanmlError
+from leanml.hub import hub_offline, hub_reachable
+from leanml.models.specs import BUNDLED, looks_like_path
 
 #: JSON files of a model directory that loading reads
 JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -258,8 +260,6 @@ def check_model_spec(spec: str, *, flag: str = "--model") -> None:
     """Check a model given on the command line before loading it: a local directory's JSON files parse,
     its weight files are complete, and it is a decoder-only causal LM; a ``.gguf`` file has the GGUF
     magic. Hub ids and the bundled model pass (they are checked when loaded)."""
-    from leanml.models import BUNDLED, _looks_like_path
-
     if spec in BUNDLED:
         return
     path = Path(spec).expanduser()
@@ -289,35 +289,11 @@ def check_model_spec(spec: str, *, flag: str = "--model") -> None:
         return
     if path.exists():
         raise LeanmlError(f"{flag} {path} is a file; pass a model directory, a .gguf file, a hub id, or smollm2-135m")
-    if _looks_like_path(spec):
+    if looks_like_path(spec):
         what = "model" if flag == "--model" else flag
         raise LeanmlError(f"{what} path {spec} does not exist; pass a model directory, a .gguf file, a hub id, "
                           f"or smollm2-135m")
     check_hub_reachable(spec, flag)
-
-
-def hub_offline() -> bool:
-    """Whether the environment asks for offline mode (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
-    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
-               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the model hub answers a TCP connection within ``timeout`` seconds (no request is sent)."""
-    import socket
-    from urllib.parse import urlparse
-
-    try:
-        from huggingface_hub import constants
-
-        url = urlparse(constants.ENDPOINT)
-    except Exception:  # noqa: BLE001 - no hub client: nothing to reach
-        return False
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def check_hub_reachable(spec: str, flag: str = "--model") -> None:
