@@ -61,7 +61,7 @@ def test_check_24_accepts_pruned_and_masked_models_and_refuses_unstructured():
     prune_model(unstructured, CALIB, pruner_class("magnitude")(), MaskSpec(0.5), progress=False)
     with pytest.raises(LeanmlError, match=r"needs a 2:4-sparse model, but 14 of 14 decoder linears are not 2:4"):
         check_24(unstructured)
-    with pytest.raises(LeanmlError, match="prune with --sparsity 2:4"):
+    with pytest.raises(LeanmlError, match="prune with pattern 2:4"):
         to_sparse_kernels(tiny_family("llama"))
 
 

@@ -63,7 +63,7 @@ def check_24(model: nn.Module) -> dict[str, nn.Linear]:
     if not linears or bad:
         example = f", e.g. {bad[0]}" if bad else ""
         raise LeanmlError(f"sparse_kernels needs a 2:4-sparse model, but {len(bad)} of {len(linears)} decoder linears "
-                          f"are not 2:4{example}; prune with --sparsity 2:4 or load without sparse kernels")
+                          f"are not 2:4{example}; prune with pattern 2:4 or load without sparse_kernels")
     return linears
 
 
