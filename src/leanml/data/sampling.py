@@ -66,7 +66,8 @@ def sample_windows(
     Every window is ``seqlen`` tokens long: an end-of-text token is sampled like any other token and the
     window goes on after it. ``device``: where the teacher runs (default: where its parameters are).
     """
-    start_id, seed, temperature, batch_size = sampling.start_id, sampling.seed, sampling.temperature, sampling.batch_size
+    start_id, seed = sampling.start_id, sampling.seed
+    temperature, batch_size = sampling.temperature, sampling.batch_size
     if n < 1 or seqlen < 1:
         raise LeanmlError(f"sampling needs at least one window of at least one token (got n={n}, seqlen={seqlen})")
     if not temperature > 0:

@@ -81,7 +81,8 @@ def review_texts() -> list[str]:
 
     from leanml.data.offline import widedeep_data_dir
 
-    df = pd.read_parquet(widedeep_data_dir() / "WomensClothingE-CommerceReviews.parquet.brotli", columns=["Review Text"])
+    df = pd.read_parquet(widedeep_data_dir() / "WomensClothingE-CommerceReviews.parquet.brotli",
+                         columns=["Review Text"])
     return [t.strip() for t in df["Review Text"].dropna().tolist() if t.strip()]
 
 
@@ -209,7 +210,8 @@ def _hub_text(name: str, split: str) -> str:
             ds = load_dataset("parquet", data_files={hf_split: files}, split=hf_split)
             return " ".join(ds["sentence"])
         # c4: the validation shard SparseGPT uses for both (calibration takes random documents)
-        shard = "en/c4-train.00000-of-01024.json.gz" if hf_split == "train" else "en/c4-validation.00000-of-00008.json.gz"
+        shard = ("en/c4-train.00000-of-01024.json.gz" if hf_split == "train"
+                 else "en/c4-validation.00000-of-00008.json.gz")
         ds = load_dataset("allenai/c4", data_files={"x": shard}, split="x")
         return "\n\n".join(ds["text"][:3000] if hf_split == "train" else ds["text"][:1100])
     except Exception as exc:  # network / hub errors come in many types

@@ -76,7 +76,8 @@ def load_model(
         path = Path(spec).expanduser()
     if spec not in BUNDLED and path.suffix == ".gguf":
         if not path.is_file():
-            raise LeanmlError(f"model file {path} does not exist; pass an existing .gguf, a model directory, or smollm2-135m")
+            raise LeanmlError(f"model file {path} does not exist; pass an existing .gguf, a model directory, "
+                              "or smollm2-135m")
         model = _from_gguf(path, dtype)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     elif path.is_dir():

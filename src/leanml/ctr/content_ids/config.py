@@ -66,7 +66,8 @@ class ContentIDConfig:
         require(self, self.kind in ("cnn", "mlp"), "kind", f"{self.kind!r} is unknown; use 'cnn' or 'mlp'")
         require(self, self.codebook in CODEBOOKS, "codebook",
                 f"{self.codebook!r} is unknown; use 'pq' (product) or 'rq' (residual)")
-        require(self, self.loss in ("infonce", "tokens"), "loss", f"{self.loss!r} is unknown; use 'infonce' or 'tokens'")
+        require(self, self.loss in ("infonce", "tokens"), "loss",
+                f"{self.loss!r} is unknown; use 'infonce' or 'tokens'")
         require(self, self.k >= 2, "k", f"k={self.k}: a codebook needs at least 2 codewords; use K >= 2")
         require(self, self.m >= 1 and self.dim >= 1, ("m", "dim"), f"m={self.m} and dim={self.dim} must be >= 1")
         require(self, self.codebook != "pq" or self.dim % self.m == 0, ("m", "dim"),
