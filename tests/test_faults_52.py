@@ -275,3 +275,25 @@ def test_stream_with_too_little_space_is_refused_before_the_work(llm_inputs, tmp
     assert f"not enough disk space for the pruned model in {tmp_path}: it needs about " in lines[0], lines
     assert "999 bytes free" in lines[0] and "unknown" not in lines[0], lines
     assert not out.exists() and not (tmp_path / "out.ckpt").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_ctr_run_with_too_little_space_is_refused_before_its_save(tmp_path, monkeypatch) -> None:
+    import numpy as np
+
+    from leanml import faults
+    from leanml.ctr.content import ItemFeatures
+    from leanml.ctr.data import fashion_ads
+    from leanml.ctr.options import CTRConfig
+    from leanml.ctr.runs import save_ctr_run
+    from leanml.ctr.train import run_ctr
+    from leanml.errors import LeanmlError
+
+    data = fashion_ads(n_ads=200, n_users=20, per_day=500, seed=5)
+    rng = np.random.default_rng(2)
+    items = ItemFeatures(rng.integers(0, 8, (200, 2)), rng.normal(size=(200, 16)).astype(np.float32), 2, 8)
+    model, builder, rep = run_ctr(data, items, CTRConfig(model="deepfm", features="visual", epochs=1), progress=False)
+    monkeypatch.setattr(faults, "free_bytes", lambda path: 999)
+    with pytest.raises(LeanmlError, match=rf"^not enough disk space for the CTR run in {tmp_path}: it needs about "
+                                          r"[\d.,]+ kB, 999 bytes free; free space there or choose another --out$"):
+        save_ctr_run(tmp_path / "run", model, builder, rep)
+    assert list(tmp_path.iterdir()) == []

@@ -16,6 +16,7 @@ from leanml.ctr.models import CTRModel, ResidualID
 from leanml.ctr.options import CTRConfig
 from leanml.ctr.train import build_ctr_model
 from leanml.errors import LeanmlError
+from leanml.faults import check_space
 from leanml.finite import check_finite_tensors
 from leanml.outputs import atomic_dir, write_json
 
@@ -28,10 +29,14 @@ def save_ctr_run(out: str | Path, model: CTRModel | ResidualID, builder: FieldBu
 
     state = builder.state()
     check_finite_tensors(model.state_dict().items(), "the CTR model")
+    arrays = {f"sparse__{k}": v for k, v in state["item_sparse"].items()}
+    arrays.update({f"dense__{k}": v for k, v in builder.dense.items()})
+    # before the save: the weights and the field arrays, about their bytes in memory
+    need = (sum(t.numel() * t.element_size() for t in model.state_dict().values())
+            + sum(np.asarray(a).nbytes for a in (state["user_index"], *arrays.values())))
+    check_space(Path(out).expanduser().absolute().parent, need, "the CTR run", "free space there or choose another --out")
     with atomic_dir(out, overwrite=overwrite) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-        arrays = {f"sparse__{k}": v for k, v in state["item_sparse"].items()}
-        arrays.update({f"dense__{k}": v for k, v in builder.dense.items()})
         np.savez(tmp / "fields.npz", user_index=state["user_index"], **arrays)
         write_json(tmp / "report.json", {**report, "fields": state["specs"]})
     return Path(out)
