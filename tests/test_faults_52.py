@@ -297,3 +297,17 @@ def test_a_ctr_run_with_too_little_space_is_refused_before_its_save(tmp_path, mo
                                           r"[\d.,]+ kB, 999 bytes free; free space there or choose another --out$"):
         save_ctr_run(tmp_path / "run", model, builder, rep)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_content_id_model_with_too_little_space_is_refused_before_its_save(tmp_path, monkeypatch) -> None:
+    from leanml import faults
+    from leanml.ctr.content_ids.config import ContentIDConfig
+    from leanml.ctr.content_ids.trainer import ContentIDModel, save_content_model
+    from leanml.errors import LeanmlError
+
+    model = ContentIDModel(ContentIDConfig(kind="cnn", dim=16, m=4, k=8, width=4))
+    monkeypatch.setattr(faults, "free_bytes", lambda path: 999)
+    with pytest.raises(LeanmlError, match=rf"^not enough disk space for the content-ID model in {tmp_path}: it needs "
+                                          r"about [\d.,]+ kB, 999 bytes free; free space there or choose another --out$"):
+        save_content_model(model, tmp_path / "cid", {"note": "test"})
+    assert list(tmp_path.iterdir()) == []

@@ -361,10 +361,14 @@ def save_content_model(model: ContentIDModel, out: str | Path, report: dict[str,
     """Write ``config.json``, ``model.safetensors`` and ``report.json`` into ``out`` atomically."""
     from safetensors.torch import save_file
 
+    from leanml.faults import check_space
+
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    check_finite_tensors(state.items(), "the content-ID model")
+    check_space(Path(out).expanduser().absolute().parent, sum(t.numel() * t.element_size() for t in state.values()),
+                "the content-ID model", "free space there or choose another --out")  # before anything is written
     with atomic_dir(out, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(asdict(model.config), indent=2) + "\n")
-        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        check_finite_tensors(state.items(), "the content-ID model")
         save_file(state, str(tmp / "model.safetensors"))
         write_json(tmp / "report.json", report)
     return Path(out)
