@@ -230,25 +230,35 @@ def orderings(avgs: dict[str, float], ppls: dict[str, dict[str, float]]) -> list
 
 
 def head_to_head(records: list[dict[str, Any]], use: list[str]) -> list[str]:
+    """FISTA against SparseGPT per pattern. With the same seeds on both sides (the same calibration
+    windows), the interval is Student's t over the per-seed differences (n - 1 degrees of freedom);
+    with one seed, the items' standard errors."""
+    from scipy.stats import t as student_t
+
     out = []
     for pattern in ("50%", "2:4"):
         pairs = {}
         for m in ("fista", "sparsegpt"):
-            av = [a for r in records if r["method"] == m and r["pattern"] == pattern if (a := average(r, use))]
+            av = {r["seed"]: a for r in records if r["method"] == m and r["pattern"] == pattern
+                  if (a := average(r, use))}
             if av:
                 pairs[m] = av
         if len(pairs) < 2:
             out.append(f"- {pattern}: not measured (needs both fista and sparsegpt rows).")
             continue
         f, s = pairs["fista"], pairs["sparsegpt"]
-        diff = statistics.fmean(a[0] for a in f) - statistics.fmean(a[0] for a in s)
-        if len(f) > 1 and len(s) > 1:
-            se = math.sqrt(statistics.variance([a[0] for a in f]) / len(f) + statistics.variance([a[0] for a in s]) / len(s))
-            how = "over seeds"
+        seeds = sorted(set(f) & set(s))
+        if len(seeds) > 1:
+            d = [f[k][0] - s[k][0] for k in seeds]
+            diff = statistics.fmean(d)
+            half = student_t.ppf(0.975, len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+            how = f"Student's t over the differences of seeds {','.join(map(str, seeds))}"
         else:
-            se = math.sqrt(f[0][1] ** 2 + s[0][1] ** 2)
+            fa, sa = next(iter(f.values())), next(iter(s.values()))
+            diff = fa[0] - sa[0]
+            half = 1.96 * math.sqrt(fa[1] ** 2 + sa[1] ** 2)
             how = "from the items' standard errors, one seed"
-        lo, hi = diff - 1.96 * se, diff + 1.96 * se
+        lo, hi = diff - half, diff + half
         verdict = ("FISTA ≥ SparseGPT: met" if diff >= 0 else "FISTA < SparseGPT: missed") + (
             " (the interval includes 0: no measured difference)" if lo <= 0 <= hi else "")
         out.append(f"- {pattern}: average accuracy FISTA − SparseGPT = {diff:+.3f} (95 % interval {lo:+.3f} to "
