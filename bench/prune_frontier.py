@@ -207,6 +207,17 @@ def summary(records: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
     return out
 
 
+def same_seed_reference(records: list[dict[str, Any]], key: tuple, seeds: list[int], field: str) -> float | None:
+    """Our SparseGPT's mean ``field`` (ppl or cpu_seconds) at ``key`` = (pattern, corpus, nsamples), over
+    exactly ``seeds``; None when SparseGPT lacks one of them (a ratio over other seeds would mix the
+    calibration draws' own spread into the comparison)."""
+    by_seed = {r["seed"]: r[field] for r in records if H.usable(r) and r["method"] == "sparsegpt"
+               and (r["pattern"], r["corpus"], r["nsamples"]) == key}
+    if not seeds or any(k not in by_seed for k in seeds):
+        return None
+    return statistics.fmean(by_seed[k] for k in seeds)
+
+
 def render_markdown(records: list[dict[str, Any]]) -> str:
     s = summary(records)
     machines = {(r["machine"].get("cpu"), r["machine"].get("cores_available"), r["machine"].get("torch")) for r in records}
@@ -215,7 +226,8 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
              "Shakespeare calib split (the same token-id file per seed for every row), evaluation on the first "
              "windows of each test split (count in the table), 512 tokens per window. CPU-s: the pruning call's "
              "user + system seconds (solve = the method's own work, the rest is the engine's). Ratios: against our "
-             "SparseGPT of the same pattern, calibration size and seeds.", "",
+             "SparseGPT of the same pattern and calibration size over the same seeds (no ratio where SparseGPT "
+             "lacks one of the row's seeds).", "",
              "Machines: " + "; ".join(f"{c}, {n} cores, torch {t}" for c, n, t in sorted(machines, key=str)), ""]
     dense = {c: v["ppl"][0] for (p, c, n, m), v in s.items() if m == "dense"}
     for pattern in sorted({k[0] for k in s if k[0] != "dense"}, key=H.pattern_order):
@@ -231,15 +243,16 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
             for m in methods:
                 cells = []
                 for c in corpora:
-                    v, ref = s.get((pattern, c, nsamples, m)), s.get((pattern, c, nsamples, "sparsegpt"))
+                    v = s.get((pattern, c, nsamples, m))
                     if not v:
                         cells.append("")
                         continue
                     mean, std, _ = v["ppl"]
-                    cells.append(f"{mean:.2f} ± {std:.2f}" + (f" ({mean / ref['ppl'][0]:.3f}x)" if ref else ""))
+                    ref = same_seed_reference(records, (pattern, c, nsamples), v["seeds"], "ppl")
+                    cells.append(f"{mean:.2f} ± {std:.2f}" + (f" ({mean / ref:.3f}x)" if ref else ""))
                 v = s[(pattern, corpora[0], nsamples, m)]
-                ref = s.get((pattern, corpora[0], nsamples, "sparsegpt"))
-                cpu = f"{v['cpu'][0]:.1f} ± {v['cpu'][1]:.1f}" + (f" ({v['cpu'][0] / ref['cpu'][0]:.2f}x)" if ref else "")
+                ref = same_seed_reference(records, (pattern, corpora[0], nsamples), v["seeds"], "cpu_seconds")
+                cpu = f"{v['cpu'][0]:.1f} ± {v['cpu'][1]:.1f}" + (f" ({v['cpu'][0] / ref:.2f}x)" if ref else "")
                 it = v["iterations"] or {}
                 its = " / ".join(f"{it[k]:.1f}" for k in ("fista_iters", "refine_iters_used") if k in it)
                 lines.append(f"| `{m}` | {','.join(map(str, v['seeds']))} | " + " | ".join(cells)
