@@ -361,3 +361,14 @@ def test_gguf_converts_tensor_by_tensor_to_what_transformers_loads(smollm2_dir, 
     assert sorted(got.names()) == sorted(ref.names())
     for name in ref.names():
         assert torch.equal(got.read([name])[name], ref.read([name])[name]), name
+
+
+def test_the_named_cap_has_headroom_over_the_floor():
+    from leanml.prune.stream import CAP_HEADROOM_MIB, suggested_cap_mib
+
+    mib = 2**20
+    for floor in (1, mib, 1155 * mib - 5, 1155 * mib, 610 * mib + 1):
+        cap = suggested_cap_mib(floor)
+        assert cap % CAP_HEADROOM_MIB == 0
+        assert cap * mib >= floor + CAP_HEADROOM_MIB * mib  # a rerun a few MiB heavier still passes
+        assert cap * mib < floor + 2 * CAP_HEADROOM_MIB * mib + mib

@@ -282,6 +282,18 @@ def stream_walk(
     return report
 
 
+#: headroom of the cap a refusal names: what the process holds is measured, and a rerun's libraries and
+#: allocator land a few MiB apart, so the named cap must still pass a rerun's own check
+CAP_HEADROOM_MIB = 8
+
+
+def suggested_cap_mib(total_bytes: int) -> int:
+    """The cap a refusal names, in MiB: the floor plus :data:`CAP_HEADROOM_MIB`, rounded up to a multiple of it."""
+    step = CAP_HEADROOM_MIB
+    need = -(-total_bytes // MB) + step
+    return -(-need // step) * step
+
+
 def open_store(model_dir: str | os.PathLike, calib_ids: torch.Tensor, dtype: torch.dtype, max_memory: int | None,
                ckpt: Path) -> tuple[ShardStore, dict[str, Any]]:
     """The model's skeleton over its shards (a :class:`ShardStore` staging into ``ckpt``) and the
@@ -294,7 +306,7 @@ def open_store(model_dir: str | os.PathLike, calib_ids: torch.Tensor, dtype: tor
     if max_memory is not None and max_memory < floor["total_bytes"]:
         raise ConfigError(
             f"max_memory {mb(max_memory)} is below this run's peak resident memory; the smallest cap that works "
-            f"is {-(-floor['total_bytes'] // MB)}MiB (this process holds {mb(floor['process_bytes'])} already: libraries, "
+            f"is {suggested_cap_mib(floor['total_bytes'])}MiB (this process holds {mb(floor['process_bytes'])} already: libraries, "
             f"tokenizer, calibration tokens; then {floor['phase']}); raise max_memory", None, ("max_memory",)
         )
     # what the activation streams may hold in memory beside one layer's step before they spill to disk
