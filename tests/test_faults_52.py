@@ -311,3 +311,18 @@ def test_a_content_id_model_with_too_little_space_is_refused_before_its_save(tmp
                                           r"about [\d.,]+ kB, 999 bytes free; free space there or choose another --out$"):
         save_content_model(model, tmp_path / "cid", {"note": "test"})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_recover_with_too_little_space_is_refused_before_training(llm_inputs, tmp_path, monkeypatch, capsys) -> None:
+    from leanml import faults
+    from leanml.cli import main
+
+    monkeypatch.setattr(faults, "free_bytes", lambda path: 999)
+    out = tmp_path / "out"
+    assert main(_recover(llm_inputs, out, "--no-eval", "--threads", "1")) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("leanml: error:")]
+    assert len(lines) == 1 and "step" not in err, err
+    assert f"not enough disk space for the recovered model in {tmp_path}: it needs about " in lines[0], lines
+    assert "999 bytes free" in lines[0], lines
+    assert not out.exists() and not list(tmp_path.glob(".out*"))

@@ -191,17 +191,19 @@ def test_calibration_partly_sampled_from_the_model(tiny_model_dir, tmp_path, cap
 
 
 def test_torchrun_ranks_get_the_checkpoint_folder_and_the_engine_options(tiny_model_dir, tmp_path, monkeypatch):
-    """Under torchrun the CLI hands prune_distributed the checkpoint folder (so --resume works there too),
+    """Under torchrun the CLI hands the distributed walk the checkpoint folder (so --resume works there too),
     and the stream placement and checkpoint interval reach the engine."""
+    import dataclasses
+
     import leanml.prune.parallel as parallel
 
     seen = {}
 
-    def fake(model, calib, pruner, spec, **kw):
-        seen.update(kw)
+    def fake(model, calib, settings):
+        seen.update({f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)})
         return None  # a rank other than 0
 
-    monkeypatch.setattr(parallel, "prune_distributed", fake)
+    monkeypatch.setattr(parallel, "distributed_walk", fake)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     out = tmp_path / "p"

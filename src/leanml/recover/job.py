@@ -180,6 +180,8 @@ def _run(job: RecoverJob, out: Path, ckpt: Path, device: Any, threads: int) -> d
     cfg = job.recover
     save_dtype = job.dtype or input_dtype(job.model)
     loaded = _load(job)
+    if job.save_format == "safetensors":  # before the work: the save needs about the weights at the save dtype
+        _check_save_space(loaded.model, save_dtype, out)
     windows, samples_info, eval_sets = _training_data(job, loaded, ckpt, device)
     params = count_parameters(loaded.model)
     result = recover(loaded.model, windows, cfg, teacher=loaded.teacher, masks=loaded.keeper, eval_sets=eval_sets,
@@ -188,6 +190,17 @@ def _run(job: RecoverJob, out: Path, ckpt: Path, device: Any, threads: int) -> d
     _save(job, out, loaded, result, report, save_dtype)
     shutil.rmtree(ckpt, ignore_errors=True)
     return report
+
+
+def _check_save_space(model: Any, save_dtype: str, out: Path) -> None:
+    """Refuse before training when ``out``'s file system cannot hold the model at ``save_dtype``."""
+    from leanml.faults import check_space
+    from leanml.models import parse_dtype
+
+    size = parse_dtype(save_dtype).itemsize
+    seen = {(t.data_ptr(), t.numel()): t for t in model.state_dict().values()}  # tied tensors once
+    need = sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in seen.values())
+    check_space(out.parent, need, "the recovered model", "free space there or choose another output folder")
 
 
 def _load(job: RecoverJob) -> _Loaded:
