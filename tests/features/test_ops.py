@@ -316,3 +316,21 @@ def test_table_too_large_for_memory(tmp_path, monkeypatch):
     with pytest.raises(LeanmlError, match=r"big.jsonl needs about .* GiB in memory but only .* available"):
         op.forward([np.array([1])], OpContext(data_dir=tmp_path))
     assert join.table_memory_estimate(tmp_path / "big.jsonl") == 3 * 17 * 1000
+
+
+def test_strings_that_differ_by_nul_bytes_hash_apart(monkeypatch):
+    """pandas before 3 factorizes '' and '\\x00' (and 'a', 'a\\x00') as one value; the hash must not."""
+    import pandas as pd
+
+    vals = obj(["", "\x00", "a\x00", "a", "", "a"])
+    want = [H.ref_bucket(H.ref_cross([v], 0), None) for v in vals]
+    assert H.to_sign(H.cross_values([vals], 0)).tolist() == want
+    real = pd.factorize
+
+    def merging(values, use_na_sentinel=True):  # what pandas 2.x does with NUL bytes
+        return real(np.array([str(v).rstrip("\x00") for v in values], dtype=object), use_na_sentinel=use_na_sentinel)
+
+    monkeypatch.setattr(H.pd, "factorize", merging)
+    assert H.to_sign(H.cross_values([vals], 0)).tolist() == want
+    codes, uniques = H.factorize_exact(vals)
+    assert codes.tolist() == [0, 1, 2, 3, 0, 3] and uniques.tolist() == ["", "\x00", "a\x00", "a"]

@@ -26,6 +26,8 @@ complement wrap-around, logical shifts emulated with masks) so they run on CUDA 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -112,12 +114,23 @@ def seed_key(seed: int) -> np.uint64:
     return _U(ref_seed_key(seed))
 
 
+def factorize_exact(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Codes and uniques of an object array by Python equality (slower than pandas, exact for every string)."""
+    index: dict[Any, int] = {}
+    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int64, count=len(values))
+    uniques = np.empty(len(index), dtype=object)
+    uniques[:] = list(index)
+    return codes, uniques
+
+
 def fnv1a_strings(values: np.ndarray) -> np.ndarray:
     """FNV-1a of each string of an object array, vectorised over byte positions of the distinct values."""
     values = np.asarray(values, dtype=object)
     if len(values) == 0:
         return np.empty(0, dtype=_U)
     codes, uniques = pd.factorize(values, use_na_sentinel=False)
+    if not bool((uniques[codes] == values).all()):  # pandas < 3 merges strings that differ by NUL bytes
+        codes, uniques = factorize_exact(values)
     encoded = [str(u).encode("utf-8") for u in uniques]
     lengths = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
     width = max(int(lengths.max()), 1)
