@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from _common import replace_block
-from leanml.config import replace, to_argv
+from leanml.config import replace
 from leanml.eval.speed import dir_size_bytes
+from leanml.flags import to_argv
 from leanml.machine import machine_info, machine_line
 from leanml.models import bundled_dir, decoder_linear_names, load_model
 from leanml.models.compressed import decompress_dir

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from _common import load_json, replace_block
-from leanml.config import replace, to_argv
+from leanml.config import replace
+from leanml.flags import to_argv
 from leanml.memory.budget import Budget
 from leanml.processes import exit_on_sigterm, run_child
 from leanml.prune.config import PruneConfig, PruneJob

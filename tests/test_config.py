@@ -10,18 +10,8 @@ from typing import Literal
 
 import pytest
 
-from leanml.config import (
-    Bounds,
-    ConfigError,
-    Form,
-    add_options,
-    cli_message,
-    flags_of,
-    from_args,
-    option,
-    parser_flags,
-    require,
-)
+from leanml.config import Bounds, ConfigError, Form, option, require
+from leanml.flags import add_options, cli_message, flags_of, from_args, parser_flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +150,7 @@ def test_parsed_values_bare_flags_and_nested_defaults(capsys: pytest.CaptureFixt
 
 def test_to_argv_is_the_inverse_of_the_generated_parser() -> None:
     from leanml.cli import build_parser
-    from leanml.config import from_args, to_argv
+    from leanml.flags import from_args, to_argv
     from leanml.memory.budget import Budget
     from leanml.prune.cli import prune_job
     from leanml.prune.config import PruneConfig, PruneJob
@@ -188,7 +178,8 @@ def test_to_argv_is_the_inverse_of_the_generated_parser() -> None:
 
 
 def test_cli_message_leaves_paths_and_quoted_values_alone() -> None:
-    from leanml.config import ConfigError, cli_message
+    from leanml.config import ConfigError
+    from leanml.flags import cli_message
 
     exc = ConfigError("report /tmp/features/report/x.json is a folder; 'report' is taken; set report", None,
                       ("report", "features"))

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cli.conftest import assert_unchanged, assert_user_error, run_cli, snapshot
-from leanml.config import ConfigError, _field_types, _unwrap_optional, parser_flags
+from leanml.config import ConfigError, _field_types, _unwrap_optional
+from leanml.flags import parser_flags
 
 
 def _option_classes() -> list[type]:
@@ -153,7 +154,7 @@ def test_the_overridden_options_keep_their_defaults_working() -> None:
         job = prune_job(parser.parse_args(["prune", "--model", "m", "--out", "o", *argv]))
         assert job.config.spec.target_sparsity == pytest.approx(sparsity)
     args = parser.parse_args(["recover", "--model", "m", "--out", "o", "--teacher", "t", "--kd-weight", "0.9"])
-    from leanml.config import from_args
+    from leanml.flags import from_args
 
     assert from_args(RecoverJob, args).recover.kd_weight == 0.9
     assert from_args(RecoverJob, parser.parse_args(["recover", "--model", "m", "--out", "o"])).teacher is None

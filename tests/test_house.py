@@ -17,7 +17,7 @@ from leanml.cli import ALL, COMMANDS, build_parser
 TORCH_HELP_PENDING = {
     "prune": "prune.config imports prune.engine.allocation (OwlOptions, check_profile), masks and methods",
     "eval": "registered by prune.cli with prune (the same imports)",
-    "train": "memory.job imports leanml.train, whose config imports memory.adacc (AdaccOptions)",
+    "train": "memory.job imports leanml.train, whose config imports memory.options (AdaccOptions)",
     "recover": "recover.job imports eval.job (check_seqlen), which imports torch",
 }
 
@@ -166,7 +166,8 @@ def test_the_size_check_finds_a_long_function(tmp_path: Path, monkeypatch) -> No
 # ---- flags in library prose ------------------------------------------------------------------------------------
 
 #: where flags may be written out: the command-line modules and the config system that generates the flags
-FLAG_MODULES = ("leanml/cli.py", "leanml/*/cli.py", "leanml/eval/speed_cli.py", "leanml/config.py")
+FLAG_MODULES = ("leanml/cli.py", "leanml/*/cli.py", "leanml/eval/speed_cli.py", "leanml/config.py",
+                "leanml/flags.py")
 FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)")
 #: another program's command line inside a message: its flags are not ours
 FOREIGN = re.compile(r"\b(pip (install|download)|torchrun)\b")

@@ -24,8 +24,9 @@ import traceback
 from pathlib import Path
 
 from leanml import extras
-from leanml.config import ConfigError, cli_message
+from leanml.config import ConfigError
 from leanml.errors import LeanmlError
+from leanml.flags import cli_message
 from leanml.locks import output_lock
 from leanml.processes import SigtermInterrupt, interrupt_on_sigterm
 

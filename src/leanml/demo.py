@@ -7,7 +7,8 @@ import importlib
 import time
 from dataclasses import dataclass
 
-from leanml.config import Form, add_command, option, require
+from leanml.config import Form, option, require
+from leanml.flags import add_command
 from leanml.machine import apply_threads, cores_available
 
 # Each module provides ``run_demo(fast: bool) -> None`` and prints its own short table.

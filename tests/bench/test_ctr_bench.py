@@ -73,8 +73,8 @@ def test_cli_line_reproduces_the_chosen_design_through_the_real_parser():
     import shlex
 
     from leanml.cli import build_parser
-    from leanml.config import from_args
     from leanml.ctr.jobs import TrainJob
+    from leanml.flags import from_args
 
     ctr = load_bench("ctr")
     chosen = {"content": {"codebook": "pq", "m": 16, "k": 64, "joint": False, "norm_groups": 8},

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from leanml.cli import build_parser
-from leanml.config import ConfigError, cli_message, parser_flags
+from leanml.config import ConfigError
+from leanml.flags import cli_message, parser_flags
 
 
 def _commands(parser: argparse.ArgumentParser, prefix: str = "leanml") -> list[tuple[str, argparse.ArgumentParser]]:

@@ -12,7 +12,8 @@ import torch
 
 import leanml
 from builders import tiny_llama
-from leanml.config import ConfigError, cli_message, parser_flags
+from leanml.config import ConfigError
+from leanml.flags import cli_message, parser_flags
 from leanml.prune.config import PruneConfig, PruneJob
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec

@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from builders import tiny_llama_untied, tiny_opt_biased
-from leanml.config import ConfigError, cli_message, flags_of
+from leanml.config import ConfigError
 from leanml.errors import LeanmlError
+from leanml.flags import cli_message, flags_of
 from leanml.models.layout import get_adapter
 from leanml.models.surgery import count_parameters, live_units
 from leanml.prune.base import GroupStats

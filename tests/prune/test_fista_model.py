@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-from leanml.config import ConfigError, add_options, cli_message, flags_of, from_args
+from leanml.config import ConfigError
+from leanml.flags import add_options, cli_message, flags_of, from_args
 from leanml.models.layout import get_adapter
 from leanml.prune.engine import prune_model
 from leanml.prune.masks import MaskSpec, satisfies_nm, sparsity_of

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from leanml.config import add_options, from_args, iter_flags
 from leanml.ctr.jobs import AssignJob, EvalJob, FitJob, TrainJob, assign_job, eval_job, fit_job, train_job
+from leanml.flags import add_options, from_args, iter_flags
 
 SOURCE = ("data", "images")  # one of them, on fit and assign
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from leanml.config import add_command
+from leanml.flags import add_command
 
 if TYPE_CHECKING:
     from leanml.eval.config import SpeedJob

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from leanml.config import add_command
 from leanml.features.options import ExtractJob, GenerateJob, PlanJob, TrainJob
+from leanml.flags import add_command
 
 EPILOG = """examples:
   leanml features plan movielens --assume-cuda

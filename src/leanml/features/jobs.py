@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from leanml.config import as_dict, flags_of
+from leanml.config import as_dict
 from leanml.errors import LeanmlError
 from leanml.features.options import ExtractJob, GenerateJob, Inputs, PipelineOptions, PlanJob, TrainJob
+from leanml.flags import flags_of
 from leanml.machine import apply_threads
 from leanml.outputs import cache_dir, write_json
 

@@ -2,7 +2,7 @@
 
 The library takes them (``ExtractConfig(options=PipelineOptions(...))``, ``run_pipelined(cfg,
 TrainOptions(...), ProducerOptions(...))``); the ``leanml features`` commands are generated from their
-fields (:func:`leanml.config.add_options`), one job dataclass per command. A refused value raises
+fields (:func:`leanml.flags.add_options`), one job dataclass per command. A refused value raises
 :class:`leanml.config.ConfigError` naming the field; the command line shows the flag instead.
 """
 

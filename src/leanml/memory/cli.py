@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from leanml.config import add_command
+from leanml.flags import add_command
 
 if TYPE_CHECKING:
     from leanml.memory.job import TrainJob

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from leanml.config import add_options, flags_of, from_args
 from leanml.errors import LeanmlError
+from leanml.flags import add_options, flags_of, from_args
 
 PRUNE_EPILOG = """examples:
   leanml prune --model smollm2-135m --method sparsegpt --sparsity 0.5 --out out/sgpt50

@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from leanml.config import add_command
+from leanml.flags import add_command
 
 if TYPE_CHECKING:
     from leanml.recover.job import RecoverJob

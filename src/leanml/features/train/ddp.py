@@ -22,12 +22,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from leanml.config import Form, add_options, from_args, option
+from leanml.config import Form, option
 from leanml.features.options import SMALL_BATCH_ROWS, PipelineOptions, ProducerOptions, TrainOptions
 from leanml.features.run.extract import ExtractConfig
 from leanml.features.run.producers import Prefetcher
 from leanml.features.train.model import model_for_graph
 from leanml.features.train.pipeline import train_on
+from leanml.flags import add_options, from_args
 from leanml.outputs import write_json
 
 # what a rank does differently from `leanml features train`: smaller batches, a producer thread, Adam's usual lr
