@@ -10,7 +10,8 @@ error, outliers or step time drift. ``AdaccCallback`` does the same inside a ``t
 from leanml.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "leanml.memory.adacc": ("Adacc", "AdaccOptions"),
+    "leanml.memory.adacc": ("Adacc",),
+    "leanml.memory.options": ("AdaccOptions",),
     "leanml.memory.budget": ("Budget",),
     "leanml.memory.compressors": ("make_compressor",),
     "leanml.memory.hf": ("AdaccCallback",),  # transformers' Trainer machinery

@@ -12,9 +12,9 @@ from typing import Literal, get_args
 
 from leanml.config import Bounds, Form, option, require
 from leanml.errors import LeanmlError
-from leanml.memory.adacc import AdaccOptions
 from leanml.memory.budget import DEFAULT_BUDGET, Budget
 from leanml.memory.compiled import DEFAULT_COMPILE_BUDGETS
+from leanml.memory.options import AdaccOptions
 
 Strategy = Literal["none", "checkpoint", "sac", "compile", "adacc"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
