@@ -24,7 +24,6 @@ import traceback
 from pathlib import Path
 
 from leanml import extras
-from leanml.config import ConfigError
 from leanml.errors import LeanmlError
 from leanml.flags import cli_message
 from leanml.locks import output_lock
@@ -179,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug():
             traceback.print_exc()
         message = str(exc)
-        if isinstance(exc, ConfigError):  # the library names fields; the user typed flags
+        if exc.fields:  # the library names fields; the user typed flags
             message = cli_message(exc, getattr(args, "_leanml_flags", []))
         print(f"leanml: error: {message}", file=sys.stderr)
         return 2

@@ -50,9 +50,7 @@ class ConfigError(LeanmlError):
     on the command line they are shown as the flags that set them."""
 
     def __init__(self, message: str, owner: type | None = None, fields: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.owner = owner
-        self.fields = tuple(fields)
+        super().__init__(message, owner=owner, fields=fields)
 
 
 def _mention(name: str) -> re.Pattern[str]:

@@ -6,5 +6,14 @@ from __future__ import annotations
 class LeanmlError(Exception):
     """An error caused by the user's input. The CLI prints its message on one line and exits with code 2.
 
-    The message must say what was wrong and what to do about it.
+    The message must say what was wrong and what to do about it. ``fields``: the options (dataclass field
+    names) the message names, as whole words; the command line shows each as the flag that sets it, so
+    library prose never writes a flag: ``LeanmlError("... rerun with resume", fields=("resume",))`` reads
+    "rerun with resume" from Python and "rerun with --resume" from ``leanml prune``. ``owner``: the
+    options class the fields belong to, where one field name has several flags.
     """
+
+    def __init__(self, message: str = "", *, owner: type | None = None, fields: str | tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.owner = owner
+        self.fields = (fields,) if isinstance(fields, str) else tuple(fields)

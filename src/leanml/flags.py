@@ -3,7 +3,8 @@ parsed back into the dataclass, and the library's refusals rewritten with the fl
 
 :func:`add_options` / :func:`add_command` make the flags, :func:`from_args` builds the options from the
 parsed arguments, :func:`to_argv` is its inverse (for a child process run from an options object), and
-:func:`cli_message` turns a :class:`~leanml.config.ConfigError` naming fields into one naming flags.
+:func:`cli_message` turns an error naming fields (a :class:`~leanml.errors.LeanmlError` with ``fields``) into
+one naming flags.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
-from leanml.config import MISSING, ConfigError, _hints, _mention, _meta, _unwrap_optional
+from leanml.config import MISSING, _hints, _mention, _meta, _unwrap_optional
 from leanml.errors import LeanmlError
 
 
@@ -266,12 +267,21 @@ def to_argv(obj: Any, prefix: str = "", skip: tuple[str, ...] = (), always: tupl
     return positional + argv
 
 
+def flag_of(cls: type, name: str, prefix: str = "") -> str:
+    """The flag that sets field ``name`` of ``cls`` (or of an options object nested in it), for a message
+    printed outside an error (a warning, a report note) that names the option."""
+    found = [flag for (_, field), flag in flags_of(cls, prefix).items() if field == name]
+    if len(found) != 1:
+        raise ValueError(f"{cls.__name__} has {len(found)} command-line fields named {name!r}, not one")
+    return found[0]
+
+
 def flags_of(cls: type, prefix: str = "") -> dict[tuple[type, str], str]:
     """``{(owner class, field name): flag}`` for every command-line field of ``cls``."""
     return {(owner, f.name): flag for f, flag, owner, _ in iter_flags(cls, prefix)}
 
 
-def cli_message(exc: ConfigError, flags: list[Flag] | dict[tuple[type, str], str]) -> str:
+def cli_message(exc: LeanmlError, flags: list[Flag] | dict[tuple[type, str], str]) -> str:
     """The message of ``exc`` with the fields it names written as the flags that set them."""
     table = flags if isinstance(flags, dict) else {(fl.owner, fl.field): fl.flag for fl in flags}
     text = str(exc)

@@ -86,3 +86,19 @@ def test_library_refusals_name_fields_and_the_command_line_shows_flags(tmp_path)
         exc = _raised(call)
         assert library in str(exc) and "--" not in str(exc), str(exc)
         assert cli in cli_message(exc, _flags(command)), (command, cli_message(exc, _flags(command)))
+
+
+def test_any_error_naming_fields_reads_as_flags_on_the_command_line(tmp_path) -> None:
+    import pickle
+
+    from leanml.errors import LeanmlError
+    from leanml.flags import flag_of
+    from leanml.prune.job import PruneJob
+
+    exc = LeanmlError("disk full; free space and rerun with resume", fields=("resume",))
+    assert str(exc).endswith("rerun with resume")  # Python callers read the field
+    assert cli_message(exc, _flags("leanml prune")).endswith("rerun with --resume")
+    assert pickle.loads(pickle.dumps(exc)).fields == ("resume",)  # from a worker process too
+    assert flag_of(PruneJob, "resume") == "--resume"
+    with pytest.raises(ValueError, match="no_such"):
+        flag_of(PruneJob, "no_such")

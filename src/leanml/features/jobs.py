@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from leanml.config import as_dict
 from leanml.errors import LeanmlError
 from leanml.features.options import ExtractJob, GenerateJob, Inputs, PipelineOptions, PlanJob, TrainJob
-from leanml.flags import flags_of
+from leanml.flags import flag_of
 from leanml.machine import apply_threads
 from leanml.outputs import cache_dir, write_json
 
@@ -21,11 +21,6 @@ if TYPE_CHECKING:  # the heavy modules load when a job runs
     from leanml.features.run.extract import ExtractConfig
     from leanml.features.run.graph import FeatureGraph
     from leanml.features.run.scheduler import Plan
-
-
-def _flag(cls: type, name: str) -> str:
-    """The flag that sets field ``name`` of ``cls`` (or of an options object inside it)."""
-    return next(flag for (_, field), flag in flags_of(cls).items() if field == name)
 
 
 def plan_job(job: PlanJob) -> tuple[FeatureGraph, Plan]:
@@ -48,13 +43,13 @@ def extract_config(inputs: Inputs, options: PipelineOptions, quarantine: Path,
     from leanml.features.run.graph import load_graph
 
     if inputs.data_dir is not None and not Path(inputs.data_dir).is_dir():
-        raise LeanmlError(f"{_flag(Inputs, 'data_dir')} {inputs.data_dir} is not a folder; pass the folder that "
+        raise LeanmlError(f"{flag_of(Inputs, 'data_dir')} {inputs.data_dir} is not a folder; pass the folder that "
                           "holds the tables")
     graph = graph if graph is not None else load_graph(inputs.graph)
     logs = inputs.log or (str(movielens_logs() / "impressions_train.tsv"),)
     infos = check_logs(logs, graph.schema)
     if test_logs:
-        check_logs(test_logs, graph.schema, what=_flag(TrainJob, "test_log"))
+        check_logs(test_logs, graph.schema, what=flag_of(TrainJob, "test_log"))
     cfg = ExtractConfig.build(graph, logs, options, data_dir=inputs.data_dir, tables=inputs.tables,
                               quarantine=str(quarantine))
     _check_tables(cfg, inputs.tables)
@@ -63,7 +58,7 @@ def extract_config(inputs: Inputs, options: PipelineOptions, quarantine: Path,
 
 def _check_tables(cfg: ExtractConfig, overrides: dict[str, str]) -> None:
     """Every table the graph reads exists (an override must name one of them)."""
-    table, data_dir_flag = _flag(Inputs, "table"), _flag(Inputs, "data_dir")
+    table, data_dir_flag = flag_of(Inputs, "table"), flag_of(Inputs, "data_dir")
     graph = cfg.graph
     used = {t for t in (getattr(op, "table", None) for op in graph.ops) if isinstance(t, str)}
     known = set(graph.tables) | used
@@ -89,7 +84,7 @@ def _check_tables(cfg: ExtractConfig, overrides: dict[str, str]) -> None:
 def _quarantine_path(inputs: Inputs, default: Path) -> Path:
     from leanml.features.read.checks import check_file_target
 
-    return check_file_target(Path(inputs.quarantine) if inputs.quarantine else default, _flag(Inputs, "quarantine"))
+    return check_file_target(Path(inputs.quarantine) if inputs.quarantine else default, flag_of(Inputs, "quarantine"))
 
 
 def extract_job(job: ExtractJob, progress: bool = True) -> tuple[dict[str, Any], Path]:
@@ -98,7 +93,7 @@ def extract_job(job: ExtractJob, progress: bool = True) -> tuple[dict[str, Any],
     from leanml.features.train.twostage import extract_to_parquet
     from leanml.outputs import check_output_dir
 
-    out = check_output_dir(job.out, job.overwrite, _flag(ExtractJob, "out"))
+    out = check_output_dir(job.out, job.overwrite, flag_of(ExtractJob, "out"))
     quarantine = _quarantine_path(job.inputs, out.parent / f"{out.name}.quarantine.jsonl")
     cfg, rows_estimate = extract_config(job.inputs, job.options, quarantine)
     return extract_to_parquet(cfg, out, overwrite=job.overwrite, progress=progress, total_rows=rows_estimate), out
@@ -111,7 +106,7 @@ def train_job(job: TrainJob, progress: bool = True) -> tuple[dict[str, Any], Pat
     from leanml.features.run.extract import no_rows_message
 
     report_path = check_file_target(Path(job.report) if job.report else cache_dir() / "features" /
-                                    "train_report.json", _flag(TrainJob, "report"))
+                                    "train_report.json", flag_of(TrainJob, "report"))
     quarantine = _quarantine_path(job.inputs, report_path.with_name(report_path.stem + ".quarantine.jsonl"))
     graph, cfg, test_logs, rows_estimate = _train_inputs(job, quarantine)
     apply_threads(job.train_threads)
@@ -139,10 +134,10 @@ def _train_inputs(job: TrainJob, quarantine: Path
 
     test_logs = job.test_log
     if job.features:
-        rows_estimate = check_features_dir(job.features, _flag(TrainJob, "features"))
+        rows_estimate = check_features_dir(job.features, flag_of(TrainJob, "features"))
         graph = load_graph(job.inputs.graph) if test_logs else None
         if graph is not None:
-            check_logs(test_logs, graph.schema, what=_flag(TrainJob, "test_log"))
+            check_logs(test_logs, graph.schema, what=flag_of(TrainJob, "test_log"))
         return graph, None, test_logs, rows_estimate
     if not job.inputs.log and not test_logs:
         test_logs = (str(movielens_logs() / "impressions_test.tsv"),)
@@ -196,7 +191,7 @@ def generate_job(job: GenerateJob, progress: bool = True) -> Path:
     from leanml.features.read.checks import check_writable
     from leanml.features.read.data import LogSpec, check_generate_target, generate_logs
 
-    check_writable(check_generate_target(job.out, job.overwrite).parent, _flag(GenerateJob, "out"))
+    check_writable(check_generate_target(job.out, job.overwrite).parent, flag_of(GenerateJob, "out"))
     spec = LogSpec(job.rows, seed=job.seed, files=job.files, gz=job.gzip, malformed_rate=job.malformed_rate)
     return generate_logs(job.out, spec, overwrite=job.overwrite, progress=progress)
 
