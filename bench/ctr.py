@@ -279,7 +279,8 @@ def stage_select(name: str, out: dict[str, Any]) -> None:
             for tower in (False, True):
                 runs[model, "raw+visual", tower] = val_runs(val, items, "raw+visual", model=model,
                                                             content_tower=tower, **vis_cfg)
-    tower_rows = [{"model": m, "raw": runs[m, "raw", False]["auc_new"], "apart": runs[m, "raw+visual", False]["auc_new"],
+    tower_rows = [{"model": m, "raw": runs[m, "raw", False]["auc_new"],
+                   "apart": runs[m, "raw+visual", False]["auc_new"],
                    "tower": runs[m, "raw+visual", True]["auc_new"]} for m in MODELS if (m, "raw", False) in runs]
     chosen["tower"] = {r["model"]: bool(r["tower"] > r["apart"]) for r in tower_rows}
     # how the ad ID is added: chosen per model and feature set, against the same model without the ad ID
@@ -447,7 +448,8 @@ def write_docs_block(out: dict[str, Any]) -> None:
     if not DOCS.exists() or MARK_START not in DOCS.read_text():
         return
     recs = out["records"]
-    lines = ["", "| dataset | model | features | bytes/ad | seeds | AUC new | AUC old |", "|---|---|---|---|---|---|---|"]
+    lines = ["", "| dataset | model | features | bytes/ad | seeds | AUC new | AUC old |",
+             "|---|---|---|---|---|---|---|"]
     for d in DATASETS:
         for mdl in TARGET_MODELS:
             for f in FEATURES:
@@ -460,7 +462,8 @@ def write_docs_block(out: dict[str, Any]) -> None:
     for r in targets(out):
         lines.append(f"| {r['dataset']} | {r['model']} | {r['target']} | {r['diff']:+.4f} ± {r['std']:.4f} "
                      f"| {'met' if r['met'] else '**missed**'} | {'yes' if r['clear'] else 'no'} |")
-    chosen = "; ".join(f"{d}: {c['chosen']['design']}, {variant_name(c['chosen']['visual_fields'], c['chosen']['codeword_vector'])}"
+    chosen = "; ".join(f"{d}: {c['chosen']['design']}, "
+                       f"{variant_name(c['chosen']['visual_fields'], c['chosen']['codeword_vector'])}"
                        + (f", raw vector normalized in {c['chosen']['content']['norm_groups']} group(s)"
                           if c["chosen"]["content"].get("norm_groups") else "")
                        for d, c in out.get("selection", {}).items())
@@ -513,7 +516,8 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
                 seed_se = std / math.sqrt(n) if n > 1 else math.nan
                 se = math.sqrt(seed_se ** 2 + (row_se or 0.0) ** 2)
                 rows.append({"dataset": d, "model": m, "target": name, "a": a, "b": b, "diff": mean, "std": std,
-                             "n": n, "threshold": threshold, "met": bool(mean >= threshold and (ratio >= 10 or not fewer_bytes)),
+                             "n": n, "threshold": threshold,
+                             "met": bool(mean >= threshold and (ratio >= 10 or not fewer_bytes)),
                              "note": f"{ratio:.0f}× fewer bytes" if fewer_bytes else "",
                              "seed_se": seed_se, "row_se": row_se, "se": se,
                              "se_rows": boot.get("se_rows"),  # the same bootstrap over rows, for comparison
@@ -538,7 +542,8 @@ def render_md(out: dict[str, Any]) -> str:
     lrs = ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items())
     lines += ["", f"CTR training: {cd.get('epochs')} epochs, batch {cd.get('batch_size')}, Adam (lr: {lrs}), "
               f"embedding dim {cd.get('embed_dim')}; the same for every feature set and not tuned. Seeds "
-              f"{out.get('seeds', [])} (per dataset and model below): seed s fits the content-ID model with seed s and trains the CTR model with "
+              f"{out.get('seeds', [])} (per dataset and model below): seed s fits the content-ID model with seed s "
+              "and trains the CTR model with "
               "seed s (content IDs and CTR model both vary). `bytes/ad` is the stored content feature per ad: M "
               "codes of log2 K bits (bit-packed) for visual, D float32 for raw; the shared codebook is counted "
               "once per model, not per ad (see the content-ID fits).", ""]
@@ -584,7 +589,8 @@ def render_grid(out: dict[str, Any]) -> list[str]:
                 if not g:
                     continue
                 lines.append(f"| {d} | {mdl} | {f} | {g[0]['id_option'] if 'id' in f.split('+') else '–'} "
-                             f"| {g[0]['bytes_per_ad']:g} | " + " | ".join(ms([r[k] for r in g]) for k in METRICS) + " |")
+                             f"| {g[0]['bytes_per_ad']:g} | "
+                             + " | ".join(ms([r[k] for r in g]) for k in METRICS) + " |")
     lines.append("")
     return lines
 
@@ -610,8 +616,10 @@ def render_targets(out: dict[str, Any]) -> list[str]:
         lines.append(f"| {r['dataset']} | {r['model']} | {r['target']} | {r['a']} − {r['b']} = "
                      f"{r['diff']:+.4f} ± {r['std']:.4f}{note} | {verdict} | {r['seed_se']:.4f} / {row} "
                      f"| {'yes' if r['clear'] else 'no'} |")
+    deepfm_new = {d: mean_of(out["records"], "auc_new", dataset=d, model="deepfm", features="id+visual")
+                  for d in counts}
     lines += ["", "Test-set sampling error of one new-ad AUC (Hanley-McNeil, rows taken as independent): "
-              + ", ".join(f"{d} {auc_se(mean_of(out['records'], 'auc_new', dataset=d, model='deepfm', features='id+visual'), c['new_pos'], c['new_neg']):.4f} "
+              + ", ".join(f"{d} {auc_se(deepfm_new[d], c['new_pos'], c['new_neg']):.4f} "
                           f"({c['new_pos'] + c['new_neg']} rows)" for d, c in counts.items()) + "."]
     both: dict[str, list[tuple[float, float]]] = {}  # the targets' pairs only, with the seeds they used
     for r in rows:
@@ -627,17 +635,19 @@ def render_targets(out: dict[str, Any]) -> list[str]:
                   "generator's own content of each ad (class one-hot + the three pixel attributes the clicks were "
                   "drawn from) as the `raw` vector, same training, same seeds. In the generator no other content "
                   "drives clicks, so this estimates how far any content feature can take new ads here.", "",
-                  "| dataset | model | oracle AUC new | oracle AUC old | raw AUC new | id+raw AUC new | oracle − id+raw |",
+                  "| dataset | model | oracle AUC new | oracle AUC old | raw AUC new | id+raw AUC new "
+                  "| oracle − id+raw |",
                   "|---|---|---|---|---|---|---|"]
+        recs = out["records"]
         for d in DATASETS:
             for mdl in TARGET_MODELS:
                 g = group(ceil, dataset=d, model=mdl)
-                if g and group(out["records"], dataset=d, model=mdl, features="id+raw"):
+                if g and group(recs, dataset=d, model=mdl, features="id+raw"):
                     o = ceiling_of(out, d, mdl)
                     lines.append(f"| {d} | {mdl} | {ms([c['auc_new'] for c in g])} | {ms([c['auc_old'] for c in g])} "
-                                 f"| {ms([r['auc_new'] for r in group(out['records'], dataset=d, model=mdl, features='raw')])} "
-                                 f"| {ms([r['auc_new'] for r in group(out['records'], dataset=d, model=mdl, features='id+raw')])} "
-                                 f"| {o - mean_of(out['records'], 'auc_new', dataset=d, model=mdl, features='id+raw'):+.4f} |")
+                                 f"| {ms([r['auc_new'] for r in group(recs, dataset=d, model=mdl, features='raw')])} "
+                                 f"| {ms([r['auc_new'] for r in group(recs, dataset=d, model=mdl, features='id+raw')])}"
+                                 f" | {o - mean_of(recs, 'auc_new', dataset=d, model=mdl, features='id+raw'):+.4f} |")
         lines.append("")
     lines += render_tower_ablation(out)
     missed = [r for r in rows if not r["met"]]
@@ -694,7 +704,8 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
             text += (f"The codes keep {1 - qerr:.1%} of the content vector's energy on the old ads they were fit on "
                      f"(relative squared quantization error {qerr:.3f}, mean over the seeds' fits)"
                      + (f" and {1 - float(np.mean(qnew)):.1%} on the new ads, which they never saw "
-                        f"({float(np.mean(qnew)):.3f}, {float(np.mean(qnew)) / qerr:.0f}x)" if qnew and qerr > 0 else "")
+                        f"({float(np.mean(qnew)):.3f}, {float(np.mean(qnew)) / qerr:.0f}x)"
+                        if qnew and qerr > 0 else "")
                      + f"; without the ad ID the gap is visual − raw = "
                      f"{ids['visual'] - ids['raw']:+.4f}. On validation the chosen design had visual − raw = "
                      f"{vg:+.4f} ("
@@ -715,7 +726,8 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
                     text += (f", without a table (codeword vector only) {best_c['visual_auc_new']:.4f} "
                              f"({best_c['design']}; {best_c['id+visual_auc_old']:.4f})")
                 text += ". "
-            text += (f"In the grid, raw + ad ID reaches {ids['id+raw']:.4f} and id+raw+visual {ids['id+raw+visual']:.4f} "
+            text += (f"In the grid, raw + ad ID reaches {ids['id+raw']:.4f} and id+raw+visual "
+                     f"{ids['id+raw+visual']:.4f} "
                      f"(ad ID added by {sel['chosen']['id'][mdl]['id+raw+visual']['option']}).")
             trow = [x for x in sel.get("tower", []) if x["model"] == mdl]
             if trow:
@@ -732,7 +744,8 @@ def explain(out: dict[str, Any], missed: list[dict[str, Any]]) -> list[str]:
                          "computed from.")
         elif r["b"] == "visual":
             p = sel["chosen"]["id"][mdl]["id+visual"]["option"]
-            vrow = [x for x in sel["dropout"] if x["model"] == mdl and x["features"] == "id+visual" and x["option"] == p]
+            vrow = [x for x in sel["dropout"]
+                    if x["model"] == mdl and x["features"] == "id+visual" and x["option"] == p]
             vref = sel["references"][mdl]["visual"]["auc_new"]
             text += (f"The ad ID added by {p} was chosen on validation ({mdl}), where id+visual reached "
                      f"{vrow[0]['auc_new']:.4f} against visual {vref:.4f} ({vrow[0]['auc_new'] - vref:+.4f})."
@@ -828,7 +841,8 @@ def render_selection(out: dict[str, Any]) -> list[str]:
     lines += ["", "How the ad ID is added: ID dropout (DropoutNet-style: a training row's ad ID is replaced by the "
               "unseen-ad row with this probability), or residual (the model is trained without the ad ID, frozen, "
               "and the ID learned as a correction b_ad + <e_ad, e_user> on its logit; zero for an ad without "
-              "training rows). Chosen per model and feature set with that model. Rule: the best validation old-ad AUC among the options whose validation new-ad AUC is "
+              "training rows). Chosen per model and feature set with that model. Rule: the best validation "
+              "old-ad AUC among the options whose validation new-ad AUC is "
               "within 0.002 of the same features without the ad ID; if none is, the best new-ad AUC; for `id` "
               "alone, the best mean of new and old.", "",
               "| dataset | model | features | " + " | ".join(f"{option_name(*o)}: new / old" for o in ID_OPTIONS)
@@ -877,8 +891,9 @@ def render_fits(out: dict[str, Any]) -> list[str]:
     if not fits:
         return []
     lines = ["## Content-ID fits of the grid (fitted on the old ads only)", "",
-             "| dataset | design | seed | fit s | dead codes | distinct tuples | collision rate | quant. err old / new ads "
-             "| caption top-1 | codebook bytes (once) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| dataset | design | seed | fit s | dead codes | distinct tuples | collision rate "
+             "| quant. err old / new ads | caption top-1 | codebook bytes (once) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for f in fits:
         u = f["usage"]
         top1 = f"{f['caption_top1']:.3f}" if f.get("caption_top1") is not None else "–"

@@ -142,13 +142,15 @@ def sparsity_by_kind(model_dir: str | Path) -> dict[str, Any]:
     return {"by_kind": by_kind, "decoder_linears": sum(zeros[k] for k in lin) / n if n else 0.0, "tied_head": tied}
 
 
-def untouched_flags(by_kind: dict[str, float], dense_by_kind: dict[str, float], tol: float = FLAG_TOLERANCE) -> list[str]:
+def untouched_flags(by_kind: dict[str, float], dense_by_kind: dict[str, float],
+                    tol: float = FLAG_TOLERANCE) -> list[str]:
     """Kinds our engine never prunes (embeddings, head) that are sparser than in the dense model by more
     than ``tol``: a model pruned there is not comparable with ours, and the benchmark says so."""
     flags = []
     for kind in UNTOUCHED_KINDS:
         if kind in by_kind and by_kind[kind] > dense_by_kind.get(kind, 0.0) + tol:
-            flags.append(f"{kind} pruned ({100 * by_kind[kind]:.1f} % zeros, dense {100 * dense_by_kind.get(kind, 0.0):.1f} %)")
+            flags.append(f"{kind} pruned ({100 * by_kind[kind]:.1f} % zeros, "
+                         f"dense {100 * dense_by_kind.get(kind, 0.0):.1f} %)")
     return flags
 
 
@@ -197,7 +199,8 @@ def best_sparsegpt(records: list[dict[str, Any]], pattern: str, corpus: str) -> 
     return min(cands, key=lambda c: c[1].mean) if cands else None
 
 
-def paired_stats(runs: list[dict[str, Any]], field: str, a: str, b: str, **where: Any) -> tuple[Stats | None, Stats | None, str]:
+def paired_stats(runs: list[dict[str, Any]], field: str, a: str, b: str,
+                 **where: Any) -> tuple[Stats | None, Stats | None, str]:
     """``field`` of methods ``a`` and ``b`` over the calibration seeds both have usable runs of (a ratio
     of the two means then compares the same calibration sets), and what is missing when there is no
     common seed (``(None, None, "needs ...")``)."""
@@ -206,12 +209,14 @@ def paired_stats(runs: list[dict[str, Any]], field: str, a: str, b: str, **where
     common = set(rows[a]) & set(rows[b])
     if not common:
         lacking = [m for m in (a, b) if not rows[m]] or [a, b]
-        return None, None, "needs " + " and ".join(lacking) + (" on a common calibration seed" if len(lacking) == 2 and rows[a] else "")
+        return None, None, ("needs " + " and ".join(lacking)
+                            + (" on a common calibration seed" if len(lacking) == 2 and rows[a] else ""))
     pick = {m: [r for seed, r in rows[m].items() if seed in common] for m in (a, b)}
     return stats(pick[a], field), stats(pick[b], field), ""
 
 
-def _target(name: str, corpus: str | None, value: float | None, limit: str, ok: bool | None, detail: str) -> dict[str, Any]:
+def _target(name: str, corpus: str | None, value: float | None, limit: str, ok: bool | None,
+            detail: str) -> dict[str, Any]:
     status = "pending" if ok is None else ("met" if ok else "missed")
     return {"target": name, "corpus": corpus or "-", "value": value, "limit": limit, "status": status, "detail": detail}
 
@@ -230,7 +235,8 @@ def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             best = best_sparsegpt(records, pattern, corpus)
             if not fista or not best:
                 out.append(_target(name, corpus, None, f"{limit:.2f}", None,
-                                   "needs " + " and ".join(w for w, s in (("fista", fista), ("a SparseGPT", best)) if not s)))
+                                   "needs " + " and ".join(w for w, s in (("fista", fista), ("a SparseGPT", best))
+                                                           if not s)))
                 continue
             ratio = fista.mean / best[1].mean
             out.append(_target(name, corpus, ratio, f"{limit:.2f}", ratio <= limit,
@@ -241,11 +247,13 @@ def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ours = [(m, s) for m in OURS if (s := stats(records, method=m, pattern="70%", profile="owl", corpus=corpus))]
         if not peer or not ours:
             out.append(_target(name, corpus, None, "0.75", None,
-                               "needs " + " and ".join(w for w, s in (("llmc-sparsegpt 70%", peer), ("our owl rows", ours)) if not s)))
+                               "needs " + " and ".join(w for w, s in (("llmc-sparsegpt 70%", peer),
+                                                                       ("our owl rows", ours)) if not s)))
             continue
         m, s = min(ours, key=lambda c: c[1].mean)
         ratio = s.mean / peer.mean
-        out.append(_target(name, corpus, ratio, "0.75", ratio <= 0.75, f"{m} owl {s.text()} / llmc-sparsegpt {peer.text()}"))
+        out.append(_target(name, corpus, ratio, "0.75", ratio <= 0.75,
+                           f"{m} owl {s.text()} / llmc-sparsegpt {peer.text()}"))
     runs = timing_records(records)
     for a, b, limit in (("fista", "sparsegpt", 2.0), ("sparsegpt", "llmc-sparsegpt", 1.0)):
         for field, what in (("seconds", "wall s"), ("cpu_seconds", "CPU-s")):
@@ -266,7 +274,8 @@ def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         seeds = sorted(set(ours) & set(peer), key=str)
         same = [s for s in seeds if ours[s].get("calib_sha256") == peer[s].get("calib_sha256")]
         if not same:
-            out.append(_target(name, corpus, None, "±3 %", None, "needs sparsegpt and llmc-sparsegpt 50% on the same calibration seed"))
+            out.append(_target(name, corpus, None, "±3 %", None,
+                               "needs sparsegpt and llmc-sparsegpt 50% on the same calibration seed"))
             continue
         diffs = [ours[s]["ppl"] / peer[s]["ppl"] - 1 for s in same]
         mean = statistics.fmean(diffs)
@@ -320,7 +329,8 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
         + (f"GPU {m['gpu']}" if m.get("gpu") else "no GPU")
         for r in records if isinstance(m := r.get("machine"), dict))
     lines.append("Machine: " + "; ".join(machines) + ".  ")
-    loads = [r["load"][k][0] for r in records if isinstance(r.get("load"), dict) for k in ("before", "after") if r["load"].get(k)]
+    loads = [r["load"][k][0] for r in records if isinstance(r.get("load"), dict)
+             for k in ("before", "after") if r["load"].get(k)]
     if loads:
         lines.append(f"Load average (1 min) around the runs: {min(loads):.2f} to {max(loads):.2f}.  ")
     models = _distinct(r.get("model") for r in records)
@@ -337,7 +347,8 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
                          "not in prune s): " + ", ".join(f"seed {k} {v:.0f} s" for k, v in sorted(sampling.items()))
                          + ".  ")
     for corpus in corpora:
-        wins = _distinct((r.get("eval_text"), r.get("eval_windows"), r.get("seqlen")) for r in records if r["corpus"] == corpus)
+        wins = _distinct((r.get("eval_text"), r.get("eval_windows"), r.get("seqlen"))
+                         for r in records if r["corpus"] == corpus)
         lines.append(f"Evaluation {CORPUS_NAMES.get(corpus, corpus)}: "
                      + "; ".join(f"{t}, {w} windows x {s} tokens" for t, w, s in wins)
                      + (" (MIXED window counts)" if len(wins) > 1 else "") + ".  ")
@@ -360,10 +371,12 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
     runs = timing_records(records)
     for method, pattern, profile in groups:
         rs = [r for r in records if record_key(r)[:3] == (method, pattern, profile)]
-        notes = sorted({f for r in rs for f in r.get("flags") or []} | {f"error: {r['error']}" for r in rs if r.get("error")})
+        notes = sorted({f for r in rs for f in r.get("flags") or []}
+                       | {f"error: {r['error']}" for r in rs if r.get("error")})
         seeds = sorted({r["seed"] for r in rs}, key=str)
         sp = stats(rs, "sparsity_measured")
-        cells = [pattern, method, profile, ", ".join("-" if s is None else str(s) for s in seeds), _fmt(sp.mean if sp else None, 3)]
+        cells = [pattern, method, profile, ", ".join("-" if s is None else str(s) for s in seeds),
+                 _fmt(sp.mean if sp else None, 3)]
         for c in corpora:
             s = stats(rs, corpus=c)
             best = best_sparsegpt(records, pattern, c) if pattern != "dense" else None
@@ -372,10 +385,11 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
         cpu = stats([r for r in runs if record_key(r)[:3] == (method, pattern, profile)], "cpu_seconds")
         cells += [t.text(0) if t else "-", cpu.text(0) if cpu else "-", "; ".join(notes) or ""]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Targets (computed from the records)", "", "| target | corpus | value | limit | status | numbers |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "## Targets (computed from the records)", "",
+              "| target | corpus | value | limit | status | numbers |", "|---|---|---|---|---|---|"]
     for t in targets(records):
-        value = "-" if t["value"] is None else (f"{100 * t['value']:+.2f} %" if "%" in t["limit"] else f"{t['value']:.3f}")
+        value = "-" if t["value"] is None else (f"{100 * t['value']:+.2f} %" if "%" in t["limit"]
+                                                else f"{t['value']:.3f}")
         lines.append(f"| {t['target']} | {CORPUS_NAMES.get(t['corpus'], t['corpus'])} | {value} | {t['limit']} | "
                      f"**{t['status']}** | {t['detail']} |")
     lines += ["", "## Settings (from the records)", "", "| method | profile | settings |", "|---|---|---|"]
@@ -388,8 +402,10 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
               "|" + "---|" * (5 + len(KIND_ORDER))]
     for r in sorted(runs, key=lambda r: (pattern_order(r["pattern"]), r["profile"], str(r["method"]), str(r["seed"]))):
         kinds = r.get("sparsity_by_kind") or {}
-        lines.append(f"| {r['method']} | {r['pattern']} | {r['profile']} | {r['seed'] if r['seed'] is not None else '-'} | "
-                     + " | ".join(_fmt(kinds.get(k), 3) for k in KIND_ORDER) + f" | {'; '.join(r.get('flags') or []) or ''} |")
+        lines.append(f"| {r['method']} | {r['pattern']} | {r['profile']} | "
+                     f"{r['seed'] if r['seed'] is not None else '-'} | "
+                     + " | ".join(_fmt(kinds.get(k), 3) for k in KIND_ORDER)
+                     + f" | {'; '.join(r.get('flags') or []) or ''} |")
     lines += ["", "## Every run", "", "| method | pattern | profile | seed | corpus | ppl | prune s | prune CPU-s | "
               "load before / after | peer | calib SHA-256 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (pattern_order(r["pattern"]), r["profile"], str(r["method"]), str(r["seed"]),
@@ -397,13 +413,16 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
         load = r.get("load") or {}
         peer = r.get("peer") or {}
         peer_txt = f"llmcompressor {peer.get('versions', {}).get('llmcompressor')}" if peer else ""
-        lines.append(f"| {r['method']} | {r['pattern']} | {r['profile']} | {r['seed'] if r['seed'] is not None else '-'} | "
-                     f"{CORPUS_NAMES.get(r['corpus'], r['corpus'])} | {_fmt(r.get('ppl'))} | {_fmt(r.get('seconds'), 1)} | "
+        lines.append(f"| {r['method']} | {r['pattern']} | {r['profile']} | "
+                     f"{r['seed'] if r['seed'] is not None else '-'} | "
+                     f"{CORPUS_NAMES.get(r['corpus'], r['corpus'])} | {_fmt(r.get('ppl'))} | "
+                     f"{_fmt(r.get('seconds'), 1)} | "
                      f"{_fmt(r.get('cpu_seconds'), 1)} | {_fmt((load.get('before') or [None])[0])} / "
                      f"{_fmt((load.get('after') or [None])[0])} | {peer_txt} | {(r.get('calib_sha256') or '-')[:12]} |")
     commands = _distinct(r.get("command") for r in records if r.get("command"))
     locked = sum(1 for r in runs if r.get("cpu_lock_held"))
-    lines += ["", f"Commands ({locked} of {len(runs)} runs held the exclusive CPU lock, `flock /tmp/leanml-cpu.lock`):", ""]
+    lines += ["", f"Commands ({locked} of {len(runs)} runs held the exclusive CPU lock, "
+                  "`flock /tmp/leanml-cpu.lock`):", ""]
     lines += [f"- `{c}`" for c in commands]
     return "\n".join(lines) + "\n"
 
@@ -443,7 +462,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(f"{CORPUS_NAMES.get(corpus, corpus)} (lower is better)")
         ax.legend(fontsize=7)
     models = ", ".join(str(m) for m in _distinct(r.get("model") for r in records))
-    fig.suptitle(f"{models}: perplexity after pruning, whole test splits (bars: seed mean, whiskers: std; hatched: llm-compressor)")
+    fig.suptitle(f"{models}: perplexity after pruning, whole test splits "
+                 "(bars: seed mean, whiskers: std; hatched: llm-compressor)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
