@@ -204,9 +204,10 @@ def render(data: dict[str, Any]) -> tuple[str, str]:
     worst = max((r["reload_max_abs_diff"] for r in recs if r["reload_max_abs_diff"] is not None), default=None)
     if worst is not None:
         summary.append(f"Largest reload difference: {worst:.1e}.")
-    failures = [f"- {r['model_type']} ({r['source']}) {r['method']} {r['pattern']}: {r['error']}" for r in recs if not r["ok"]]
-    detail = ["| model_type | source | method | pattern | ok | sparsity_measured | reload_max_abs_diff | params_before | "
-              "params_after | seconds | cpu_seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    failures = [f"- {r['model_type']} ({r['source']}) {r['method']} {r['pattern']}: {r['error']}"
+                for r in recs if not r["ok"]]
+    detail = ["| model_type | source | method | pattern | ok | sparsity_measured | reload_max_abs_diff | "
+              "params_before | params_after | seconds | cpu_seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
         detail.append(f"| {r['model_type']} | {r['source']} | {r['method']} | {r['pattern']} | {r['ok']} | "
@@ -227,7 +228,8 @@ def write_doc_table(coverage: str) -> None:
     """The coverage section into docs/prune.md, and its table and summary (no prose) into the README."""
     _replace_between_markers(DOC, coverage)
     lines = coverage.splitlines()
-    compact = [ln for ln in lines if ln.startswith("|")] + [""] + [ln for ln in lines if ln.startswith(("Families", "Largest"))]
+    compact = ([ln for ln in lines if ln.startswith("|")] + [""]
+               + [ln for ln in lines if ln.startswith(("Families", "Largest"))])
     machine = next((line for line in coverage.splitlines() if line.startswith("Machine:")), "").rstrip()
     _replace_between_markers(README, "\n".join([*compact, "", f"{machine} Full records: "
                                                  "[bench/results/arch.md](bench/results/arch.md)."]))

@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tok = load_model("smollm2-135m")
     calib = calibration_windows(tok, "shakespeare", args.nsamples, args.seqlen, seed=0)
-    tests = {c: token_windows(tok, load_text(src, "test"), args.seqlen)[: args.eval_windows] for c, src in CORPORA.items()}
+    tests = {c: token_windows(tok, load_text(src, "test"), args.seqlen)[: args.eval_windows]
+             for c, src in CORPORA.items()}
     dense_params = count_parameters(model)
     common = {"model": "smollm2-135m", "calib": "shakespeare", "nsamples": args.nsamples, "seqlen": args.seqlen,
               "params_dense": dense_params}
@@ -207,7 +208,8 @@ def speed_shapes(args: argparse.Namespace) -> int:
     d = speeds["dense"]
     lines = ["# SmolLM2-135M: CPU speed of pruned shapes", "", f"Machine: {machine_line()}", "",
              f"Command: `python bench/fasp.py {' '.join(sys.argv[1:])}`", "",
-             f"`leanml.eval.speed.measure_speeds`: batch 1, prefill {args.prefill_len} tokens, decode {args.new_tokens} "
+             f"`leanml.eval.speed.measure_speeds`: batch 1, prefill {args.prefill_len} tokens, "
+             f"decode {args.new_tokens} "
              f"tokens, median of {args.repeats} interleaved runs, {args.speed_threads} torch thread(s); the dense "
              "model cut to each shape (speed depends on shapes only). The machine was shared with other jobs.", "",
              "| model | params | prefill tok/s | decode tok/s | prefill x | decode x |", "|---|---|---|---|---|---|"]
@@ -217,7 +219,8 @@ def speed_shapes(args: argparse.Namespace) -> int:
         records.append({"model": name, "params": count_parameters(m), "prefill_tok_s": r["prefill_tok_s"],
                         "gen_tok_s": r["decode_tok_s"], "speed_repeats": r["repeats"],
                         "prefill_runs_s": r["prefill_runs_s"], "decode_runs_s": r["decode_runs_s"]})
-        lines.append(f"| {name} | {count_parameters(m) / 1e6:.2f} M | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
+        lines.append(f"| {name} | {count_parameters(m) / 1e6:.2f} M | {r['prefill_tok_s']:.0f} | "
+                     f"{r['decode_tok_s']:.1f} | "
                      f"{r['prefill_tok_s'] / d['prefill_tok_s']:.2f} | {r['decode_tok_s'] / d['decode_tok_s']:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -318,7 +321,8 @@ def write_outputs(
     ]
     for r in records:
         d = dense.get(r["corpus"])
-        px = r["prefill_tok_s"] / d["prefill_tok_s"] if r.get("prefill_tok_s") and d and d.get("prefill_tok_s") else None
+        px = (r["prefill_tok_s"] / d["prefill_tok_s"] if r.get("prefill_tok_s") and d and d.get("prefill_tok_s")
+              else None)
         gx = r["gen_tok_s"] / d["gen_tok_s"] if r.get("gen_tok_s") and d and d.get("gen_tok_s") else None
         lines.append(
             f"| {r['method']} | {r['sparsity']:.0%} | {r['corpus']} | {r['ppl']:.2f} | "

@@ -105,7 +105,8 @@ def build(name: str) -> Path:
         writer = ShardWriter(tmp)
         for i, layer in enumerate(tqdm(adapter.layers(), desc=f"build {name}", unit="layer")):
             prefix = names[id(layer)] + "."
-            writer.write(f"layer-{i:05d}", {prefix + k: fill(v.shape, "norm" in k) for k, v in layer.state_dict().items()})
+            writer.write(f"layer-{i:05d}",
+                         {prefix + k: fill(v.shape, "norm" in k) for k, v in layer.state_dict().items()})
         inside = {id(p) for p in adapter.layers().parameters()}
         outer = {n: fill(p.shape, "norm" in n) for n, p in model.named_parameters() if id(p) not in inside}
         writer.write("outer", outer)
@@ -304,7 +305,8 @@ def fit(records: list[dict[str, Any]]) -> dict[str, Any]:
             P = _layer_linear_params(h, inter, heads, kv)
             S = _solve_work(h, inter, heads, kv) if method != "wanda" else P
             n = r["layers_pruned"]
-            pts.append((r["model"], r["nsamples"] * r["seqlen"] * P, r["passes_seconds"] / n, S, r["solve_seconds"] / n))
+            pts.append((r["model"], r["nsamples"] * r["seqlen"] * P, r["passes_seconds"] / n, S,
+                        r["solve_seconds"] / n))
         line_p = _line([p[1] for p in pts], [p[2] for p in pts])
         line_s = _line([p[3] for p in pts], [p[4] for p in pts])
         tokens = rows[0]["nsamples"] * rows[0]["seqlen"]
@@ -351,8 +353,8 @@ def render() -> None:
              "50 % unstructured, calibration of random ids). Peak RSS includes the interpreter baseline "
              "(torch + transformers, column `base`). `stream` = streamed from the shards; `memory` = "
              "from_pretrained + prune + save; `memory-dense`/`torchrun` = dense inputs (layer-parallel).", "",
-             "| model | params | layers | hidden | method | mode | procs | cap | peak RSS | base | weights | RSS/weights "
-             "| wall s | CPU s | read | written | passes s | solve s | s per 1M params |",
+             "| model | params | layers | hidden | method | mode | procs | cap | peak RSS | base | weights "
+             "| RSS/weights | wall s | CPU s | read | written | passes s | solve s | s per 1M params |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     gb = 1e9
     for r in sorted(recs, key=lambda r: (r["params"], r["method"], r["mode"], r["processes"])):
@@ -377,7 +379,8 @@ def render() -> None:
         for name, pr in f["project"].items():
             split = ", ".join(f"{n} procs {s / 3600:.1f} h" for n, s in pr["seconds_per_processes"].items())
             lines.append(f"- projected {name}: {pr['seconds_1_process'] / 3600:.1f} h in one process "
-                         f"(per layer passes {pr['layer_passes_seconds']:.0f} s, solve {pr['layer_solve_seconds']:.0f} s:"
+                         f"(per layer passes {pr['layer_passes_seconds']:.0f} s, "
+                         f"solve {pr['layer_solve_seconds']:.0f} s:"
                          f" {pr['dominant']} dominates); torchrun: {split}")
         lines.append("")
     lines += ["## Targets (from the records above)", "", *targets(recs), "", "## Notes", "", *NOTES, ""]
@@ -416,7 +419,8 @@ NOTES = [
     "the blocks, run interleaved: 84 and 77, so no change at this width, where the working arrays already fit "
     "in cache). With a Wanda warm start (`fista:wanda`) 86 / 243 / 1,221 CPU-s (2.3x, 2.1x, 2.6x). So the 2x "
     "target is missed at every size of this table. Why, from the fit above: both solves are proportional to "
-    "`m x n^2` per linear, FISTA's coefficient 4.7x SparseGPT's (3.8x with the Wanda start; 4.6x before the 3B row), and as width grows "
+    "`m x n^2` per linear, FISTA's coefficient 4.7x SparseGPT's (3.8x with the Wanda start; 4.6x before the 3B "
+    "row), and as width grows "
     "that term outgrows the passes (proportional to tokens x parameters), so the ratio tends to the solve's. "
     "Per linear FISTA runs 21 bfloat16 products (K = 10, two refits of 5 CG steps, one rounding) and 5 float32 "
     "ones (the target blend's, the start's, the rounded result's, one exact check after each refit), about "
@@ -470,12 +474,14 @@ def targets(recs: list[dict[str, Any]]) -> list[str]:
     """The issue's targets checked against the records; rows not run yet are named."""
     out = []
     gb = 1e9
-    capped = next((r for r in recs if r["model"] == "1.1b" and r["mode"] == "stream" and r.get("max_memory_bytes")), None)
+    capped = next((r for r in recs
+                   if r["model"] == "1.1b" and r["mode"] == "stream" and r.get("max_memory_bytes")), None)
     mem = _find(recs, model="1.1b", mode="memory", method="wanda")
     if capped:
         ratio = capped["peak_rss_bytes"] / capped["weights_bytes"]
-        out.append(f"- 1.1B under a {capped['max_memory_bytes'] / gb:.1f} GB cap ({capped['method']}, streamed): peak RSS "
-                   f"{capped['peak_rss_bytes'] / gb:.2f} GB = {ratio:.2f}x the {capped['weights_bytes'] / gb:.2f} GB of "
+        out.append(f"- 1.1B under a {capped['max_memory_bytes'] / gb:.1f} GB cap ({capped['method']}, streamed): "
+                   f"peak RSS {capped['peak_rss_bytes'] / gb:.2f} GB = {ratio:.2f}x the "
+                   f"{capped['weights_bytes'] / gb:.2f} GB of "
                    f"weights (target <= 0.5x: {'met' if ratio <= 0.5 else 'missed'}); spilled layers: "
                    f"{capped.get('spilled_layers')}")
     else:
@@ -487,7 +493,8 @@ def targets(recs: list[dict[str, Any]]) -> list[str]:
                                                                             method="wanda")
     if a and b:
         d = b["peak_rss_bytes"] / a["peak_rss_bytes"] - 1
-        out.append(f"- depth doubled at width 576 (15 -> 30 layers, streamed wanda): peak RSS {a['peak_rss_bytes'] / gb:.3f}"
+        out.append(f"- depth doubled at width 576 (15 -> 30 layers, streamed wanda): peak RSS "
+                   f"{a['peak_rss_bytes'] / gb:.3f}"
                    f" -> {b['peak_rss_bytes'] / gb:.3f} GB ({d:+.1%}; target within 10 %: "
                    f"{'met' if abs(d) <= 0.10 else 'missed'}); the weights doubled "
                    f"({a['weights_bytes'] / gb:.2f} -> {b['weights_bytes'] / gb:.2f} GB)")
@@ -510,7 +517,8 @@ def targets(recs: list[dict[str, Any]]) -> list[str]:
         s_, m_ = _find(recs, model="135m", mode="stream", method=method), _find(recs, model="135m", mode="memory",
                                                                               method=method)
         if s_ and m_:
-            out.append(f"- streamed / in-memory at the SmolLM2-135M shape ({method}): wall {s_['seconds'] / m_['seconds']:.2f}x,"
+            out.append(f"- streamed / in-memory at the SmolLM2-135M shape ({method}): "
+                       f"wall {s_['seconds'] / m_['seconds']:.2f}x,"
                        f" CPU {s_['cpu_seconds'] / m_['cpu_seconds']:.2f}x (target wall <= 1.1x), peak RSS "
                        f"{s_['peak_rss_bytes'] / gb:.2f} vs {m_['peak_rss_bytes'] / gb:.2f} GB")
     for label, model in [(label, model) for label in ("fista", "fista:wanda") for model in CONFIGS]:
@@ -526,7 +534,8 @@ def targets(recs: list[dict[str, Any]]) -> list[str]:
                                                                                       mode="torchrun", method=method)
         if one and par:
             out.append(f"- torchrun x{par['processes']} ({model} {method}, dense inputs): wall {one['seconds']:.0f} -> "
-                       f"{par['seconds']:.0f} s ({one['seconds'] / par['seconds']:.2f}x), CPU {one['cpu_seconds']:.0f} -> "
+                       f"{par['seconds']:.0f} s ({one['seconds'] / par['seconds']:.2f}x), "
+                       f"CPU {one['cpu_seconds']:.0f} -> "
                        f"{par['cpu_seconds']:.0f} s")
     missing = [m for m in CONFIGS if not any(r["model"] == m for r in recs)]
     if missing:
