@@ -13,7 +13,8 @@ class LeanmlError(Exception):
     options class the fields belong to, where one field name has several flags.
     """
 
-    def __init__(self, message: str = "", *, owner: type | None = None, fields: str | tuple[str, ...] = ()) -> None:
-        super().__init__(message)
+    def __init__(self, message: str = "", *, owner: type | None = None, fields: str | tuple[str, ...] = (),
+                 **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # kwargs: a second base's (ModuleNotFoundError's name=)
         self.owner = owner
         self.fields = (fields,) if isinstance(fields, str) else tuple(fields)
