@@ -129,7 +129,8 @@ def machine() -> dict[str, Any]:
 def calib_text(name: str, sampling: dict[str, Any] | None = None) -> str:
     """What the calibration windows are; ``sampling``: what ``calibration_with_samples`` reported, if used."""
     if name == "shakespeare":
-        text = f"the shakespeare calib split ({len(SHAKESPEARE_CALIB)} plays, none of {SHAKESPEARE_TEST + SHAKESPEARE_VAL})"
+        text = (f"the shakespeare calib split ({len(SHAKESPEARE_CALIB)} plays, "
+                f"none of {SHAKESPEARE_TEST + SHAKESPEARE_VAL})")
     else:
         text = f"the {name} calib split"
     if not sampling:
@@ -144,7 +145,8 @@ def check_calibration_kind(path: Path, calib_samples: float) -> None:
     profile, seed and corpus, so a ``--calib-samples`` run would silently replace corpus-only rows."""
     kinds = {r.get("calib_samples", 0.0) for r in H.load_records(path) if r["method"] != "dense"}
     if kinds - {calib_samples}:
-        raise LeanmlError(f"{path} holds rows calibrated with --calib-samples {', '.join(f'{k:g}' for k in sorted(kinds))}, "
+        raise LeanmlError(f"{path} holds rows calibrated with --calib-samples "
+                          f"{', '.join(f'{k:g}' for k in sorted(kinds))}, "
                           f"this run uses {calib_samples:g}; pass another --results file")
 
 
@@ -290,7 +292,8 @@ def prune_peer(ctx: Context, label: str, pattern: str, profile: str, seed: int, 
     if returncode:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
         errs = [ln for ln in lines if "Error" in ln or "error:" in ln] or lines
-        raise LeanmlError(f"llm-compressor run failed (exit {returncode}): {(errs[-1] if errs else 'no output')[:300]} (log {log})")
+        raise LeanmlError(f"llm-compressor run failed (exit {returncode}): "
+                          f"{(errs[-1] if errs else 'no output')[:300]} (log {log})")
     report = json.loads((out / "run.json").read_text())
     if report["calib_sha256"] != ids_sha256(ids):
         raise LeanmlError("the peer read different calibration ids than ours")
@@ -338,8 +341,9 @@ def run_row(ctx: Context, method: str, pattern: str, profile: str, seed: int | N
         for corpus, windows in ctx.tests.items():
             t0 = time.perf_counter()
             ppl = perplexity(model, windows, batch_size=a.eval_batch_size, progress=True)
-            records.append({**base, "corpus": corpus, "eval_text": eval_text(corpus), "eval_windows": int(windows.shape[0]),
-                            "ppl": ppl, "eval_seconds": time.perf_counter() - t0})
+            records.append({**base, "corpus": corpus, "eval_text": eval_text(corpus),
+                            "eval_windows": int(windows.shape[0]), "ppl": ppl,
+                            "eval_seconds": time.perf_counter() - t0})
     except (LeanmlError, subprocess.SubprocessError, OSError, RuntimeError, ValueError) as exc:
         msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
         print(f"{method} {pattern} {profile} seed {seed}: {msg}", flush=True)
@@ -361,7 +365,8 @@ def plan(methods: list[str], patterns: list[str], profiles: list[str], seeds: li
             nm = H.parse_pattern(pattern)[1]
             for profile in profiles:
                 if profile != "uniform" and nm:
-                    print(f"skipping {profile} x {pattern}: a sparsity profile takes unstructured patterns", file=sys.stderr)
+                    print(f"skipping {profile} x {pattern}: a sparsity profile takes unstructured patterns",
+                          file=sys.stderr)
                     continue
                 rows += [(m, pattern, profile, seed) for m in methods if m != "dense"]
     return rows
@@ -373,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="dense,llmc-sparsegpt,llmc-wanda",
                     help="comma list of: dense, llmc-sparsegpt, llmc-wanda, and our methods (magnitude, wanda, "
                          "sparsegpt, fista, fista:<warm start>)")
-    ap.add_argument("--patterns", default="50%", help="comma list of NN%% (unstructured) and N:M, e.g. 50%%,60%%,70%%,2:4,4:8")
+    ap.add_argument("--patterns", default="50%",
+                    help="comma list of NN%% (unstructured) and N:M, e.g. 50%%,60%%,70%%,2:4,4:8")
     ap.add_argument("--profiles", default="uniform", help="comma list of: uniform, owl (owl: unstructured only)")
     ap.add_argument("--seeds", default=str(DEFAULT_SEED), help="comma list of calibration seeds, e.g. 0,1,2")
     ap.add_argument("--nsamples", type=int, default=DEFAULT_NSAMPLES, help="calibration windows (default 64)")
@@ -383,12 +389,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="share of the calibration windows sampled from the dense model itself, the same file for "
                          "every method, ours and the peer's (default 0; use its own --results file)")
     ap.add_argument("--corpora", default=",".join(CORPORA), help="evaluation corpora, whole test splits")
-    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads, ours and the peer's (default 2)")
+    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                    help="torch threads, ours and the peer's (default 2)")
     ap.add_argument("--batch-size", type=int, default=None,
                     help="engine calibration batch size of our rows (default: leanml prune's)")
     ap.add_argument("--eval-batch-size", type=int, default=4)
     ap.add_argument("--peers-python", default=str(PEERS_PYTHON), help="python of the peer venv (default .venv-peers)")
-    ap.add_argument("--work-dir", default=None, help="calibration files, saved models, peer logs (default <cache>/bench-prune)")
+    ap.add_argument("--work-dir", default=None,
+                    help="calibration files, saved models, peer logs (default <cache>/bench-prune)")
     ap.add_argument("--keep-models", action="store_true", help="keep the saved pruned models in the work dir")
     ap.add_argument("--results", default=str(RESULTS / "prune.json"), help="records file (md and png beside it)")
     ap.add_argument("--render-only", action="store_true", help="rewrite prune.md and prune.png from the records")
@@ -437,7 +445,8 @@ def main(argv: list[str] | None = None) -> None:
         write_outputs(all_records, results)
         for r in records:
             ppl = "error" if r["ppl"] is None else f"{r['ppl']:.2f}"
-            print(f"{r['method']:15s} {r['pattern']:4s} {r['profile']:7s} seed {r['seed']} {r['corpus']:11s} ppl {ppl:>8s}  "
+            print(f"{r['method']:15s} {r['pattern']:4s} {r['profile']:7s} seed {r['seed']} {r['corpus']:11s} "
+                  f"ppl {ppl:>8s}  "
                   f"sparsity {r.get('sparsity_measured', float('nan')):.3f}  prune {r.get('seconds', 0):.0f} s / "
                   f"{r.get('cpu_seconds', 0):.0f} CPU-s", flush=True)
     print(results.with_suffix(".md").read_text())

@@ -257,10 +257,12 @@ def operator_ablation(dense, tok, s: dict[str, Any], args) -> list[dict[str, Any
                         spec = MaskSpec(0.5, pattern, "layer")
                         Ws = sg if warm == "sparsegpt" else W
                     t0 = time.perf_counter()
-                    res = fista_prune(W, fit["H"], spec, _options(cfg), FistaProblem(G=fit["G"], Hd=fit["Hd"], W_start=Ws))
+                    res = fista_prune(W, fit["H"], spec, _options(cfg),
+                                      FistaProblem(G=fit["G"], Hd=fit["Hd"], W_start=Ws))
                     sec = time.perf_counter() - t0 + (sg_s if warm == "sparsegpt" else 0.0)
                     out.append({**common, "method": f"fista/{warm}", "ablation": abl, "value": val, "seconds": sec,
-                                "fit_error": _rel_err(res.W, W, fit), "heldout_error": _rel_err(res.W, W, held)})  # fmt: skip
+                                "fit_error": _rel_err(res.W, W, fit),
+                                "heldout_error": _rel_err(res.W, W, held)})  # fmt: skip
                     print(out[-1], flush=True)
     return out
 
@@ -439,14 +441,16 @@ def write_report(recs: list[dict[str, Any]], s: dict[str, Any], args, machine: s
                   f"perplexity of the whole model)", ""]  # fmt: skip
         seeds = [r for r in abl if r["experiment"] == "seeds"]
         if seeds:
-            lines += ["| calibration seeds | method | ppl mean | ppl std | n | seconds mean |", "|---|---|---:|---:|---:|---:|"]
+            lines += ["| calibration seeds | method | ppl mean | ppl std | n | seconds mean |",
+                      "|---|---|---:|---:|---:|---:|"]
             for method in ("sparsegpt", "fista"):
                 rr = [r for r in seeds if r["method"] == method]
                 if rr:
                     p = [r["ppl"] for r in rr]
                     sd = statistics.stdev(p) if len(p) > 1 else 0.0
                     lines.append(f"| {sorted(r['calib_seed'] for r in rr)} | {method} | {statistics.mean(p):.3f} "
-                                 f"| {sd:.3f} | {len(p)} | {statistics.mean(r['seconds'] for r in rr):.0f} |")  # fmt: skip
+                                 f"| {sd:.3f} | {len(p)} | "
+                                 f"{statistics.mean(r['seconds'] for r in rr):.0f} |")  # fmt: skip
             lines.append("")
         ref_dense = next((r for r in abl if r["experiment"] == "intra_layer" and r["intra_layer"]
                           and r.get("warm_start") == "dense"), None)  # fmt: skip
@@ -481,7 +485,8 @@ def plot(recs: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     main = [r for r in recs if r["experiment"] == "main"]
     labels = [f"{r['method']}{'/' + r['warm_start'] if r.get('warm_start') else ''}\n{r['pattern']}" for r in main]
-    axes[0].bar(range(len(main)), [r["ppl"] for r in main], color=["C1" if r["method"] == "fista" else "C0" for r in main])
+    axes[0].bar(range(len(main)), [r["ppl"] for r in main],
+                color=["C1" if r["method"] == "fista" else "C0" for r in main])
     axes[0].set_xticks(range(len(main)), labels, fontsize=7)
     axes[0].set_ylabel("perplexity (test)")
     axes[0].set_title("main comparison")
@@ -500,7 +505,8 @@ def plot(recs: list[dict[str, Any]], path: Path) -> None:
 def report_only(args) -> int:
     """Combine the cached runs of every tag (not --quick) and the operator ablations into prune_fista.md."""
     runs: dict[str, Any] = {}
-    caches = sorted(p for p in RESULTS.glob("prune_fista*.json") if not any(t in p.name for t in ("quick", "operator", "calibsize")))
+    caches = sorted(p for p in RESULTS.glob("prune_fista*.json")
+                    if not any(t in p.name for t in ("quick", "operator", "calibsize")))
     base = None
     for path in caches:
         data = json.loads(path.read_text())
@@ -513,7 +519,8 @@ def report_only(args) -> int:
     recs = list(runs.values())
     md = write_report(recs, base["settings"], args, base["machine"], base["dense_ppl"])
     md = md.replace("Command:", "Combined by:", 1)
-    sources = [f"- `{p.name}`: `.venv/bin/python bench/prune_fista.py {json.loads(p.read_text()).get('command', '(not recorded)')}`"
+    sources = [f"- `{p.name}`: `.venv/bin/python bench/prune_fista.py "
+               f"{json.loads(p.read_text()).get('command', '(not recorded)')}`"
                for p in caches]  # fmt: skip
     md = md.replace("\n\nCalibration:", "\n\nRuns from:\n" + "\n".join(sources) + "\n\nCalibration:", 1)
     for extra in ("prune_fista_operator.md", "prune_fista_calibsize.md"):
@@ -577,7 +584,8 @@ def main() -> int:
         dense, tok = _load(s["model"])
         rows = operator_ablation(dense, tok, s, args)
         write_json(RESULTS / "prune_fista_operator.json", {"settings": s, "machine": machine_line(), "rows": rows})
-        md = f"Machine: {machine_line()}\n\nCommand: `.venv/bin/python bench/prune_fista.py {' '.join(sys.argv[1:])}`\n\n"
+        md = (f"Machine: {machine_line()}\n\n"
+              f"Command: `.venv/bin/python bench/prune_fista.py {' '.join(sys.argv[1:])}`\n\n")
         md += operator_report(rows, s, args)
         (RESULTS / "prune_fista_operator.md").write_text(md)
         print(md)

@@ -144,11 +144,13 @@ def run_torchrun(method: str, args: argparse.Namespace) -> dict[str, Any]:
         report = json.loads((out / "report.json").read_text())
     layers = report["layers"]
     phases = {"capture": report["engine"].get("capture_seconds", 0.0),
-              "stats": sum(lay["stats_seconds"] for lay in layers), "solve": sum(lay["prune_seconds"] for lay in layers),
+              "stats": sum(lay["stats_seconds"] for lay in layers),
+              "solve": sum(lay["prune_seconds"] for lay in layers),
               "forward": sum(lay["forward_seconds"] for lay in layers),
               "report": sum(lay["report_seconds"] for lay in layers)}
     phases["other"] = None  # the phases of two processes overlap in time
-    return {"code": args.code, "rev": args.rev or _git_rev(), "method": method, "method_config": report["method_config"],
+    return {"code": args.code, "rev": args.rev or _git_rev(), "method": method,
+            "method_config": report["method_config"],
             "mode": f"torchrun x{args.torchrun}", "intra_layer": report["engine"]["intra_layer"],
             "layers_pruned": len(layers), "nsamples": args.nsamples, "seqlen": args.seqlen,
             "batch_size": args.batch_size, "wall_s": wall,
@@ -216,7 +218,8 @@ def _layer_stats(args: argparse.Namespace, model, tok) -> dict[str, Any]:
                     a["n"] += xs.shape[0]
         for h in hooks:
             h.remove()
-        out[split] = {name: {k: a[k] / a["n"] for k in ("H", "G", "Hd")} | {"ntokens": a["n"]} for name, a in acc.items()}
+        out[split] = {name: {k: a[k] / a["n"] for k in ("H", "G", "Hd")} | {"ntokens": a["n"]}
+                      for name, a in acc.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(out, path)
     return out
@@ -238,7 +241,8 @@ def solver_study(args: argparse.Namespace, model, tok) -> list[dict[str, Any]]:
     for variant in args.study_variants.split(","):
         name, *opts = variant.split("+")
         pruner = pruner_class(name)(**{k: type_of(v) for k, v in (o.split("=") for o in opts)})
-        spec = pruner.resolve_spec(MaskSpec(0.5) if args.study_pattern is None else MaskSpec(pattern=args.study_pattern))
+        spec = pruner.resolve_spec(MaskSpec(0.5) if args.study_pattern is None
+                                   else MaskSpec(pattern=args.study_pattern))
         fit_e = val_e = fit_d = val_d = 0.0
         cpu = wall = 0.0
         per: dict[str, dict[str, float]] = {}
@@ -305,7 +309,8 @@ def render(records: list[dict[str, Any]]) -> str:
              "Commands: " + "; ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in recs)) + ".", "",
              "`val ppl`: perplexity of the pruned model on the whole validation split (two held-out plays, "
              "never used for calibration or testing), where measured; `reviews val`: on the reviews' "
-             "validation split (Women's Clothing reviews before the test split), where measured. `rel err`: the pruned layers' relative "
+             "validation split (Women's Clothing reviews before the test split), where measured. "
+             "`rel err`: the pruned layers' relative "
              "output error against the dense model (the engine's `rel_output_error`), mean over layers, where "
              "recorded.", "",
              "| code | method | mode | layers | calibration | wall s | cpu s | " + " | ".join(PHASES) +
@@ -345,7 +350,8 @@ def render_solver(records: list[dict[str, Any]]) -> str:
              "(per linear) | solve cpu s | solve wall s | threads | load |",
              "|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in recs:
-        lines.append(f"| {r['layer']} | {r['pattern'] or '50%'} | {r['nsamples']} x {r['seqlen']} | {r['val_windows']} | "
+        lines.append(f"| {r['layer']} | {r['pattern'] or '50%'} | {r['nsamples']} x {r['seqlen']} | "
+                     f"{r['val_windows']} | "
                      f"`{r['variant']}` | {r['fit_rel_error']:.5f} | {r['val_rel_error']:.5f} | "
                      f"{r['mean_val_rel_error']:.5f} | {r['solve_cpu_s']:.1f} | {r['solve_wall_s']:.1f} | "
                      f"{r['threads']} | {r['load']:.1f} |")
@@ -389,7 +395,8 @@ def main() -> int:
     ap.add_argument("--study-val", type=int, default=32, help="val-split windows of the solver study (default 32)")
     ap.add_argument("--study-variants", default="sparsegpt,fista",
                     help="comma list of method+key=value+... (e.g. fista+refine=10+refine_method=cg)")
-    ap.add_argument("--study-pattern", default=None, help="N:M pattern of the solver study (default 50 %% unstructured)")
+    ap.add_argument("--study-pattern", default=None,
+                    help="N:M pattern of the solver study (default 50 %% unstructured)")
     ap.add_argument("--render-only", action="store_true")
     args = ap.parse_args()
     if args.study_pattern:
