@@ -302,7 +302,8 @@ def run_setup(data: Path, args: argparse.Namespace) -> dict[str, Any]:
     # 2. identical features: fast path vs the pure-Python reference path (python reader, every op per row)
     #    and vs the code before (same batch size as it used)
     fast = FeatureBatch.concat(batches)
-    ref = FeatureBatch.concat(list(Extractor(replace(cfg, options=replace(cfg.options, reader="python", entity=False)))))
+    ref = FeatureBatch.concat(list(Extractor(
+        replace(cfg, options=replace(cfg.options, reader="python", entity=False)))))
     fast4096 = FeatureBatch.concat(list(Extractor(replace(cfg, options=replace(cfg.options, batch_rows=4096)))))
     same_before = len(before_tensors) == len(fast4096.tensors()) and all(
         torch.equal(a, b) for a, b in zip(before_tensors, fast4096.tensors()))
@@ -360,7 +361,8 @@ def arena_microbench(reps: int = 3, seed: int = 0) -> list[dict[str, Any]]:
     the batch (as intermediates are), then freed / reset; ~80 KB and ~20 MB outputs; best of ``reps``."""
     rng = np.random.default_rng(seed)
     out = []
-    for regime, mu, batches, per in (("small (~80 KB outputs)", 11.0, 200, 40), ("large (~20 MB outputs)", 16.5, 20, 12)):
+    for regime, mu, batches, per in (("small (~80 KB outputs)", 11.0, 200, 40),
+                                     ("large (~20 MB outputs)", 16.5, 20, 12)):
         sizes = [rng.lognormal(mu, 0.8, per).astype(np.int64) // 8 for _ in range(batches)]
         total = int(sum(int(s.sum()) for s in sizes)) * 8
         best: dict[str, float] = {}
@@ -523,14 +525,14 @@ def render(res: dict[str, Any], out: Path) -> str:
         lines += ["", f"Pipelined (process) hand-over: {ring:,} of {total:,} batches came through the workers' "
                   f"shared-memory slot rings, {total - ring:,} through the DataLoader's ordinary tensor sharing."]
     if two:
-        lines += ["", f"Two-stage detail: Parquet write {two.get('write_s', 0):.1f} s, read {two.get('read_s', 0):.1f} s "
-                  "(median wall seconds)."]
+        lines += ["", f"Two-stage detail: Parquet write {two.get('write_s', 0):.1f} s, "
+                  f"read {two.get('read_s', 0):.1f} s (median wall seconds)."]
     setup = res.get("setup")
     if setup and setup.get("before_after"):
         lines += ["", f"## Before and after (first {setup['head_rows']:,} rows of the same log, one repeat, each "
                   "code with its own batch size)", "",
-                  "| code | batch rows | rows | extract CPU s | extract rows / CPU s | train CPU s | train rows / CPU s "
-                  "| train loss |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| code | batch rows | rows | extract CPU s | extract rows / CPU s | train CPU s "
+                  "| train rows / CPU s | train loss |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in setup["before_after"]:
             lines.append(f"| {r['code']} | {r['batch_rows']:,} | {r['rows']:,} | {r['extract_cpu_s']:.2f} | "
                          f"{r['extract_rows_per_cpu_s']:,} | {r['train_cpu_s']:.2f} | {r['train_rows_per_cpu_s']:,} | "
@@ -555,7 +557,8 @@ def render(res: dict[str, Any], out: Path) -> str:
             for name, label in (("plain", "features only"), ("plans", "features + lookup plans")):
                 ecs, tcs = lp[f"extract_{name}"], lp[f"train_{name}"]
                 lines.append(f"| {label} | {ecs:.2f} | {n / ecs:,.0f} | {tcs:.2f} | {n / tcs:,.0f} |")
-            lines += ["", f"Training steps with the plan at hand take {lp['train_plans'] / lp['train_plain']:.2f} x the "
+            lines += ["", "Training steps with the plan at hand take "
+                      f"{lp['train_plans'] / lp['train_plain']:.2f} x the "
                       f"CPU seconds; extraction takes {lp['extract_plans'] / lp['extract_plain']:.2f} x. Same training "
                       f"loss to the last bit: {lp['same_loss']}."]
         lines += ["", "## Training batch size (same rows and seed; AUC on the next "
@@ -615,8 +618,10 @@ def plot(res: dict[str, Any], out: Path) -> None:
     if setup and setup.get("before_after"):
         b0, b1 = setup["before_after"]
         x = np.arange(2)
-        axes[2].bar(x - 0.2, [b0["extract_rows_per_cpu_s"] / 1e3, b0["train_rows_per_cpu_s"] / 1e3], 0.4, label="before")
-        axes[2].bar(x + 0.2, [b1["extract_rows_per_cpu_s"] / 1e3, b1["train_rows_per_cpu_s"] / 1e3], 0.4, label="after")
+        axes[2].bar(x - 0.2, [b0["extract_rows_per_cpu_s"] / 1e3, b0["train_rows_per_cpu_s"] / 1e3], 0.4,
+                    label="before")
+        axes[2].bar(x + 0.2, [b1["extract_rows_per_cpu_s"] / 1e3, b1["train_rows_per_cpu_s"] / 1e3], 0.4,
+                    label="after")
         axes[2].axhline(TARGETS["extract_rows_per_cpu_s"] / 1e3, ls=":", c="#4a4", lw=1)
         axes[2].axhline(TARGETS["train_rows_per_cpu_s"] / 1e3, ls=":", c="#c44", lw=1)
         axes[2].set_xticks(x, ["extraction", "training"])

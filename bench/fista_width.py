@@ -154,13 +154,15 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
              "preset objective / reference objective - 1 (the objective FISTA minimises: output error plus the "
              f"ridge). Target: every gap within {100 * TARGET:.0f} %.", "",
              f"Machine: {m.get('cpu')}, {m.get('cores_available')} cores, torch {m.get('torch')}.", "",
-             "| shape | width n | pattern | preset | gap mean | gap max | FISTA iters | refit iters | CPU-s per 100 rows | within 1 % |",
+             "| shape | width n | pattern | preset | gap mean | gap max | FISTA iters | refit iters "
+             "| CPU-s per 100 rows | within 1 % |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         shape = "smollm2" if r["operator"].startswith("smollm2") else r["operator"].rsplit(".", 1)[0]
         groups.setdefault((shape, r["width"], r["pattern"], r["preset"]), []).append(r)
-    for (shape, n, pattern, preset), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "smollm2", kv[0][1], kv[0][2], kv[0][3])):
+    for (shape, n, pattern, preset), rs in sorted(groups.items(),
+                                                  key=lambda kv: (kv[0][0] != "smollm2", kv[0][1], kv[0][2], kv[0][3])):
         gaps = [r["gap"] for r in rs]
         lines.append(f"| {shape} | {n} | {pattern} | {preset} | {100 * statistics.fmean(gaps):+.3f} % | "
                      f"{100 * max(gaps):+.3f} % | {statistics.fmean(r['fista_iters'] for r in rs):.1f} | "

@@ -362,7 +362,8 @@ def part_memory(S: Sizes, device: str, assets: Path | None, emit: Emitter, args:
             emit({**what, "tokens_s": r["tokens_s"], "step_s": r["step_s"],
                   "peak_bytes": r.get("cuda_peak_bytes") or r["peak_bytes"],
                   "activation_peak_bytes": r["peak_bytes"], "budget_bytes": r["budget_bytes"],
-                  "steps_over_budget": (r.get("cuda_steps_over_budget") if device == "cuda" else r["steps_over_budget"]),
+                  "steps_over_budget": (r.get("cuda_steps_over_budget") if device == "cuda"
+                                        else r["steps_over_budget"]),
                   "meter_steps_over_budget": r["steps_over_budget"], "compile_seconds": r["compile_s"],
                   "setup_seconds": r["setup_s"], "unoptimized_peak_bytes": r["unoptimized_peak_bytes"],
                   "final_loss": r["final_loss"], "grad_bytes": r.get("grad_bytes")})
@@ -400,7 +401,8 @@ def part_recover(S: Sizes, device: str, assets: Path | None, emit: Emitter, args
         rep = recover(student, wins, cfg, teacher=teacher, device=device, progress=False)
         sync(device)
         seconds = time.perf_counter() - t0
-        emit({**what, "seconds": seconds, "tokens_s": S.recover_steps * 2 * seqlen / seconds, "peak_bytes": peak(device),
+        emit({**what, "seconds": seconds, "tokens_s": S.recover_steps * 2 * seqlen / seconds,
+              "peak_bytes": peak(device),
               **{k: v for k, v in rep.items() if isinstance(v, (int, float, str, bool)) and k != "device"}})
     except Exception as exc:  # noqa: BLE001
         emit.failed(what, exc)
@@ -549,7 +551,8 @@ def render(doc: dict[str, Any]) -> str:
              "Random-init weights (time, memory and errors; quality is measured on the CPU with real weights).", ""]
     cols = {"prune": ["method", "mask", "layers", "seconds_per_layer", "engine_seconds", "solver_seconds",
                       "stream_device", "sparsity_measured", "peak_bytes"],
-            "speed": ["method", "prompt_len", "batch_size", "prefill_tok_s", "decode_tok_s", "peak_bytes", "outputs_match"],
+            "speed": ["method", "prompt_len", "batch_size", "prefill_tok_s", "decode_tok_s", "peak_bytes",
+                      "outputs_match"],
             "memory": ["strategy", "tokens_s", "step_s", "peak_bytes", "budget_bytes", "steps_over_budget",
                        "compile_seconds"],
             "recover": ["method", "steps", "seconds", "tokens_s", "peak_bytes"],
@@ -572,13 +575,15 @@ def render(doc: dict[str, Any]) -> str:
         checks.append(f"our SparseGPT / llm-compressor's wall time: "
                       f"{by['sparsegpt']['seconds'] / by['llmcompressor-sparsegpt']['seconds']:.2f} (target <= 0.6)")
     if "sparsegpt" in by and "fista" in by:
-        checks.append(f"FISTA / our SparseGPT time: {by['fista']['seconds'] / by['sparsegpt']['seconds']:.2f} (target <= 1.5)")
+        checks.append(f"FISTA / our SparseGPT time: "
+                      f"{by['fista']['seconds'] / by['sparsegpt']['seconds']:.2f} (target <= 1.5)")
     if "wanda" in by:
         checks.append(f"Wanda 2:4 seconds per layer: {by['wanda']['seconds_per_layer']:.3f} (target <= 0.5)")
     for label, target in (("adacc+compile@25%", 1.10), ("adacc+compile@50%", 1.0)):
         r = frontier_ratio(recs, label)
         if r is not None:
-            checks.append(f"{label} tokens/s over compile's frontier at its measured peak: {r:.2f} (target >= {target})")
+            checks.append(f"{label} tokens/s over compile's frontier at its measured peak: "
+                          f"{r:.2f} (target >= {target})")
     mem = {r["strategy"]: r for r in recs if r.get("part") == "memory" and r.get("ok") and r.get("tokens_s")}
     if "adacc+compile@50%" in mem and "checkpoint" in mem:
         checks.append(f"adacc+compile@50% / checkpoint tokens/s: "
@@ -588,7 +593,8 @@ def render(doc: dict[str, Any]) -> str:
     speed = {r["method"]: r for r in recs if r.get("part") == "speed" and r.get("ok") and r.get("prefill_tok_s")}
     if "dense" in speed and "2:4 sparse kernels" in speed:
         checks.append(f"2:4 sparse kernels / dense bf16 prefill: "
-                      f"{speed['2:4 sparse kernels']['prefill_tok_s'] / speed['dense']['prefill_tok_s']:.2f} (target >= 1.2)")
+                      f"{speed['2:4 sparse kernels']['prefill_tok_s'] / speed['dense']['prefill_tok_s']:.2f}"
+                      " (target >= 1.2)")
     failed = [f"{r['part']}: {r.get('method') or r.get('strategy')}" for r in recs if not r.get("ok")]
     checks.append(f"records not ok: {', '.join(failed) or 'none'}")
     lines += ["## Targets", ""] + [f"- {c}" for c in checks] + [""]
@@ -618,10 +624,12 @@ def orchestrate(args: argparse.Namespace) -> int:
         limit = min(left, PART_SECONDS[part] * (10 if args.dry else 1))
         if limit < 10:
             with open(records_path, "a") as f:
-                f.write(json.dumps({"part": part, "ok": False, "error": "skipped: no time left before the deadline"}) + "\n")
+                f.write(json.dumps({"part": part, "ok": False,
+                                    "error": "skipped: no time left before the deadline"}) + "\n")
             continue
-        cmd = [sys.executable, __file__, "--part", part, "--records", str(records_path), *(["--dry"] if args.dry else []),
-               *(["--assets", args.assets] if args.assets else []), *(["--peer-path", args.peer_path] if args.peer_path else []),
+        cmd = [sys.executable, __file__, "--part", part, "--records", str(records_path),
+               *(["--dry"] if args.dry else []), *(["--assets", args.assets] if args.assets else []),
+               *(["--peer-path", args.peer_path] if args.peer_path else []),
                *(["--strategies", args.strategies] if args.strategies else [])]
         print(f"== {part} (limit {limit:.0f} s)", flush=True)
         try:

@@ -257,7 +257,8 @@ def aggregate(records: list[dict[str, Any]], section: str) -> list[dict[str, Any
                                   if first.get("steps_over_budget") is not None else None),
             "peak_measured_every_step": all(r["peak_measured_every_step"] for r in rs),
             "setup_s": statistics.median(r["setup_s"] for r in rs),
-            "profile_peak_bytes": max((r["profile_peak_bytes"] for r in rs if r.get("profile_peak_bytes")), default=None),
+            "profile_peak_bytes": max((r["profile_peak_bytes"] for r in rs if r.get("profile_peak_bytes")),
+                                      default=None),
             "replan_s": sum(r["replan_s"] for r in rs),
             "final_loss": statistics.median(r["final_loss"] for r in rs),
             "plan": first.get("plan"),
@@ -295,7 +296,8 @@ def table(aggs: list[dict[str, Any]]) -> list[str]:
             plan = ", ".join(f"{k} {v}" for k, v in a["plan"]["summary"].items() if v)
         rows.append(
             f"| {a['label']} | {a['peak_bytes'] / MIB:.1f} | {a['peak_bytes'] / ref:.0%} | "
-            f"{over} | {_mib(a['allocator_peak_bytes'])} | {a['step_s']:.3f} | {a['tokens_s']:.0f} | {a['tokens_s_min']:.0f}-{a['tokens_s_max']:.0f} | "
+            f"{over} | {_mib(a['allocator_peak_bytes'])} | {a['step_s']:.3f} | {a['tokens_s']:.0f} | "
+            f"{a['tokens_s_min']:.0f}-{a['tokens_s_max']:.0f} | "
             f"{_med(a['vs_checkpoint'])} | {_med(a.get('vs_compile_same_budget', []))} | {a['setup_s']:.0f} | {plan} |")
     return rows
 
@@ -326,10 +328,12 @@ def coverage(records: list[dict[str, Any]], section: str) -> list[str]:
     reps = sorted({len({rep for rep, _ in v}) for v in runs.values()})
     timed = min((r["steps"] - r["warmup"] for r in recs), default=0)
     full = not missing and reps == [REPEATS] and timed >= MIN_TIMED
+    completeness = ("complete" if full
+                    else "**incomplete**: the met/missed verdicts below rest on fewer runs than asked")
     lines = [f"- Protocol: {len(runs)}/{len(want)} strategies measured"
              + (f" (never run: {', '.join(missing)})" if missing else "")
              + f", {'/'.join(map(str, reps)) or 0} repeat(s) each of {REPEATS} asked, at least {timed} timed steps "
-             f"per strategy ({MIN_TIMED} asked): {'complete' if full else '**incomplete**: the met/missed verdicts below rest on fewer runs than asked'}."]
+             f"per strategy ({MIN_TIMED} asked): {completeness}."]
     bf16 = [r for r in records if r["section"] == "bf16" and not r.get("error")]
     if bf16:
         lines.append(f"- bf16 run: {len({r['label'] for r in bf16})}/{len(BF16)} strategies recorded, "
@@ -434,8 +438,10 @@ def loss_lines(records: list[dict[str, Any]]) -> list[str]:
                      f"{max(a['step_peaks']) / a['budget_bytes']:.3f} |")
     if diffs:
         worst = max(abs(d) for d in diffs)
+        verdict = ("met" if worst <= 0.01 and len(diffs) >= 3
+                   else "**missed**" if worst > 0.01 else "pending (fewer than 3 seeds)")
         lines += ["", f"- Target: loss within 1% of the unoptimized run on every seed: largest difference "
-                      f"{worst:.2%} over {len(diffs)} seed(s): {'met' if worst <= 0.01 and len(diffs) >= 3 else '**missed**' if worst > 0.01 else 'pending (fewer than 3 seeds)'}."]
+                      f"{worst:.2%} over {len(diffs)} seed(s): {verdict}."]
     return lines + [""]
 
 
@@ -569,8 +575,8 @@ def render(payload: dict[str, Any], out: Path, doc: Path | None = None) -> None:
              "runtime-optimal saved set; its recomputation workspace inside fused kernels is invisible to the meter "
              "on CPU). `adacc+compile@X`: Adacc whose MILP may also run layers as compiled blocks "
              f"(compiler budgets {', '.join(f'{b:g}' for b in COMPILE_BLOCK_BUDGETS)}). `allocator peak`: one extra, "
-             "untimed step per strategy after the timed ones, the peak of every byte the allocator handed out above the "
-             "step's start (torch profiler allocation events on CPU, max_memory_allocated on CUDA): activations, "
+             "untimed step per strategy after the timed ones, the peak of every byte the allocator handed out above "
+             "the step's start (torch profiler allocation events on CPU, max_memory_allocated on CUDA): activations, "
              "gradients and optimizer state alike, and the workspace inside compiled kernels the meter cannot see.", ""]
     summary = section_header(records, "smollm2", "Headline") + table(smol) + [""] if smol else []
     lines += summary
@@ -620,7 +626,8 @@ def main() -> int:
                     help=f"Adacc's relative-error cap on lossy compressors (default {TrainConfig.max_error:g}); "
                     "records carry it")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--render-only", action="store_true", help="only rewrite memory.md/.png (and docs) from memory.json")
+    ap.add_argument("--render-only", action="store_true",
+                    help="only rewrite memory.md/.png (and docs) from memory.json")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -68,8 +68,8 @@ def main() -> int:
                 compile_s = time.perf_counter() - t0
                 with torch.no_grad():
                     p = comp.pack_fn(x)
-                    rec = {"dtype": str(dtype).removeprefix("torch."), "shape": [args.tokens, width], "compressor": name,
-                           "compile_s": compile_s}
+                    rec = {"dtype": str(dtype).removeprefix("torch."), "shape": [args.tokens, width],
+                           "compressor": name, "compile_s": compile_s}
                     for _ in range(2):  # interleave the modes
                         rec.setdefault("eager_pack_s", []).append(_time(comp.pack_fn, x, args.reps))
                         rec.setdefault("compiled_pack_s", []).append(_time(cpack, x, args.reps))
@@ -100,7 +100,8 @@ def main() -> int:
             continue
         e = r["eager_pack_s"] + r["eager_unpack_s"]
         c = r["compiled_pack_s"] + r["compiled_unpack_s"]
-        lines.append(f"| {r['dtype']} | {r['shape'][0]}x{r['shape'][1]} | {r['compressor']} | {r['eager_pack_s'] * 1e3:.2f} | "
+        lines.append(f"| {r['dtype']} | {r['shape'][0]}x{r['shape'][1]} | {r['compressor']} | "
+                     f"{r['eager_pack_s'] * 1e3:.2f} | "
                      f"{r['compiled_pack_s'] * 1e3:.2f} | {r['eager_unpack_s'] * 1e3:.2f} | "
                      f"{r['compiled_unpack_s'] * 1e3:.2f} | {e / c:.2f}x | {r['compile_s']:.0f} | {r['same_result']} |")
     (out / "memory_kernels.md").write_text("\n".join(lines) + "\n")

@@ -508,7 +508,8 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
         "(that share of the training windows sampled from the dense teacher, temperature 1, from its BOS "
         "token, the rest Shakespeare; the sampling time is in train s, also for runs that reuse the samples an earlier "
         "run of the same teacher and share drew, `--teacher-samples-cache`, marked cached); "
-        + "; ".join(f"rows `{t}`: `{VARIANTS[t][0]}` with {variant_changes(t)}" for t in VARIANTS) + ". Pruning: `leanml prune` defaults except method and sparsity "
+        + "; ".join(f"rows `{t}`: `{VARIANTS[t][0]}` with {variant_changes(t)}" for t in VARIANTS)
+        + ". Pruning: `leanml prune` defaults except method and sparsity "
         f"(64 x 512 calibration tokens). Perplexity: SparseGPT protocol, {s['eval_seqlen']}-token windows, "
         f"Hamlet (all test windows) and the last 300 Women's Clothing reviews.",
         "",
@@ -546,7 +547,8 @@ def render_tables(data: dict[str, Any], records: list[dict[str, Any]], tgts: lis
             f"| {fmt(c['unoptimized_peak_bytes'] and c['unoptimized_peak_bytes'] / mib, '.0f')} "
             f"| {fmt(c['budget_bytes'] and c['budget_bytes'] / mib, '.0f')} | {c['within_budget']} "
             f"| {c['loss_first']:.3f} | {c['loss_last10']:.3f} | {c['train_seconds']:.0f} | {c['teacher_seconds']:.0f} "
-            f"| {fmt(sampling_seconds(c), '.0f')}{' (cached)' if (c.get('teacher_samples') or {}).get('reused_from_cache') else ''} "
+            f"| {fmt(sampling_seconds(c), '.0f')}"
+            f"{' (cached)' if (c.get('teacher_samples') or {}).get('reused_from_cache') else ''} "
             f"| {c['train_cpu_seconds']:.0f} | {c['load_before'][0]:.2f} | {fmt(c.get('measured_steps'), 'd')} "
             f"| {plan} |")
     for name, trial in (data.get("trials") or {}).items():
@@ -586,7 +588,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         for j, teacher in enumerate(TEACHERS):
             vals = []
             for m in models:
-                r = next((r for r in records if r["model"] == m and r["teacher"] == teacher and r["corpus"] == corpus), None)
+                r = next((r for r in records
+                          if r["model"] == m and r["teacher"] == teacher and r["corpus"] == corpus), None)
                 vals.append(100 * r["gap_closed"] if r and r["gap_closed"] is not None else float("nan"))
             xs = [i + (j - (len(TEACHERS) - 1) / 2) * width for i in range(len(models))]
             ax.bar(xs, vals, width, label=labels.get(teacher, teacher))
