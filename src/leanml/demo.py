@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from leanml.config import Form, option, require
-from leanml.flags import add_command
+from leanml.flags import add_command, flag_of
 from leanml.machine import apply_threads, cores_available
 
 # Each module provides ``run_demo(fast: bool) -> None`` and prints its own short table.
@@ -35,21 +35,23 @@ class DemoJob:
 
     def __post_init__(self) -> None:
         require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
-        require(self, self.only is None or self.only in PARTS, "only", f"must be one of {', '.join(PARTS)}, got {self.only!r}")
+        require(self, self.only is None or self.only in PARTS, "only",
+                f"must be one of {', '.join(PARTS)}, got {self.only!r}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     add_command(sub, "demo", DemoJob, run,
                 help="run every system briefly on the bundled model and data",
                 description="Runs each system on the embedded defaults and prints its comparison table.",
-                epilog="examples:\n  leanml demo\n  leanml demo --only prune")
+                epilog=f"examples:\n  leanml demo\n  leanml demo {flag_of(DemoJob, 'only')} prune")
 
 
 def run(job: DemoJob) -> int:
     """Run every part (or ``job.only``) and print how long each took."""
     cores = cores_available()
     threads = apply_threads(job.threads)
-    print(f"leanml demo: {threads} torch threads (--threads; this process may use {cores['cores']:g} cores); "
+    print(f"leanml demo: {threads} torch threads ({flag_of(DemoJob, 'threads')}; this process may use "
+          f"{cores['cores']:g} cores); "
           "parts with small models use 1")
     took: list[tuple[str, float]] = []
     for name in DEMO_PARTS:

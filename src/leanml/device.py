@@ -21,29 +21,33 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def parse_device(arg: str | None, flag: str = "--device") -> torch.device:
+def parse_device(arg: str | None, flag: str | None = None) -> torch.device:
     """``--device``: ``None`` (cuda when present, else cpu), ``cpu``, ``cuda``/``cuda:N`` or ``mps``, checked
-    against this machine; raises :class:`LeanmlError` with one line naming the fix."""
+    against this machine; raises :class:`LeanmlError` with one line naming the fix. ``flag``: the option
+    the error names, a field name (default ``device``, shown as its flag on the command line) or a flag."""
     import torch
 
     if arg is None:
         return default_device()
+    name = flag or "device"
+    fields = () if name.startswith("-") else (name,)
     try:
         device = torch.device(arg)
     except (RuntimeError, ValueError):
-        raise LeanmlError(f"unknown {flag} {arg!r}; use cpu or cuda (or cuda:N)") from None
+        raise LeanmlError(f"unknown {name} {arg!r}; use cpu or cuda (or cuda:N)", fields=fields) from None
     if device.type == "cpu":
         return device
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise LeanmlError(f"{flag} {arg}: no CUDA device is available here; use {flag} cpu")
+            raise LeanmlError(f"{name} {arg}: no CUDA GPU is available here; use {name} cpu", fields=fields)
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise LeanmlError(f"{flag} {arg}: this machine has {torch.cuda.device_count()} CUDA device(s); "
-                              f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+            raise LeanmlError(f"{name} {arg}: this machine has {torch.cuda.device_count()} CUDA GPU(s); "
+                              f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}", fields=fields)
         return device
     if device.type == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            raise LeanmlError(f"{flag} mps: no Apple MPS device is available here; use {flag} cpu")
+            raise LeanmlError(f"{name} mps: no Apple MPS GPU is available here; use {name} cpu", fields=fields)
         return device
-    raise LeanmlError(f"{flag} {arg}: leanml runs on cpu or cuda, not {device.type}; use {flag} cpu or cuda")
+    raise LeanmlError(f"{name} {arg}: leanml runs on cpu or cuda, not {device.type}; use {name} cpu or cuda",
+                      fields=fields)

@@ -28,11 +28,27 @@ class NonFiniteError(LeanmlError):
     """A loss, gradient or tensor to be saved is NaN or infinite (a user error: its options diverged)."""
 
 
-def lr_hint(lr: float, extra: str = "") -> str:
-    """The usual hint of a diverged run: the learning rate ``lr`` (``--lr``) first, then ``extra`` (other
-    options that scale the updates or the loss, e.g. ``"--weight-decay 0.1, --temperature 2"``)."""
+class Hint(str):
+    """A hint's text and the option fields it names (shown as their flags on the command line)."""
+
+    fields: tuple[str, ...]
+
+    def __new__(cls, text: str, fields: tuple[str, ...] = ()) -> Hint:
+        hint = super().__new__(cls, text)
+        hint.fields = tuple(fields)
+        return hint
+
+
+def _fields(hint: str) -> tuple[str, ...]:
+    return getattr(hint, "fields", ())
+
+
+def lr_hint(lr: float, extra: str = "", fields: tuple[str, ...] = ()) -> Hint:
+    """The usual hint of a diverged run: the learning rate ``lr`` (the field ``lr``) first, then ``extra``
+    (other options that scale the updates or the loss, e.g. ``"weight_decay 0.1, temperature 2"``, whose
+    field names are ``fields``)."""
     more = f", or check {extra}" if extra else ""
-    return f"the updates diverged: lower the learning rate (--lr {lr:g}){more}"
+    return Hint(f"the updates diverged: lower the learning rate (lr {lr:g}){more}", ("lr", *fields))
 
 
 def _as_float(loss: torch.Tensor | float) -> float:
@@ -67,7 +83,8 @@ def check_finite_loss(loss: torch.Tensor | float, step: int, hint: str, what: st
     nothing has been saved."""
     value = _as_float(loss)
     if value != value or value in (float("inf"), float("-inf")):
-        raise NonFiniteError(f"the loss is {value} {_where(step, what)}: {hint}; stopped, nothing was saved")
+        raise NonFiniteError(f"the loss is {value} {_where(step, what)}: {hint}; stopped, nothing was saved",
+                             fields=_fields(hint))
 
 
 def first_bad_grad(params: Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor]) -> str | None:
@@ -97,7 +114,7 @@ def check_finite_grads(params: Iterable[tuple[str, torch.Tensor]] | Iterable[tor
     bad = first_bad_grad(params)
     if bad is not None:
         raise NonFiniteError(f"the gradient of {bad} is not finite {_where(step, what)}: {hint}; "
-                             "stopped, nothing was saved")
+                             "stopped, nothing was saved", fields=_fields(hint))
 
 
 def check_finite_step(loss: torch.Tensor | float, params: Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor],
@@ -128,21 +145,23 @@ def check_finite_tensors(named_tensors: Iterable[tuple[str, Any]], what: str, hi
         name, count, numel = bad
         tail = f"; {hint}" if hint else ""
         raise NonFiniteError(f"refusing to save {what}: tensor {name} has {count} of {numel} values NaN or "
-                             f"infinite{tail}; nothing was saved")
+                             f"infinite{tail}; nothing was saved", fields=_fields(hint))
 
 
 def solver_error(solver: str, option: str, value: float, stats: torch.Tensor | None = None,
-                 where: str = "") -> NonFiniteError:
+                 where: str = "", owner: type | None = None) -> NonFiniteError:
     """The one-line error of a numerical solver that failed (a Cholesky factorisation, a least-squares
     solve): the input statistics ``stats`` when they hold a NaN or infinity (the model's activations
-    overflow), else the option ``option`` (a flag such as ``--sparsegpt-damp``) set to ``value``."""
+    overflow), else the option ``option`` (the field ``damp`` of the options class ``owner``, shown as its
+    flag on the command line, or a flag) set to ``value``."""
     at = f" in {where}" if where else ""
     if stats is not None and not bool(_finite(stats)):
         return NonFiniteError(f"{solver} failed{at}: the input statistics hold NaN or infinite values (the model's "
                               "activations overflow on the calibration text); check the model's weights and "
-                              "use --dtype float32")
+                              "use dtype float32", fields=("dtype",))
     return NonFiniteError(f"{solver} failed{at}: {option} {value:g} makes the damped matrix overflow or lose "
-                          f"positive definiteness; use a moderate {option} (the default is 0.01)")
+                          f"positive definiteness; use a moderate {option} (the default is 0.01)",
+                          owner=owner, fields=() if option.startswith("-") else (option,))
 
 
 def check_finite_weights(named_tensors: Iterable[tuple[str, Any]], where: str) -> None:

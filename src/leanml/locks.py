@@ -33,11 +33,12 @@ def _owner(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def output_lock(out: str | os.PathLike | None, flag: str = "--out") -> Iterator[Path | None]:
+def output_lock(out: str | os.PathLike | None, flag: str | None = None) -> Iterator[Path | None]:
     """Hold the lock of ``out`` (``None``: nothing to lock) while the block runs; another live holder
     is a :class:`LeanmlError` naming its pid. Folders made for the lock file and the file itself are
     removed on the way out. Where no lock file can be made (a read-only folder), the block runs
-    unlocked: the output's own checks report that folder."""
+    unlocked: the output's own checks report that folder. ``flag``: the option the error names, a field
+    name (default ``out``, shown as its flag on the command line) or a flag."""
     if out is None:
         yield None
         return
@@ -59,7 +60,7 @@ def output_lock(out: str | os.PathLike | None, flag: str = "--out") -> Iterator[
         _remove_empty(made)
 
 
-def _acquire(path: Path, flag: str) -> int:
+def _acquire(path: Path, flag: str | None) -> int:
     """Lock ``path`` (created if missing) and write this pid in it; the descriptor holds the lock."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -68,8 +69,9 @@ def _acquire(path: Path, flag: str) -> int:
         except BlockingIOError:
             os.close(fd)
             out = path.with_name(path.name[1 : -len(".lock")])
+            name = flag or "out"
             raise LeanmlError(f"another leanml run (pid {_owner(path)}) is writing {out}; wait for it to end or "
-                              f"choose another {flag}") from None
+                              f"choose another {name}", fields=() if name.startswith("-") else (name,)) from None
         except BaseException:
             os.close(fd)
             raise

@@ -32,34 +32,47 @@ def cache_dir() -> Path:
     return path
 
 
-def check_output_dir(out: str | os.PathLike, overwrite: bool, flag: str = "--out") -> Path:
+def _named(flag: str | None) -> tuple[str, tuple[str, ...]]:
+    """The option a message names (``flag``: a flag, or a field name the command line shows as its flag;
+    default the field ``out``) and the fields to give the error."""
+    name = flag or "out"
+    return name, (() if name.startswith("-") else (name,))
+
+
+def check_output_dir(out: str | os.PathLike, overwrite: bool, flag: str | None = None) -> Path:
     """Check an output directory before any work: refuse an existing one unless ``overwrite``, refuse a
     path that is a file or whose folder cannot be written, and remove temporary folders left beside it
-    by a killed run (see :func:`clean_stale`). Raises :class:`LeanmlError`; creates nothing."""
+    by a killed run (see :func:`clean_stale`). Raises :class:`LeanmlError`; creates nothing. ``flag``: the
+    option the error names, a field name (default ``out``, shown as its flag on the command line) or a flag."""
     path = Path(out).expanduser()
+    name, fields = _named(flag)
     if path.exists() and not path.is_dir():
-        raise LeanmlError(f"{flag} {path} is a file, not a directory; choose another {flag}")
+        raise LeanmlError(f"{name} {path} is a file, not a directory; choose another {name}", fields=fields)
     if path.exists() and not overwrite:
-        raise LeanmlError(f"output directory {path} already exists; choose another {flag} or pass --overwrite")
+        raise LeanmlError(f"output directory {path} already exists; choose another {name} or pass overwrite",
+                          fields=(*fields, "overwrite"))
     check_writable(path.parent, flag)
     clean_stale(path)
     return path
 
 
-def check_writable(folder: str | os.PathLike, flag: str = "--out") -> None:
+def check_writable(folder: str | os.PathLike, flag: str | None = None) -> None:
     """Raise :class:`LeanmlError` unless a file can be created in ``folder`` (or, when it does not exist
     yet, in its nearest existing ancestor). Probes with a real temporary file, so read-only mounts and
-    immutable folders are found too; nothing is left behind."""
+    immutable folders are found too; nothing is left behind. ``flag`` as in :func:`check_output_dir`."""
+    name, fields = _named(flag)
     folder = Path(folder).expanduser().absolute()
     probe_dir = folder
     while not probe_dir.exists():
         probe_dir = probe_dir.parent
     if not probe_dir.is_dir():
-        raise LeanmlError(f"{flag}: {probe_dir} is a file, so {folder} cannot be created; choose another {flag}")
+        raise LeanmlError(f"{name}: {probe_dir} is a file, so {folder} cannot be created; choose another {name}",
+                          fields=fields)
     try:
         fd, name = tempfile.mkstemp(prefix=".leanml-probe-", dir=probe_dir)
     except OSError as exc:
-        raise LeanmlError(f"{flag}: cannot write in {probe_dir} ({exc.strerror}); choose a writable {flag}") from exc
+        raise LeanmlError(f"{name}: cannot write in {probe_dir} ({exc.strerror}); choose a writable {name}",
+                          fields=fields) from exc
     os.close(fd)
     os.unlink(name)
 

@@ -60,7 +60,7 @@ def test_atomic_dir_removes_its_folder_on_an_interrupt(tmp_path) -> None:
 
 def test_output_checks_name_the_flag_and_create_nothing(tmp_path) -> None:
     (tmp_path / "file").write_text("x")
-    with pytest.raises(LeanmlError, match="--out .* is a file"):
+    with pytest.raises(LeanmlError, match="out .* is a file"):
         check_output_dir(tmp_path / "file", overwrite=True)
     with pytest.raises(LeanmlError, match="is a file, so .* cannot be created"):
         check_output_dir(tmp_path / "file" / "sub" / "out", overwrite=False)
@@ -70,15 +70,15 @@ def test_output_checks_name_the_flag_and_create_nothing(tmp_path) -> None:
 
 def test_parse_device() -> None:
     assert parse_device("cpu") == torch.device("cpu")
-    with pytest.raises(LeanmlError, match="unknown --device 'foo'"):
+    with pytest.raises(LeanmlError, match="unknown device 'foo'"):
         parse_device("foo")
     with pytest.raises(LeanmlError, match="cpu or cuda"):
         parse_device("meta")
     if not torch.cuda.is_available():
-        with pytest.raises(LeanmlError, match="no CUDA device"):
+        with pytest.raises(LeanmlError, match="no CUDA GPU"):
             parse_device("cuda:1")
     if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        with pytest.raises(LeanmlError, match="no Apple MPS device") as exc:
+        with pytest.raises(LeanmlError, match="no Apple MPS GPU") as exc:
             parse_device("mps")
         assert "--dtype" not in str(exc.value)
 

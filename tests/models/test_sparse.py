@@ -85,7 +85,7 @@ def test_gpu_without_support_and_float32_are_one_line_errors(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert kernel_support(torch.device("cuda"), torch.bfloat16) == ("ok", None)
     status, why = kernel_support(torch.device("cuda"), torch.float32)
-    assert status == "error" and "--dtype bfloat16" in why
+    assert status == "error" and "dtype bfloat16" in why
     assert kernel_support(torch.device("cpu"), torch.bfloat16)[0] == "fallback"
 
 

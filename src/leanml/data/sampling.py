@@ -101,14 +101,16 @@ def sample_windows(
     return out
 
 
-def start_token(tokenizer: object, option: str = "--teacher-samples") -> int:
+def start_token(tokenizer: object, option: str = "teacher_samples") -> int:
     """The token a sample starts from: the tokenizer's BOS, else its EOS (a document boundary).
-    ``option``: the command-line option that asked for samples, named in the error."""
+    ``option``: the option that asked for samples, named in the error: a field name (shown as its flag on
+    the command line) or a flag."""
     for name in ("bos_token_id", "eos_token_id"):
         tid = getattr(tokenizer, name, None)
         if tid is not None:
             return int(tid)
-    raise LeanmlError(f"the tokenizer has neither a BOS nor an EOS token to start samples from; drop {option}")
+    raise LeanmlError(f"the tokenizer has neither a BOS nor an EOS token to start samples from; drop {option}",
+                      fields=() if option.startswith("-") else (option,))
 
 
 def calibration_with_samples(
@@ -137,7 +139,7 @@ def calibration_with_samples(
     n_corpus = nsamples - n_samples
     parts, seconds, start = [], 0.0, None
     if n_samples:
-        start = start_token(tokenizer, "--calib-samples")
+        start = start_token(tokenizer, "calib_samples")
         t0 = time.perf_counter()
         parts.append(sample_windows(model, n_samples, seqlen, Sampling(start, seed=seed), device=device,
                                     progress=progress, desc="calibration samples"))

@@ -125,7 +125,8 @@ def _load_text(name: str, split: str, stamp: tuple[int, int] | None) -> str:
         return "\n\n".join(part)
     if name in HUB_CORPORA:
         if split == "val":
-            raise LeanmlError(f"{name} has no val split here; use --data shakespeare or reviews for validation")
+            raise LeanmlError(f"{name} has no val split here; use data shakespeare or reviews for validation",
+                              fields=("data",))
         return _hub_text(name, split)
     text = read_utf8(Path(name).expanduser())
     cut = int(len(text) * 0.9)
@@ -181,11 +182,13 @@ def read_utf8(path: Path) -> str:
 
 def check_corpus(name: str, split: str, flag: str) -> None:
     """Read corpus ``name`` now (it is cached for the run), so that a missing, undecodable or unreachable
-    corpus is refused before a model is loaded; the error names ``flag``."""
+    corpus is refused before a model is loaded; the error names ``flag``: a field name (shown as its flag
+    on the command line) or a flag."""
     try:
         load_text(name, split)
     except LeanmlError as exc:
-        raise LeanmlError(f"{flag}: {exc}") from exc
+        fields = () if flag.startswith("-") else (flag,)
+        raise LeanmlError(f"{flag}: {exc}", owner=exc.owner, fields=(*fields, *exc.fields)) from exc
 
 
 def _hub_text(name: str, split: str) -> str:
@@ -254,7 +257,7 @@ def windows_from_ids(ids: torch.Tensor, seqlen: int, nsamples: int | None = None
     if nsamples * seqlen > ids.numel():
         raise LeanmlError(
             f"nsamples x seqlen = {nsamples} x {seqlen} = {nsamples * seqlen} tokens is more than the "
-            f"{ids.numel()} tokens of the calibration split; lower --nsamples or --seqlen"
+            f"{ids.numel()} tokens of the calibration split; lower nsamples or seqlen", fields=("nsamples", "seqlen")
         )
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seqlen + 1, (nsamples,), generator=gen)

@@ -233,13 +233,16 @@ def weight_files(folder: Path) -> list[Path]:
                       f"copy the whole model directory")
 
 
-def check_decoder_config(config: dict[str, Any], where: str) -> None:
-    """Raise :class:`LeanmlError` unless ``config`` (a ``config.json`` as a dict) is a decoder-only causal LM."""
+def check_decoder_config(config: dict[str, Any], where: str, fields: tuple[str, ...] = ()) -> None:
+    """Raise :class:`LeanmlError` unless ``config`` (a ``config.json`` as a dict) is a decoder-only causal LM.
+    ``fields``: the options ``where`` names (shown as their flags on the command line)."""
     model_type = config.get("model_type")
     if not model_type:
-        raise LeanmlError(f"{where} has no model_type; it is not a Hugging Face model config")
+        raise LeanmlError(f"{where} has no model_type; it is not a config.json of Hugging Face transformers",
+                          fields=fields)
     if config.get("is_encoder_decoder"):
-        raise LeanmlError(f"{where}: {model_type} is an encoder-decoder model; {NOT_DECODER_ONLY_HINT}")
+        raise LeanmlError(f"{where}: {model_type} is an encoder-decoder architecture; {NOT_DECODER_ONLY_HINT}",
+                          fields=fields)
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -251,53 +254,69 @@ def check_decoder_config(config: dict[str, Any], where: str) -> None:
     # table alone accepts them: every family with a masked-LM head is refused
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         raise LeanmlError(f"{where}: {model_type} is an encoder (masked LM), not a decoder-only causal LM; "
-                          f"{NOT_DECODER_ONLY_HINT}")
+                          f"{NOT_DECODER_ONLY_HINT}", fields=fields)
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not causal_arch:
-        raise LeanmlError(f"{where}: {model_type} has no causal-LM class in transformers; {NOT_DECODER_ONLY_HINT}")
+        raise LeanmlError(f"{where}: {model_type} has no causal-LM class in transformers; {NOT_DECODER_ONLY_HINT}",
+                          fields=fields)
 
 
-def check_model_spec(spec: str, *, flag: str = "--model") -> None:
+def _named(flag: str | None, field: str) -> tuple[str, tuple[str, ...]]:
+    """The option a message names (``flag``: a flag, or a field name the command line shows as its flag;
+    default ``field``) and the fields to give the error."""
+    name = flag or field
+    return name, (() if name.startswith("-") else (name,))
+
+
+def check_model_spec(spec: str, *, flag: str | None = None) -> None:
     """Check a model given on the command line before loading it: a local directory's JSON files parse,
     its weight files are complete, and it is a decoder-only causal LM; a ``.gguf`` file has the GGUF
-    magic. Hub ids and the bundled model pass (they are checked when loaded)."""
+    magic. Hub ids and the bundled model pass (they are checked when loaded). ``flag``: the option the
+    errors name, a field name (default ``model``, shown as its flag on the command line) or a flag; the
+    messages use the word only for it."""
     if spec in BUNDLED:
         return
+    name, fields = _named(flag, "model")
     path = Path(spec).expanduser()
     if path.suffix == ".gguf" and not path.is_dir():
         if not path.is_file():
-            raise LeanmlError(f"{flag} {path} does not exist; pass an existing .gguf, a model directory, "
-                              f"or smollm2-135m")
+            raise LeanmlError(f"{name} {path} does not exist; pass an existing .gguf, a directory saved by "
+                              "save_pretrained, or smollm2-135m", fields=fields)
         check_gguf(path)
         return
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise LeanmlError(f"{flag} {path} is not a Hugging Face model directory (no config.json)")
-        for name in JSON_FILES:
-            if (path / name).is_file():
-                read_json(path / name, ", or copy the model directory again")
+            raise LeanmlError(f"{name} {path} is not a directory saved by Hugging Face save_pretrained "
+                              "(no config.json)", fields=fields)
+        for json_name in JSON_FILES:
+            if (path / json_name).is_file():
+                read_json(path / json_name, ", or copy the model directory again")
         config = read_json(path / "config.json")
         if not isinstance(config, dict):
             raise LeanmlError(f"{path / 'config.json'} is not a model config (not a JSON object)")
-        check_decoder_config(config, f"{flag} {path}")
+        check_decoder_config(config, f"{name} {path}", fields)
         for f in weight_files(path):
             if f.suffix == ".safetensors":
                 check_safetensors(f)
             elif f.suffix == ".bin":
                 check_torch_bin(f)
         if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise LeanmlError(f"{flag} {path} has no tokenizer files; save the tokenizer next to the model")
+            raise LeanmlError(f"{name} {path} has no tokenizer files; save the tokenizer next to the weights",
+                              fields=fields)
         return
     if path.exists():
-        raise LeanmlError(f"{flag} {path} is a file; pass a model directory, a .gguf file, a hub id, or smollm2-135m")
+        raise LeanmlError(f"{name} {path} is a file; pass a directory saved by save_pretrained, a .gguf file, "
+                          "a hub id, or smollm2-135m", fields=fields)
     if looks_like_path(spec):
-        what = "model" if flag == "--model" else flag
+        # "model path X" reads better than "--model path X": the default names no flag here
+        what, named = (name, fields) if flag else ("model", ())
         raise LeanmlError(f"{what} path {spec} does not exist; pass a model directory, a .gguf file, a hub id, "
-                          f"or smollm2-135m")
+                          f"or smollm2-135m", fields=named)
     check_hub_reachable(spec, flag)
 
 
-def check_hub_reachable(spec: str, flag: str = "--model") -> None:
-    """Refuse a hub id at once when the hub is off (offline mode or no connection) and it is not cached."""
+def check_hub_reachable(spec: str, flag: str | None = None) -> None:
+    """Refuse a hub id at once when the hub is off (offline mode or no connection) and it is not cached.
+    ``flag`` as in :func:`check_model_spec`."""
     if not (hub_offline() or not hub_reachable()):
         return
     try:
@@ -307,18 +326,23 @@ def check_hub_reachable(spec: str, flag: str = "--model") -> None:
     except Exception:  # noqa: BLE001 - a malformed id
         cached = None
     if not isinstance(cached, str):
-        raise LeanmlError(f"{flag} {spec}: no local directory by that name, and the model hub is not reachable "
-                          f"(offline) with no cached copy; pass a local model directory, a .gguf file, or smollm2-135m")
+        name, fields = _named(flag, "model")
+        raise LeanmlError(f"{name} {spec}: no local directory by that name, and the Hugging Face hub is not "
+                          "reachable (offline) with no cached copy; pass a local directory saved by "
+                          "save_pretrained, a .gguf file, or smollm2-135m", fields=fields)
 
 
-def check_model_input(spec: str, seqlen: int, flag: str = "--seqlen") -> None:
+def check_model_input(spec: str, seqlen: int, flag: str | None = None) -> None:
     """What every LLM command checks before loading a model: :func:`check_model_spec`, and that a local
-    model takes windows of ``seqlen`` tokens (its ``max_position_embeddings``; ``flag`` names the option)."""
+    model takes windows of ``seqlen`` tokens (its ``max_position_embeddings``; ``flag`` names the option:
+    a field name, default ``seqlen``, shown as its flag on the command line, or a flag)."""
     check_model_spec(spec)
     config = Path(spec).expanduser() / "config.json"
     limit = read_json(config).get("max_position_embeddings") if config.is_file() else None
     if isinstance(limit, int) and seqlen > limit:
-        raise LeanmlError(f"{flag} {seqlen} is above the model's maximum of {limit} tokens; lower {flag}")
+        name, fields = _named(flag, "seqlen")
+        raise LeanmlError(f"{name} {seqlen} is above the model's maximum of {limit} tokens; lower {name}",
+                          fields=fields)
 
 
 def _names(names: Sequence[str], k: int = 3) -> str:

@@ -120,8 +120,8 @@ class ShardIndex:
             if pickles:
                 raise LeanmlError(
                     f"{self.dir} holds only pickled weights ({pickles[0]}), which cannot be read tensor by tensor; "
-                    "convert them once with save_pretrained(safe_serialization=True), or run without --stream"
-                )
+                    "convert them once with save_pretrained(safe_serialization=True), or run without stream",
+                    fields=("stream",))
             raise LeanmlError(f"{self.dir} has no safetensors weights ({SINGLE_NAME} or {INDEX_NAME})")
         files = sorted(set(weight_map.values())) or [SINGLE_NAME]
         by_file: dict[str, list[str]] = {}
@@ -160,7 +160,7 @@ class ShardIndex:
                 new, matched = t.rename_source_key(name)
                 if matched is not None and not isinstance(t, WeightRenaming):
                     raise LeanmlError(f"tensor {stored} is converted on load by transformers ({type(t).__name__}), "
-                                      "which streaming does not do; run without --stream")
+                                      "which streaming does not do; run without stream", fields=("stream",))
                 name = new
             renamed[name] = entry
             if name != stored:
@@ -236,7 +236,7 @@ class ShardIndex:
             except (SafetensorError, OSError) as exc:
                 if isinstance(exc, FileNotFoundError) or not path.is_file():
                     raise LeanmlError(f"shard {file} disappeared from {self.dir} while reading {group[0]}; "
-                                      "copy it back and rerun with --resume") from exc
+                                      "copy it back and rerun with resume", fields=("resume",)) from exc
                 read_header(path)  # names the tensor a truncated file lost
                 raise LeanmlError(f"cannot read {group[0]} from {file}: {str(exc).splitlines()[0]}") from exc
         check_finite_weights(out.items(), self.dir)
@@ -245,8 +245,8 @@ class ShardIndex:
 
 def _write_error(exc: OSError, what: str, where: Path) -> LeanmlError:
     if exc.errno == errno.ENOSPC:
-        return LeanmlError(f"disk full while writing {what} in {where}; free space there and rerun with --resume "
-                           "(what was written before is kept)")
+        return LeanmlError(f"disk full while writing {what} in {where}; free space there and rerun with resume "
+                           "(what was written before is kept)", fields=("resume",))
     return LeanmlError(f"cannot write {what} in {where}: {exc.strerror or exc}")
 
 
@@ -474,5 +474,5 @@ def materialize_buffers(model: nn.Module) -> list[str]:
     for key in names:
         if _still_unset(model.get_buffer(key)):
             raise LeanmlError(f"{type(model).__name__}'s initialiser leaves buffer {key} unset on the meta device, "
-                              "so it cannot be built layer by layer; load it whole (drop --stream)")
+                              "so it cannot be built layer by layer; load it whole (drop stream)", fields=("stream",))
     return names

@@ -113,7 +113,7 @@ def kernel_support(device: torch.device, dtype: torch.dtype) -> tuple[str, str |
     if dtype not in KERNEL_DTYPES:
         name = str(dtype).replace("torch.", "")
         return "error", (f"semi-structured sparse kernels take float16/bfloat16 weights, the model is {name}; "
-                         "load it with --dtype bfloat16")
+                         "load it with dtype bfloat16")
     return "ok", None
 
 
@@ -185,7 +185,7 @@ def to_sparse_kernels(
             model.leanml_sparse_kernels = report
             return report
         if status == "error":
-            raise LeanmlError(reason)
+            raise LeanmlError(reason, fields=("dtype",))
         backend, report["probe"] = working_backend(device, dtype, backend)
         report["backend"] = backend
         converter = _converter(backend)
