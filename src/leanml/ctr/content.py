@@ -144,7 +144,7 @@ def items_from_table(data: CTRData, table_path: str | Path,
         if on_missing == "error":
             raise LeanmlError(f"{int(bad.sum())} ads in the click log have no content IDs in {table_path} "
                               f"(first: ad {int(data.item_ids[bad][0])}); re-run `assign` on all ads or pass "
-                              "--on-missing skip")
+                              "on_missing skip", fields=("on_missing",))
         keep_tr = ~bad[data.train["item"].to_numpy()]
         keep_te = ~bad[data.test["item"].to_numpy()]
         info["rows_dropped_train"] = int((~keep_tr).sum())

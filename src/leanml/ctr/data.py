@@ -260,7 +260,8 @@ def movielens(time_quantile: float = 0.4, seed: int = 0) -> CTRData:
     item_index = pd.Series(np.arange(n_items), index=items["movie_id"].to_numpy())
     missing = ~ratings["movie_id"].isin(item_index.index)
     if missing.any():
-        raise LeanmlError(f"{int(missing.sum())} ratings refer to movies without content; the data files are inconsistent")
+        raise LeanmlError(f"{int(missing.sum())} ratings refer to movies without content; the data files are "
+                          "inconsistent")
     user_codes, _ = pd.factorize(ratings["user_id"], sort=True)
     log = pd.DataFrame({
         "user": user_codes.astype(np.int64),

@@ -7,8 +7,8 @@ Feature sets (``features``, any of ``id``, ``raw``, ``visual`` joined by ``,`` o
   learns "an ad without history" and the rest of the model learns to work without the ID: the new-ad
   path is trained on purpose instead of being a side effect. ``id_mode="residual"`` instead trains the
   model without the ad ID first, freezes it, then learns the ad ID as a correction
-  ``b_ad + <e_ad, e_user>`` on its logit (:class:`leanml.ctr.models.ResidualID`); the correction of an ad without training
-  rows is exactly zero, so adding the ID cannot change a new ad's prediction.
+  ``b_ad + <e_ad, e_user>`` on its logit (:class:`leanml.ctr.models.ResidualID`); the correction of an ad without
+  training rows is exactly zero, so adding the ID cannot change a new ad's prediction.
 - ``raw``: the continuous content vector (the content-ID extractor's output before quantization)
   through a small MLP, as one field.
 - ``content_tower``: with both ``raw`` and the codeword vector, feed their concatenation through one MLP
@@ -121,8 +121,8 @@ class FieldBuilder:
             self.dense["raw"] = items.raw
         if "visual" in parts and config.codeword_vector:
             if items is None or items.decoded is None:
-                raise LeanmlError("codeword_vector needs the content-ID model's codebooks (--content-ids), "
-                                  "not only a visual-ID table")
+                raise LeanmlError("codeword_vector needs the content-ID model's codebooks (content_ids), "
+                                  "not only a visual-ID table", fields=("codeword_vector", "content_ids"))
             self.dense["codeword"] = items.decoded
         self.tower = config.content_tower  # CTRConfig checked that both raw and the codeword vector are fed
         self.dense_dims = {k: int(v.shape[1]) for k, v in self.dense.items()}

@@ -13,6 +13,7 @@ from leanml.ctr.content_ids.config import ContentIDConfig
 from leanml.ctr.options import CTRConfig
 from leanml.device import default_device
 from leanml.errors import LeanmlError
+from leanml.flags import flag_of
 from leanml.machine import apply_threads
 from leanml.outputs import check_output_dir, check_writable, write_json
 from leanml.progress import Timer
@@ -42,7 +43,7 @@ class FitJob:
 
     data: Dataset | None = option(None, "built-in dataset (fits on its old ads)")
     images: Path | None = option(None, "folder of <ad_id>.<png|jpg|npy> images", parse=Path)
-    captions: Path | None = option(None, "CSV ad_id,caption (required with --images)", parse=Path)
+    captions: Path | None = option(None, "CSV ad_id,caption (required with an images folder)", parse=Path)
     on_bad: OnBad = option("skip", "unreadable image / missing caption: skip and report (default) or fail",
                            form=Form(show_default=False))
     content: ContentIDConfig = option(default_factory=ContentIDConfig, form=Form(prefix=""))
@@ -68,7 +69,7 @@ class AssignJob:
     model: Path = option(help="folder written by `content-ids fit`", parse=Path)
     on_bad: OnBad = option("skip", "unreadable image: skip and report (default) or fail",
                            form=Form(show_default=False))
-    seed: int = option(default(0), "dataset seed (with --data)")
+    seed: int = option(default(0), "dataset seed (with a built-in dataset)")
     out: Path = option(help="the Parquet file to write", parse=Path)
     cpu: Threads = option(default_factory=Threads, form=Form(prefix=""))
 
@@ -87,10 +88,10 @@ class TrainJob:
     content_ids: Path | None = option(None, "content-ID model folder (default: fit one, cached)", parse=Path)
     visual_ids: Path | None = option(None, "Parquet table from `assign` (visual features only)", parse=Path)
     on_missing: Literal["error", "skip"] = option(
-        "error", "log ads absent from --visual-ids: fail (default) or drop their rows and report",
+        "error", "log ads absent from the visual-ID table: fail (default) or drop their rows and report",
                                                   form=Form(show_default=False))
     content: ContentIDConfig = option(default_factory=ContentIDConfig, form=Form(prefix=""))
-    seed_content: int | None = option(None, "seed of the content-ID fit (default: --seed)")
+    seed_content: int | None = option(None, "seed of the content-ID fit (default: the CTR seed)")
     out: Path = option(help="output folder (model.safetensors, fields.npz, report.json)", parse=Path)
     overwrite: bool = option(False, "replace an existing output folder", form=Form(show_default=False))
     cpu: Threads = option(default_factory=Threads, form=Form(prefix=""))
@@ -115,7 +116,7 @@ class TrainJob:
 class EvalJob:
     """``leanml ctr eval``: a trained run on its dataset's test logs."""
 
-    run: Path = option(help="folder written by `leanml ctr train --out`", parse=Path)
+    run: Path = option(help="run folder written by `leanml ctr train`", parse=Path)
     cpu: Threads = option(default_factory=Threads, form=Form(prefix=""))
 
 
@@ -143,7 +144,7 @@ def fit_job(job: FitJob) -> dict[str, Any]:
             report["skipped"] = skipped
             report["n_ads"] = len(ad_ids)
     report["seconds"] = t.seconds
-    save_content_model(model, job.out, report, overwrite=job.overwrite)
+    save_content_model(model, job.out, report, overwrite=job.overwrite, out_flag=flag_of(FitJob, "out"))
     return report
 
 
@@ -156,8 +157,9 @@ def assign_job(job: AssignJob) -> dict[str, Any]:
     from leanml.ctr.data import load_ad_folder, load_dataset
 
     job.cpu.apply()
-    require(job, not job.out.is_dir(), "out", f"{job.out} is a folder; give the Parquet file to write, e.g. ids.parquet")
-    check_writable(job.out.parent, "--out")
+    require(job, not job.out.is_dir(), "out",
+            f"{job.out} is a folder; give the Parquet file to write, e.g. ids.parquet")
+    check_writable(job.out.parent, "out")
     model = load_content_model(job.model)
     cfg = model.config
     skipped: list[dict[str, str]] = []
@@ -165,12 +167,14 @@ def assign_job(job: AssignJob) -> dict[str, Any]:
         data = load_dataset(job.data, seed=job.seed)
         if data.content_kind != cfg.kind:
             raise LeanmlError(f"model {job.model} encodes {cfg.kind!r} content but {job.data} has "
-                              f"{data.content_kind!r} content; fit a model on --data {job.data}")
+                              f"{data.content_kind!r} content; fit a model on data {job.data}",
+                              owner=AssignJob, fields=("data",))
         ad_ids, inputs = data.item_ids, data.content
     else:
         assert job.images is not None
         if cfg.kind != "cnn":
-            raise LeanmlError(f"model {job.model} is not an image model; --images needs one fitted on images")
+            raise LeanmlError(f"model {job.model} is not an image model; images needs one fitted on image files",
+                              owner=AssignJob, fields=("images",))
         ad_ids, inputs, _, skipped = load_ad_folder(job.images, None, job.on_bad)
     with Timer() as t:
         codes = assign_visual_ids(model, inputs)
@@ -232,7 +236,7 @@ def train_job(job: TrainJob) -> dict[str, Any]:
         model, builder, report = run_ctr(data, items, job.ctr)
     report.update(extra, seconds=t.seconds, data_args={"name": job.data, "seed": job.ctr.seed,
                                                        "on_missing": job.on_missing})
-    save_ctr_run(job.out, model, builder, report, overwrite=job.overwrite)
+    save_ctr_run(job.out, model, builder, report, overwrite=job.overwrite, out_flag=flag_of(TrainJob, "out"))
     return report
 
 
@@ -245,18 +249,18 @@ def eval_job(job: EvalJob) -> dict[str, Any]:
     from leanml.ctr.train import evaluate_run
 
     job.cpu.apply()
-    require(job, job.run.is_dir(), "run", f"{job.run} is not a folder; pass a folder written by `leanml ctr train --out`")
+    require(job, job.run.is_dir(), "run", f"{job.run} is not a folder; pass a folder written by `leanml ctr train`")
     saved = read_run_report(job.run)
     run_config(saved, job.run)
     for name in ("model.safetensors", "fields.npz"):
         if not (job.run / name).is_file():
-            raise LeanmlError(f"{job.run} has no {name}; pass a complete folder written by `leanml ctr train --out`")
+            raise LeanmlError(f"{job.run} has no {name}; pass a complete run folder written by `leanml ctr train`")
     data_args = saved.get("data_args", {"name": "fashion", "seed": 0})
     if not isinstance(data_args, dict) or data_args.get("name") not in DATASETS \
             or not isinstance(data_args.get("seed", 0), int):
         raise LeanmlError(f"{job.run / 'report.json'} names no known dataset (data_args {data_args!r}); "
                           "the run folder is damaged: train it again")
-    check_writable(job.run, "--run")
+    check_writable(job.run, "run")
     data = load_dataset(data_args["name"], seed=data_args.get("seed", 0))
     if "visual_table" in saved:
         _, data, _ = items_from_table(data, saved["visual_table"]["table"],

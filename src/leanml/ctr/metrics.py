@@ -90,7 +90,8 @@ def weighted_auc(labels: np.ndarray, scores: np.ndarray, weights: np.ndarray) ->
     s = np.asarray(scores, dtype=np.float64).ravel()
     w = np.atleast_2d(np.asarray(weights, dtype=np.float64))
     if w.shape[1] != s.size or y.size != s.size:
-        raise ValueError(f"labels ({y.size}), scores ({s.size}) and weights ({w.shape[1]} per replicate) differ in length")
+        raise ValueError(f"labels ({y.size}), scores ({s.size}) and weights ({w.shape[1]} per replicate) differ in "
+                         "length")
     if (w < 0).any():
         raise ValueError("weights must be non-negative")
     order = np.argsort(s, kind="stable")

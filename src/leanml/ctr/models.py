@@ -98,7 +98,8 @@ class FieldEmbeddings(nn.Module):
     def forward(self, sparse: Mapping[str, torch.Tensor], dense: Mapping[str, torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         dense = dense or {}
-        missing = [f.name for f in self.fields if f.name not in sparse] + [n for n in self.dense_names if n not in dense]
+        missing = ([f.name for f in self.fields if f.name not in sparse]
+                   + [n for n in self.dense_names if n not in dense])
         if missing:
             raise ValueError(f"missing inputs for fields {missing}")
         vecs = [self._lookup(f, sparse[f.name], self.emb[f.name]) for f in self.fields]
@@ -135,7 +136,8 @@ class LR(CTRModel):
                  **_: object) -> None:
         super().__init__(fields, dense_dims, 1, first_order=True)
 
-    def forward(self, sparse: Mapping[str, torch.Tensor], dense: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, sparse: Mapping[str, torch.Tensor],
+                dense: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         _, first = self.embeddings(sparse, dense)
         assert first is not None
         return self.bias + first
@@ -151,7 +153,8 @@ class DNN(CTRModel):
         self.deep = mlp(width, hidden, dropout)
         self.out = nn.Linear(hidden[-1] if hidden else width, 1)
 
-    def forward(self, sparse: Mapping[str, torch.Tensor], dense: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, sparse: Mapping[str, torch.Tensor],
+                dense: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         emb, _ = self.embeddings(sparse, dense)
         return self.bias + self.out(self.deep(emb.flatten(1))).squeeze(-1)
 
@@ -173,7 +176,8 @@ class DeepFM(CTRModel):
         self.deep = mlp(width, hidden, dropout)
         self.out = nn.Linear(hidden[-1] if hidden else width, 1)
 
-    def forward(self, sparse: Mapping[str, torch.Tensor], dense: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, sparse: Mapping[str, torch.Tensor],
+                dense: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         emb, first = self.embeddings(sparse, dense)
         assert first is not None
         return self.bias + first + fm_interaction(emb) + self.out(self.deep(emb.flatten(1))).squeeze(-1)
@@ -203,7 +207,8 @@ class DCNv2(CTRModel):
         self.deep = mlp(width, hidden, dropout)
         self.out = nn.Linear(width + (hidden[-1] if hidden else width), 1)
 
-    def forward(self, sparse: Mapping[str, torch.Tensor], dense: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, sparse: Mapping[str, torch.Tensor],
+                dense: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         emb, _ = self.embeddings(sparse, dense)
         x0 = emb.flatten(1)
         x = x0

@@ -60,16 +60,16 @@ class CTRConfig:
     id_dropout: float = option(0.1, "share of training rows whose ad ID is replaced by the unseen-ad row, so the "
                                     "new-ad path is trained (DropoutNet-style)")
     id_mode: IdMode = option(
-        "dropout", "the ad ID as one field trained with --id-dropout, or as a correction learned on a frozen model "
+        "dropout", "the ad ID as one field trained with ID dropout, or as a correction learned on a frozen model "
                    "without it (a new ad's prediction is then exactly that model's)")
     visual_fields: VisualFields = option(
-        "codes", "each code its own field (codes), prefix n-grams (prefix, for --codebook rq), both, or one pooled "
+        "codes", "each code its own field (codes), prefix n-grams (prefix, for rq codebooks), both, or one pooled "
                  "bag", form=Form(show_default=False))
     prefix_buckets: int = option(1 << 16, "rows of a prefix field once K^l exceeds it (hashed beyond)", cli=False)
     codeword_vector: bool = option(False, "also feed the codes' codeword vector (a codebook lookup) through an MLP; "
-                                          "needs the content-ID model, not only a --visual-ids table",
+                                          "needs the content-ID model, not only a visual-ID table",
                                    form=Form(show_default=False))
-    content_tower: bool = option(False, "with raw and --codeword-vector: one MLP over both vectors as one field, "
+    content_tower: bool = option(False, "with raw and the codeword vector: one MLP over both vectors as one field, "
                                         "instead of one field each (which would interact with each other)",
                                  form=Form(show_default=False))
     seed: int = option(0, "seed of the CTR model (and of the dataset and the content-ID fit of `leanml ctr train`)")

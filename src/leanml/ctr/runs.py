@@ -22,9 +22,10 @@ from leanml.outputs import atomic_dir, write_json
 
 
 def save_ctr_run(out: str | Path, model: CTRModel | ResidualID, builder: FieldBuilder, report: dict[str, Any],
-                 overwrite: bool = False) -> Path:
+                 overwrite: bool = False, *, out_flag: str | None = None) -> Path:
     """Write ``model.safetensors``, ``fields.npz`` (per-item field ids and content vectors) and
-    ``report.json`` atomically."""
+    ``report.json`` atomically. ``out_flag``: the option that set ``out``, named when the disk is too full
+    (default: "output folder")."""
     from safetensors.torch import save_file
 
     state = builder.state()
@@ -34,9 +35,11 @@ def save_ctr_run(out: str | Path, model: CTRModel | ResidualID, builder: FieldBu
     # before the save: the weights and the field arrays, about their bytes in memory
     need = (sum(t.numel() * t.element_size() for t in model.state_dict().values())
             + sum(np.asarray(a).nbytes for a in (state["user_index"], *arrays.values())))
-    check_space(Path(out).expanduser().absolute().parent, need, "the CTR run", "free space there or choose another --out")
+    check_space(Path(out).expanduser().absolute().parent, need, "the CTR run",
+                f"free space there or choose another {out_flag or 'output folder'}")
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                  str(tmp / "model.safetensors"))
         np.savez(tmp / "fields.npz", user_index=state["user_index"], **arrays)
         write_json(tmp / "report.json", {**report, "fields": state["specs"]})
     return Path(out)
@@ -54,7 +57,7 @@ def load_ctr_run(path: str | Path, data: CTRData, report: dict[str, Any] | None 
     if report is None:
         if not (path / "report.json").exists() or not (path / "model.safetensors").exists() \
                 or not (path / "fields.npz").exists():
-            raise LeanmlError(f"{path} is not a CTR run folder; create one with `leanml ctr train --out DIR`")
+            raise LeanmlError(f"{path} is not a CTR run folder; create one with `leanml ctr train`")
         report = read_run_report(path)
     cfg = run_config(report, path)
     try:
@@ -84,7 +87,7 @@ def read_run_report(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     file = path / "report.json"
     if not file.is_file():
-        raise LeanmlError(f"{path} has no report.json; pass a folder written by `leanml ctr train --out`")
+        raise LeanmlError(f"{path} has no report.json; pass a run folder written by `leanml ctr train`")
     try:
         report = json.loads(file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

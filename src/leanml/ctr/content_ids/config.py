@@ -30,9 +30,9 @@ class ContentIDConfig:
     codebook: Literal["pq", "rq"] = option(
         "pq", "product quantization (independent sub-spaces) or residual (coarse-to-fine levels)")
     reseed_dead: bool = option(True, "re-seed dead codewords after each quantized epoch but the last "
-                                     "(--no-reseed keeps them)", flag="--reseed",
+                                     "(or keep them)", flag="--reseed",
                                form=Form(show_default=False))
-    joint: bool = option(True, "train encoder and quantizer together (default), or (--posthoc) the encoder alone, "
+    joint: bool = option(True, "train encoder and quantizer together (default), or post hoc: the encoder alone, "
                                "then fit the codebooks by k-means",
                          form=Form(show_default=False, negative="--posthoc"))
     # L2-normalize x in this many equal groups (1: the whole vector); 0: M for jointly trained pq, else 1. Tied

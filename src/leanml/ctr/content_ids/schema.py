@@ -1,8 +1,8 @@
 """The content-ID serving table: ONE contract for the writer (``leanml ctr content-ids assign``) and
 every reader (``leanml ctr train --visual-ids``, FeatureBox's ``content_ids`` op).
 
-This module depends only on NumPy, pyarrow, ``leanml.errors`` and ``leanml.outputs`` (no torch model code), so FeatureBox
-imports it without pulling in the CTR models.
+This module depends only on NumPy, pyarrow, ``leanml.errors`` and ``leanml.outputs`` (no torch model code), so
+FeatureBox imports it without pulling in the CTR models.
 
 A Parquet file with
 

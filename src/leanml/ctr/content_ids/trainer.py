@@ -89,7 +89,8 @@ class ContentIDModel(nn.Module):
         super().__init__()
         self.config = config
         if backbone is None:
-            backbone = SmallCNN(width=config.width) if config.kind == "cnn" else MLPEncoder(config.in_dim, 8 * config.width)
+            backbone = (SmallCNN(width=config.width) if config.kind == "cnn"
+                        else MLPEncoder(config.in_dim, 8 * config.width))
         self.norm_groups = config.norm_groups or (config.m if config.codebook == "pq" and config.joint else 1)
         self.encoder = ContentEncoder(backbone, config.dim)
         self.img_proj = nn.Linear(config.dim, config.proj_dim)
@@ -215,7 +216,8 @@ def _seeded_model(inputs: torch.Tensor, captions: Sequence[str], config: Content
         flat = inputs.reshape(n, -1).float()
         model.recon_mean.copy_(flat.mean(0).to(device))
         std = flat.std(0)
-        model.recon_std.copy_(std.clamp_min(0.5 * float(std.mean()) + 1e-6).to(device))  # no blow-up on near-constant dims
+        # no blow-up on near-constant dims
+        model.recon_std.copy_(std.clamp_min(0.5 * float(std.mean()) + 1e-6).to(device))
     return config, model
 
 
@@ -343,7 +345,8 @@ def reseed_dead(model: ContentIDModel, inputs: torch.Tensor, generator: torch.Ge
 
 
 @torch.no_grad()
-def caption_retrieval_top1(model: ContentIDModel, inputs: torch.Tensor, text: torch.Tensor, group: torch.Tensor) -> float:
+def caption_retrieval_top1(model: ContentIDModel, inputs: torch.Tensor, text: torch.Tensor,
+                           group: torch.Tensor) -> float:
     """Fraction of items whose hard-quantized vector retrieves its own caption among all distinct captions."""
     model.eval()
     device = next(model.parameters()).device
@@ -357,16 +360,19 @@ def caption_retrieval_top1(model: ContentIDModel, inputs: torch.Tensor, text: to
     return hits / len(inputs)
 
 
-def save_content_model(model: ContentIDModel, out: str | Path, report: dict[str, Any], overwrite: bool = False) -> Path:
-    """Write ``config.json``, ``model.safetensors`` and ``report.json`` into ``out`` atomically."""
+def save_content_model(model: ContentIDModel, out: str | Path, report: dict[str, Any], overwrite: bool = False,
+                       *, out_flag: str | None = None) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and ``report.json`` into ``out`` atomically. ``out_flag``:
+    the option that set ``out``, named when the disk is too full (default: "output folder")."""
     from safetensors.torch import save_file
 
     from leanml.faults import check_space
 
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     check_finite_tensors(state.items(), "the content-ID model")
+    # before anything is written
     check_space(Path(out).expanduser().absolute().parent, sum(t.numel() * t.element_size() for t in state.values()),
-                "the content-ID model", "free space there or choose another --out")  # before anything is written
+                "the content-ID model", f"free space there or choose another {out_flag or 'output folder'}")
     with atomic_dir(out, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(asdict(model.config), indent=2) + "\n")
         save_file(state, str(tmp / "model.safetensors"))
@@ -381,7 +387,7 @@ def load_content_model(path: str | Path, device: torch.device | str = "cpu") -> 
     path = Path(path)
     if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
         raise LeanmlError(f"{path} is not a content-ID model folder (config.json + model.safetensors); "
-                          "create one with `leanml ctr content-ids fit --out DIR`")
+                          "create one with `leanml ctr content-ids fit`")
     fields = json.loads((path / "config.json").read_text())
     # folders written before the option existed normalized every pq design per sub-vector
     fields.setdefault("norm_groups", fields.get("m", 4) if fields.get("codebook", "pq") == "pq" else 1)
