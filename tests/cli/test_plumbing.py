@@ -111,4 +111,4 @@ def test_a_path_of_a_file_for_the_output_parent(tmp_path: Path) -> None:
     with pytest.raises(LeanmlError, match="--json"):
         from leanml.eval.job import check_json_out
 
-        check_json_out(str(tmp_path / "f" / "x.json"))
+        check_json_out(str(tmp_path / "f" / "x.json"), "--json")

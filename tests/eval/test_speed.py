@@ -150,4 +150,4 @@ def test_speed_command_sparse_kernels_convert_only_the_24_models(tmp_path, capsy
     assert dense_rec["sparse_kernels"] is None and sparse_rec["sparse_kernels"]["dense"] == 14
     assert "dense: not 2:4 sparse, runs dense" in capsys.readouterr().out
     assert main(["speed", "--model", str(tmp_path / "dense"), "--sparse-kernels", *args]) == 2
-    assert "no --model is 2:4 sparse" in capsys.readouterr().err
+    assert "none of --model is 2:4 sparse" in capsys.readouterr().err

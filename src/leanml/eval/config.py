@@ -47,16 +47,16 @@ class EvalJob(Compute, ModelInput):
     ``tasks`` perplexity runs only when ``data`` is given."""
 
     data: str | None = option(None, "corpus for perplexity (shakespeare, reviews, a .txt file, wikitext2, ptb, "
-                                    "c4; default shakespeare, and with --tasks no perplexity unless given)",
+                                    "c4; default shakespeare; with zero-shot tasks, no perplexity unless given)",
                               form=Form(show_default=False))
     max_windows: int | None = option(None, "evaluate the first N windows only")
     tasks: tuple[str, ...] = option((), "zero-shot accuracy through lm-eval on these tasks: the offline "
                                         "reviews-recommend, reviews-rating, shakespeare-next-line, a task .yaml "
                                         "file, or an lm-eval task name (needs the hub)", parse=parse_task_list,
                                     form=Form(metavar="NAME[,NAME...]", show_default=False))
-    limit: int | None = option(None, "with --tasks: the first N items of each task only",
+    limit: int | None = option(None, "zero-shot tasks: the first N items of each task only",
                                form=Form(metavar="N"))
-    num_fewshot: int | None = option(None, "with --tasks: examples put before each item (default: the task's "
+    num_fewshot: int | None = option(None, "zero-shot tasks: examples put before each item (default: the task's "
                                            "own, 0 for the offline tasks)",
                                      form=Form(metavar="N", show_default=False))
     json: str | None = option(None, "also write the result as JSON to FILE (default: print it only, write nothing)",
@@ -102,9 +102,9 @@ class SpeedJob(Runtime):
     device: str | None = option(None, "cpu or cuda (default: cuda when present)",
                                 form=Form(show_default=False))
     settings: SpeedSettings = option(default_factory=SpeedSettings, form=Form(prefix=""))
-    sparse_kernels: bool = option(False, "run the 2:4-sparse models among --model on semi-structured sparse kernels "
-                                         "(CUDA, bfloat16/float16; on the CPU they stay dense with a warning); the "
-                                         "others run dense")
+    sparse_kernels: bool = option(False, "run the 2:4-sparse models among those timed on semi-structured sparse "
+                                         "kernels (CUDA, bfloat16/float16; on the CPU they stay dense with a "
+                                         "warning); the others run dense")
     json: str | None = option(None, "where to write the JSON report (default runs/speed-*.json)",
                               form=Form(metavar="FILE", show_default=False))
 

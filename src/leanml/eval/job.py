@@ -13,6 +13,7 @@ from torch import nn
 from leanml.config import ConfigError
 from leanml.errors import LeanmlError
 from leanml.eval.config import EvalJob
+from leanml.flags import flag_of
 from leanml.outputs import check_writable, clean_stale
 
 
@@ -25,8 +26,9 @@ def check_seqlen(model: nn.Module, seqlen: int, owner: Any = None, name: str = "
                           None if owner is None else type(owner), (name,))
 
 
-def check_json_out(path: str | None, flag: str = "--json") -> Path | None:
-    """Refuse, before any work, a JSON output path that is a folder or cannot be written."""
+def check_json_out(path: str | None, flag: str) -> Path | None:
+    """Refuse, before any work, a JSON output path that is a folder or cannot be written; the errors name
+    ``flag`` (the caller's, e.g. ``flag_of(EvalJob, "json")``: a field name would also match in ``*.json``)."""
     if path is None:
         return None
     out = Path(path).expanduser()
@@ -74,13 +76,13 @@ def evaluate_job(job: EvalJob) -> dict[str, Any]:
     from leanml.models.check import check_model_input, check_model_spec
     from leanml.outputs import write_json
 
-    json_out = check_json_out(job.json)
+    json_out = check_json_out(job.json, flag_of(EvalJob, "json"))
     threads = apply_threads(job.threads)
     device = parse_device(job.device)
     check_dtype(parse_dtype(job.dtype), device)
     if job.corpus is not None:
         check_model_input(job.model, job.seqlen)
-        check_corpus(job.corpus, "test", "--data")
+        check_corpus(job.corpus, "test", "data")
     else:  # tasks only: --seqlen plays no part
         check_model_spec(job.model)
     check_model_cache(job.model)  # a first use converts the bundled model into the cache: writable, with room

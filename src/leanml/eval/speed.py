@@ -288,7 +288,9 @@ def run_speed_job(job: Any) -> dict[str, Any]:
     """``leanml speed`` (a :class:`~leanml.eval.config.SpeedJob`): load each model, time them interleaved,
     write the JSON report (its path under ``"json"``) and return it."""
     from leanml.device import parse_device
+    from leanml.eval.config import SpeedJob
     from leanml.eval.job import check_json_out
+    from leanml.flags import flag_of
     from leanml.machine import apply_threads, machine_info
     from leanml.models import BUNDLED, bundled_dir, check_dtype, count_parameters, load_model, parse_dtype
     from leanml.outputs import write_json
@@ -297,7 +299,7 @@ def run_speed_job(job: Any) -> dict[str, Any]:
     dtype = parse_dtype(job.dtype)
     check_dtype(dtype, device)
     name = "-".join(Path(s).name for s in job.models)[:80]
-    json_path = check_json_out(job.json) or Path("runs") / f"speed-{name}.json"
+    json_path = check_json_out(job.json, flag_of(SpeedJob, "json")) or Path("runs") / f"speed-{name}.json"
     threads = apply_threads(job.threads)
     models: dict[str, Any] = {}
     info: dict[str, dict[str, Any]] = {}
@@ -310,7 +312,8 @@ def run_speed_job(job: Any) -> dict[str, Any]:
         models[spec] = model
         vocab = len(tok)
     if job.sparse_kernels and all(i["sparse_kernels"] is None for i in info.values()):
-        raise LeanmlError("--sparse-kernels: no --model is 2:4 sparse; prune one with --pattern 2:4 or drop the flag")
+        raise LeanmlError("sparse_kernels: none of models is 2:4 sparse; prune one to the 2:4 pattern with "
+                          "`leanml prune`, or drop sparse_kernels", fields=("sparse_kernels", "models"))
     results = measure_speeds(models, device=device, threads=threads, vocab_size=vocab,
                              **dataclasses.asdict(job.settings))
     report = {"models": [{"model": spec, **info[spec], **results[spec]} for spec in job.models],

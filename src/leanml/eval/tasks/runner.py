@@ -40,20 +40,20 @@ def require_lm_eval(found: str | None | bool = False) -> None:
     if found is None:
         from leanml.extras import MissingExtraError, missing_message
 
-        raise MissingExtraError(f"--tasks: {missing_message('eval', 'lm_eval', 'eval')}")
+        raise MissingExtraError(f"tasks: {missing_message('eval', 'lm_eval', 'eval')}", fields=("tasks",))
     if found != LM_EVAL_VERSION:
         raise LeanmlError(f"lm-eval {found} is installed but leanml's tasks need lm-eval=={LM_EVAL_VERSION}; "
                           f"run `pip install 'lm-eval=={LM_EVAL_VERSION}'` or `{INSTALL}`")
 
 
 def parse_task_list(text: str) -> tuple[str, ...]:
-    """``--tasks a,b,c`` as a tuple of names, refusing an empty entry."""
+    """``--tasks a,b,c`` as a tuple of names, refusing an empty entry (the command line puts the option's
+    flag before the message)."""
     names = tuple(n.strip() for n in text.split(","))
     if not text.strip() or any(not n for n in names):
-        raise LeanmlError(f"--tasks {text!r} has an empty name; give NAME[,NAME...], e.g. --tasks "
-                          f"{','.join(OFFLINE_TASKS)}")
+        raise LeanmlError(f"{text!r} has an empty name; give NAME[,NAME...], e.g. {','.join(OFFLINE_TASKS)}")
     if len(set(names)) != len(names):
-        raise LeanmlError(f"--tasks {text!r} names a task twice; list each task once")
+        raise LeanmlError(f"{text!r} names a task twice; list each task once")
     return names
 
 
@@ -124,8 +124,8 @@ def check_tasks(names: tuple[str, ...]) -> TaskPlan:
         elif _is_file_spec(name):
             path = Path(name).expanduser()
             if not path.is_file():
-                raise LeanmlError(f"--tasks: no such task file {name!r}; pass a task .yaml file or one of the "
-                                  f"offline tasks: {offline_list()}")
+                raise LeanmlError(f"tasks: no such task file {name!r}; pass a task .yaml file or one of the "
+                                  f"offline ones: {offline_list()}", fields=("tasks",))
             _check_yaml(path)
             specs[name] = (str(path.resolve()), f"file {path}")
         else:
@@ -151,11 +151,13 @@ def _check_hub_tasks(names: list[str], manager: Any) -> None:
     known = set(manager.all_tasks)
     for name in names:
         if name not in known:
-            raise LeanmlError(f"--tasks: unknown task {name!r}; the offline tasks are {offline_list()} (a task "
-                              f".yaml file or an lm-eval task name also works, the latter with a reachable hub)")
+            raise LeanmlError(f"tasks: unknown task {name!r}; the offline ones are {offline_list()} (a task "
+                              f".yaml file or an lm-eval task name also works, the latter with a reachable hub)",
+                              fields=("tasks",))
     if hub_offline() or not hub_reachable():
-        raise LeanmlError(f"--tasks: task {names[0]!r} reads its data from the hub, which is unreachable"
-                          f"{' (offline mode)' if hub_offline() else ''}; use an offline task: {offline_list()}")
+        raise LeanmlError(f"tasks: task {names[0]!r} reads its data from the hub, which is unreachable"
+                          f"{' (offline mode)' if hub_offline() else ''}; use an offline task: {offline_list()}",
+                          fields=("tasks",))
 
 
 def _load(manager: Any, name: str, spec: str, source: str) -> dict[str, Any]:
@@ -167,7 +169,8 @@ def _load(manager: Any, name: str, spec: str, source: str) -> dict[str, Any]:
         raise
     except Exception as exc:  # noqa: BLE001 - lm-eval raises many types for bad configs and data
         if source == "hub":
-            raise LeanmlError(f"--tasks: could not load task {name!r} from the hub ({_first_line(exc)})") from exc
+            raise LeanmlError(f"tasks: could not load task {name!r} from the hub ({_first_line(exc)})",
+                              fields=("tasks",)) from exc
         raise LeanmlError(f"task file {spec} is malformed ({_first_line(exc)}); fix or replace it") from exc
 
 
