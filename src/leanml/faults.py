@@ -44,13 +44,14 @@ def free_bytes(path: str | os.PathLike) -> int | None:
         return None
 
 
-def check_space(folder: str | os.PathLike, need: int, what: str, fix: str = "free space there") -> None:
+def check_space(folder: str | os.PathLike, need: int, what: str, fix: str = "free space there",
+                fields: tuple[str, ...] = ()) -> None:
     """Refuse (one line) to write ``what`` of about ``need`` bytes into ``folder`` when its file system
-    has less free."""
+    has less free. ``fields``: the options ``fix`` names (the command line shows them as flags)."""
     free = free_bytes(folder)
     if free is not None and need > free:
         raise LeanmlError(f"not enough disk space for {what} in {existing(folder)}: it needs about {size(need)}, "
-                          f"{size(free)} free; {fix}")
+                          f"{size(free)} free; {fix}", fields=fields)
 
 
 def cache_root() -> Path:

@@ -25,7 +25,7 @@ def test_allocation_matches_a_hand_computation():
     assert s == pytest.approx([0.664, 0.584, 0.624, 0.504])
     assert sum(a * b for a, b in zip(s, [100, 100, 200, 100])) == pytest.approx(0.6 * 500)
     assert owl_allocation([0.2, 0.2, 0.2], 0.7) == pytest.approx([0.7, 0.7, 0.7])  # no spread: uniform
-    with pytest.raises(LeanmlError, match="lower --owl-lambda"):
+    with pytest.raises(LeanmlError, match="lower lam"):
         owl_allocation([0.0, 1.0], 0.95, 0.08)
 
 

@@ -40,7 +40,7 @@ class PruneConfig(Compute):
     method: str = option("sparsegpt", "pruning method", form=Form(choices=tuple(available())))
     sparsity: float = option(default(0.5), "fraction of weights to remove, in (0, 1)")
     pattern: str | None = option(None, "N:M semi-structured pattern, e.g. 2:4 (it sets the sparsity: 1 - N/M; "
-                                       "not with another --sparsity)")
+                                       "not with another sparsity)")
     scope: Literal["row", "layer"] | None = option(
         None, "unstructured mask: same count per output row, or one threshold per matrix (default: the method's)")
     sparsity_profile: str | tuple[float, ...] = option(
@@ -52,20 +52,20 @@ class PruneConfig(Compute):
     nsamples: int = option(64, "calibration windows", bounds=Bounds(ge=1))
     calib_samples: float = option(
         0.0, "share F in [0, 1] of the calibration windows sampled from the model itself (temperature 1, from its "
-        "BOS token; self-generated calibration beside --calib)", form=Form(metavar="F"),
+        "BOS token; self-generated calibration beside the calib corpus)", form=Form(metavar="F"),
                                   bounds=Bounds(ge=0, le=1))
     seed: int = option(0, "calibration sampling seed")
     mode: Literal["sequential", "dense"] = option(
         "sequential", "sequential: pruned outputs feed the next layer; dense: every layer sees dense inputs")
     intra_layer: bool | None = option(
         None, "intra-layer cumulative error correction: later groups of a layer see the pruned earlier ones "
-        "(default: the method's; on for fista and structured methods; --no-intra-layer gathers a layer's "
+        "(default: the method's; on for fista and structured methods; off, it gathers a layer's "
         "statistics in one pass of the dense layer, the default of magnitude, wanda, sparsegpt)")
     stream_device: Literal["auto", "device", "cpu"] = option(
         "auto", "where activations live between layers: auto (on the GPU while its free memory allows, else "
         "pinned host memory), device, or cpu")
     checkpoint_interval: float = option(
-        0.0, "write the activation streams for --resume at most every SECONDS (0: after every layer); finished "
+        0.0, "write the activation streams for resuming at most every SECONDS (0: after every layer); finished "
         "layers are always written; all writes run in the background", form=Form(metavar="SECONDS"),
                                         bounds=Bounds(ge=0))
     options: Any = option(None, "the method's options object (None: its defaults)", cli=False)
@@ -137,13 +137,13 @@ class PruneJob(ModelInput):
         "safetensors", "safetensors (plain from_pretrained loads it) or compressed (sparse-bitmask layout that "
         "leanml reloads: a 50% model is 0.63x the dense directory; python -m leanml.models.compressed writes "
         "the dense copy other tools read)")
-    eval: bool = option(True, "perplexity before and after (--no-eval skips it)")
+    eval: bool = option(True, "perplexity before and after (off: neither)")
     eval_data: str = option(default("shakespeare"), "corpus whose test split gives perplexity")
     eval_windows: int | None = option(None, "evaluate on the first N test windows (default all)",
                                       form=Form(show_default=False))
     stream: bool = option(False, "never hold the whole model: read each layer from the safetensors shards, write "
                                  "it pruned, free it (models bigger than memory; no perplexity)")
-    max_memory: str | None = option(None, "with --stream (implies it): host-memory cap, e.g. 1.2GB; activations "
+    max_memory: str | None = option(None, "streaming (implies stream): host-memory cap, e.g. 1.2GB; activations "
                                           "spill to disk above it",
                                     form=Form(metavar="SIZE", show_default=False))
     config: PruneConfig = option(default_factory=PruneConfig, form=Form(prefix=""))
@@ -152,10 +152,11 @@ class PruneJob(ModelInput):
         super().__post_init__()
         require(self, self.eval_windows is None or self.eval_windows >= 1, "eval_windows",
                 f"must be at least 1, got {self.eval_windows}")
-        require(self, self.eval_windows is None or (self.eval and not self.streamed), ("eval_windows", "eval"),
-                "eval_windows sets the perplexity's windows, which --no-eval and --stream skip: drop one of them")
-        require(self, not given(self.eval_data) or (self.eval and not self.streamed), ("eval_data", "eval"),
-                "eval_data sets the perplexity's corpus, which --no-eval and --stream skip: drop one of them")
+        require(self, self.eval_windows is None or (self.eval and not self.streamed), ("eval_windows", "eval", "stream"),
+                "eval_windows sets the perplexity's windows, which stream and a run without eval skip: drop one of "
+                "them")
+        require(self, not given(self.eval_data) or (self.eval and not self.streamed), ("eval_data", "eval", "stream"),
+                "eval_data sets the perplexity's corpus, which stream and a run without eval skip: drop one of them")
         if self.streamed:
             require(self, not self.config.calib_samples, ("calib_samples", "stream"),
                     "calib_samples samples from the whole model, which stream never holds; drop one of them")

@@ -18,6 +18,7 @@ import torch
 from leanml.config import as_dict
 from leanml.errors import LeanmlError
 from leanml.faults import check_model_cache, check_space
+from leanml.flags import flag_of
 from leanml.machine import machine_info
 from leanml.outputs import atomic_dir, write_json
 from leanml.progress import Timer
@@ -88,7 +89,7 @@ def calibration(model: Any, tokenizer: Any, config: PruneConfig, device: torch.d
         ids, info = calibration_with_samples(model, tokenizer, calib, device=device)
     except torch.cuda.OutOfMemoryError as exc:
         raise LeanmlError(f"the model does not fit on {device} to sample calibration windows from it; "
-                          "drop --calib-samples or sample on a larger device") from exc
+                          "drop calib_samples or sample on a larger device", fields=("calib_samples",)) from exc
     finally:
         if not on_cpu:
             model.to("cpu")
@@ -123,9 +124,9 @@ def _check_inputs(job: PruneJob, rank: int) -> tuple[Path, Path, int, torch.devi
     check_model_input(job.model, job.config.seqlen)
     check_model_cache(job.model)
     check_model_type(job.model, pruner_class(job.config.method).structured)
-    check_corpus(job.config.calib, "calib", "--calib")
+    check_corpus(job.config.calib, "calib", "calib")
     if job.eval:
-        check_corpus(job.eval_data, "test", "--eval-data")
+        check_corpus(job.eval_data, "test", "eval_data")
     if rank == 0:  # last: only a run whose inputs pass clears a checkpoint (--overwrite)
         check_checkpoint(ckpt, job.resume, job.overwrite)
     return out, ckpt, threads, device
@@ -167,7 +168,7 @@ def run_job(job: PruneJob) -> dict[str, Any] | None:
     check_seqlen(model, c.seqlen, c)
     need = weights_bytes(model)
     if job.save_format == "safetensors" and rank == 0:  # before the work: the save needs about the weights' bytes
-        check_space(out.parent, need, "the pruned model", "free space there or choose another --out")
+        check_space(out.parent, need, "the pruned model", "free space there or choose another out", ("out",))
     with Timer() as t_calib:
         calib, calib_info = calibration(model, tokenizer, c, device)
     params_before = count_parameters(model)
@@ -219,18 +220,19 @@ def run_streamed(job: PruneJob, device: torch.device, out: Path, ckpt: Path) -> 
     from leanml.prune.stream import parse_memory, stream_source, stream_walk
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise LeanmlError("--stream runs in one process; drop torchrun or --stream")
+        raise LeanmlError("stream runs in one process; drop torchrun or stream", fields=("stream",))
     c = job.config
     max_memory = parse_memory(job.max_memory)
     t0 = time.perf_counter()
     src = stream_source(job.model)
     index = ShardIndex(src)  # before the work: the shards written need about the weights' bytes at the output dtype
     need = sum(index.nbytes(name, parse_dtype(job.dtype)) for name in index.names())
-    check_space(out.parent, need, "the pruned model", "free space there or choose another --out")
+    check_space(out.parent, need, "the pruned model", "free space there or choose another out", ("out",))
     tokenizer = AutoTokenizer.from_pretrained(src)
     calib = calibration_windows(tokenizer, c.calib, c.nsamples, c.seqlen, c.seed)
     if job.eval:
-        print("--stream does not evaluate (the model is never whole in memory): run leanml eval on the output")
+        print(f"{flag_of(PruneJob, 'stream')} does not evaluate (the model is never whole in memory): run leanml "
+              "eval on the output")
     # the config checked itself when made (and the job refused what a streamed run cannot take)
     settings = WalkSettings.from_config(c, device=device, checkpoint_dir=ckpt, fingerprint=job.fingerprint())
     with atomic_dir(out, overwrite=job.overwrite) as tmp, clear_failed_checkpoint(ckpt):

@@ -79,9 +79,10 @@ def parse_memory(text: str | int | None) -> int | None:
     try:
         value = float(number)
     except ValueError:
-        raise LeanmlError(f"--max-memory {text!r} is not a size; write e.g. 1.2GB, 800MB or 512MiB") from None
+        raise LeanmlError(f"max_memory {text!r} is not a size; write e.g. 1.2GB, 800MB or 512MiB",
+                          fields=("max_memory",)) from None
     if value <= 0:
-        raise LeanmlError(f"--max-memory must be positive, got {text!r}")
+        raise LeanmlError(f"max_memory must be positive, got {text!r}", fields=("max_memory",))
     return int(value * scale)
 
 

@@ -75,8 +75,8 @@ def num_kept(n_units: int, sparsity: float, multiple: int = 1) -> int:
         keep = min(n_units, int(round(keep / multiple)) * multiple)
     if keep <= 0:
         raise LeanmlError(
-            f"sparsity {sparsity} would remove all {n_units} units of a layer pair; use a smaller --sparsity"
-        )
+            f"sparsity {sparsity} would remove all {n_units} units of a layer pair; use a smaller sparsity",
+            fields=("sparsity",))
     return keep
 
 
@@ -215,10 +215,10 @@ def allocate(
         k = int(round(budget / (n_layers * group_cost)))
         if k >= n_groups:
             raise LeanmlError(f"this sparsity would remove every one of the {n_groups} key/value groups of a layer; "
-                              "use a smaller --sparsity or --fasp-pairs attention,mlp")
+                              "use a smaller sparsity or pairs attention,mlp", fields=("sparsity", "pairs"))
         if k == 0:
             raise LeanmlError("this sparsity is too small to remove one key/value group per layer from attention "
-                              "alone; raise --sparsity or use --fasp-pairs attention,mlp")
+                              "alone; raise sparsity or use pairs attention,mlp", fields=("sparsity", "pairs"))
         ks = [k]
     else:
         ks = [k for k in range(n_groups) if n_layers * k * group_cost <= budget] or [0]
@@ -237,7 +237,7 @@ def allocate(
             best = {"groups_removed": k, "units_removed": m, "score_lost": lost,
                     "params_removed": n_layers * (k * group_cost + m * unit_cost)}
     if best is None:
-        raise LeanmlError(f"removing {budget:,} parameters would take every MLP unit of a layer"
-                          f"{' (with at most ' + str(n_groups - 1) + ' key/value groups per layer)' if n_groups else ''}; "
-                          "use a smaller --sparsity")
+        most = f" (with at most {n_groups - 1} key/value groups per layer)" if n_groups else ""
+        raise LeanmlError(f"removing {budget:,} parameters would take every MLP unit of a layer{most}; "
+                          "use a smaller sparsity", fields=("sparsity",))
     return best

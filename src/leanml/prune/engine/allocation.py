@@ -150,7 +150,7 @@ def owl_allocation(
     if bool((s <= 0).any() or (s >= 1).any()):
         raise LeanmlError(
             f"OWL with lambda {lam} at sparsity {target} gives layer sparsities outside (0, 1) "
-            f"({float(s.min()):.3f}..{float(s.max()):.3f}); lower --owl-lambda"
+            f"({float(s.min()):.3f}..{float(s.max()):.3f}); lower lam", owner=OwlOptions, fields=("lam",)
         )
     return [float(v) for v in s]
 

@@ -29,8 +29,17 @@ from leanml.outputs import atomic_file, fingerprint
 #: bumped when the checkpoint layout changes, so an old checkpoint is refused instead of misread
 CHECKPOINT_VERSION = 3
 
+#: the options a checkpoint's refusal names (the command line shows them as flags)
+RESUME_FIELDS = ("resume", "overwrite")
+
+
 class CheckpointError(LeanmlError):
-    """A checkpoint that cannot be resumed (empty, corrupt); a failing run keeps it for the user to see."""
+    """A checkpoint that cannot be resumed (empty, corrupt); a failing run keeps it for the user to see.
+    Its message names the options ``resume`` and ``overwrite`` (the command line shows their flags)."""
+
+    def __init__(self, message: str = "", *, owner: type | None = None,
+                 fields: str | tuple[str, ...] = RESUME_FIELDS) -> None:
+        super().__init__(message, owner=owner, fields=fields)
 
 
 class CheckpointMismatch(ConfigError):
@@ -129,11 +138,11 @@ def check_checkpoint(ckpt: Path, resume: bool, overwrite: bool, partial: tuple[s
     problem = checkpoint_problem(ckpt, partial)
     if problem is None:
         if not resume:
-            raise CheckpointError(f"an interrupted run left a checkpoint in {ckpt}; add --resume to continue it, "
-                              f"or --overwrite (or delete {ckpt}) to start over")
+            raise CheckpointError(f"an interrupted run left a checkpoint in {ckpt}; add resume to continue it, "
+                                  f"or overwrite (or delete {ckpt}) to start over")
         return
-    raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: {problem}; pass --overwrite instead of "
-                      f"--resume to clear it (or delete {ckpt})")
+    raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: {problem}; pass overwrite instead of "
+                          f"resume to clear it (or delete {ckpt})")
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -154,9 +163,9 @@ def check_settings(ckpt: Path, saved: dict[str, Any] | None, now: dict[str, Any]
         return
     diffs = differing_settings(saved, now) if saved is not None else ["version (a checkpoint of an older leanml)"]
     raise CheckpointMismatch(f"the checkpoint in {ckpt} was made with other settings: {'; '.join(diffs[:6])}"
-                      f"{'; ...' if len(diffs) > 6 else ''}; rerun --resume with the interrupted run's settings, "
-                      f"or pass --overwrite instead of --resume to start over (or delete {ckpt})",
-                      None, _field_names(diffs))
+                             f"{'; ...' if len(diffs) > 6 else ''}; rerun with resume and the interrupted run's "
+                             f"settings, or pass overwrite instead of resume to start over (or delete {ckpt})",
+                             None, (*_field_names(diffs), *RESUME_FIELDS))
 
 
 def resume_state(ckpt: Path | None, meta: dict[str, Any]) -> dict[str, Any] | None:
@@ -169,10 +178,10 @@ def resume_state(ckpt: Path | None, meta: dict[str, Any]) -> dict[str, Any] | No
         state = torch.load(state_path, weights_only=False)
     except Exception as exc:  # a truncated or foreign file
         raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: its state.pt is corrupt or truncated; "
-                          f"pass --overwrite instead of --resume to clear it (or delete {ckpt})") from exc
+                              f"pass overwrite instead of resume to clear it (or delete {ckpt})") from exc
     if not isinstance(state, dict):
-        raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: its state.pt is not a leanml checkpoint; "
-                          f"pass --overwrite instead of --resume to clear it (or delete {ckpt})")
+        raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: its state.pt is not a leanml "
+                              f"checkpoint; pass overwrite instead of resume to clear it (or delete {ckpt})")
     check_settings(ckpt, state.get("settings"), meta)
     return state
 
@@ -183,8 +192,8 @@ def restore_layers(ckpt: Path, layers: nn.ModuleList, count: int) -> None:
         try:
             sd = torch.load(layer_path(ckpt, i), weights_only=True)
         except Exception as exc:  # missing, truncated or foreign
-            raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: {layer_path(ckpt, i).name} is missing "
-                              f"or corrupt; pass --overwrite instead of --resume to clear it") from exc
+            raise CheckpointError(f"the checkpoint in {ckpt} cannot be resumed: {layer_path(ckpt, i).name} is "
+                                  "missing or corrupt; pass overwrite instead of resume to clear it") from exc
         load_layer_state(layers[i], sd)
 
 

@@ -56,7 +56,8 @@ class DiskStream:
             tmp.unlink(missing_ok=True)
             if exc.errno == errno.ENOSPC:
                 raise LeanmlError(f"disk full while spilling activations to {path.parent}; free space there or "
-                                  "raise --max-memory, then rerun with --resume (written layers are kept)") from exc
+                                  "raise max_memory, then rerun with resume (written layers are kept)",
+                                  fields=("max_memory", "resume")) from exc
             raise LeanmlError(f"cannot spill activations to {path}: {exc.strerror or exc}") from exc
         return cls(path, x.shape, x.dtype)
 

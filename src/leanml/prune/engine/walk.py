@@ -297,8 +297,8 @@ class LayerWalk:
                 self.layer_step(idx, bar, writer)
         except OOM as exc:
             raise LeanmlError(
-                f"out of memory on {self.device} while pruning: lower the batch size (batch_size={s.batch_size}, "
-                "--batch-size) or keep the activation streams on the host (stream_device='cpu', --stream-device cpu)"
+                f"out of memory on {self.device} while pruning: lower batch_size (now {s.batch_size}) or keep the "
+                "activation streams on the host (stream_device cpu)", fields=("batch_size", "stream_device")
             ) from exc
         finally:
             bar.close()

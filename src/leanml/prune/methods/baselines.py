@@ -88,8 +88,8 @@ class SparseGPTPruner(_UnstructuredPruner):
         try:
             U = hinv_upper(stats.H, o.damp)[0]
         except torch.linalg.LinAlgError:  # the damped H is not positive definite (or overflowed)
-            raise solver_error("SparseGPT's Cholesky factorisation", "--sparsegpt-damp", o.damp, stats.H,
-                               f"group {group.name}") from None
+            raise solver_error("SparseGPT's Cholesky factorisation", "damp", o.damp, stats.H,
+                               f"group {group.name}", owner=SparseGPTOptions) from None
         new = sparsegpt_prune_many([group.linears[n].weight.data for n in names], stats.H,
                                    [linear_spec(spec, n) for n in names], o.damp, o.blocksize, U=U)
         for n, W in zip(names, new):

@@ -60,15 +60,15 @@ class StructuredOptions:
     pairs: str | tuple[str, ...] = option("attention,mlp", "pairs to prune: attention (whole key/value groups), "
                                                            "mlp, or both (comma separated; from Python also a tuple)")
     alloc: Literal["score", "uniform"] = option(
-        "score", "score: --sparsity is the fraction of all parameters removed, split between attention groups and "
-        "MLP units by score; uniform: every pair of every layer loses the fraction --sparsity of its units")
-    groups: int | None = option(None, "with --fasp-alloc score: remove exactly this many key/value groups per layer "
+        "score", "score: the sparsity is the fraction of all parameters removed, split between attention groups and "
+        "MLP units by score; uniform: every pair of every layer loses that fraction of its units")
+    groups: int | None = option(None, "with score allocation: remove exactly this many key/value groups per layer "
                                       "(default: chosen by score)", form=Form(show_default=False))
-    plan_samples: int = option(default(8), "with --fasp-alloc score: calibration windows the allocation's dense "
+    plan_samples: int = option(default(8), "with score allocation: calibration windows the allocation's dense "
                                            "pre-pass reads", bounds=Bounds(ge=1))
     multiple: int = option(1, "round the kept units per layer to a multiple of this", bounds=Bounds(ge=1))
-    shrink: bool = option(True, "remove pruned units physically (smaller MLPs and attention); --fasp-no-shrink "
-                                "keeps them as zeros", form=Form(negative="--fasp-no-shrink"))
+    shrink: bool = option(True, "remove pruned units physically (smaller MLPs and attention); off, they stay "
+                                "as zeros", form=Form(negative="--fasp-no-shrink"))
 
     def __post_init__(self) -> None:
         require(self, bool(self.pair_names) and all(p in PAIRS for p in self.pair_names), "pairs",
@@ -405,8 +405,8 @@ class FaspPruner(StructuredPairPruner):
         try:
             return core.restore_least_squares(W, stats.H, keep_cols, G=G, damp=self.options.damp), None
         except (LeanmlError, torch.linalg.LinAlgError):  # the damped matrix is not positive definite
-            raise solver_error("FASP's least-squares restoration", "--fasp-damp", self.options.damp,
-                               stats.H) from None
+            raise solver_error("FASP's least-squares restoration", "damp", self.options.damp,
+                               stats.H, owner=type(self.options)) from None
 
 
 class WandaStructuredPruner(StructuredPairPruner):
@@ -451,7 +451,7 @@ class FlapPruner(StructuredPairPruner):
                 other = [p for p, name in PAIRS.items() if name != g.name]
                 raise LeanmlError(
                     f"flap adds a bias to {g.leader}, which this architecture's stock layers cannot hold; "
-                    f"use fasp or wanda-sp, or --fasp-pairs {other[0]}"
+                    f"use fasp or wanda-sp, or pairs {other[0]}", owner=type(self.options), fields=("pairs",)
                 )
 
     @staticmethod

@@ -117,7 +117,7 @@ class FistaOptions:
                                      "most iterations; default: the preset's)", bounds=Bounds(ge=0),
                                form=Form(show_default=False))
     precondition: bool = option(True, "solve in diagonally rescaled variables (same minimiser, much faster "
-                                      "convergence); --fista-no-precondition runs FISTA on H itself",
+                                      "convergence); off, FISTA runs on H itself",
                                 form=Form(negative="--fista-no-precondition"))
     correction: float | None = option(None, "weight in [0, 1] of the dense model's outputs in each layer's "
                                             "target: 1 = the dense model's activations (corrects the error of "
