@@ -85,7 +85,8 @@ def cmd_train(job: TrainJob) -> int:
 
     report, path = train_job(job)
     speed = f" ({report['samples_s']:.0f} samples/s)" if "samples_s" in report else ""
-    print(f"{report['mode']}: {report['rows']} rows in {report['wall_s']:.2f} s{speed}, train loss {report['loss']:.4f}")
+    print(f"{report['mode']}: {report['rows']} rows in {report['wall_s']:.2f} s{speed}, "
+          f"train loss {report['loss']:.4f}")
     if "extract" in report:
         print("\n".join(summary_lines(report["extract"], report["rows"])))
     if "test" in report:

@@ -47,7 +47,7 @@ def extract_config(inputs: Inputs, options: PipelineOptions, quarantine: Path,
                           "holds the tables")
     graph = graph if graph is not None else load_graph(inputs.graph)
     logs = inputs.log or (str(movielens_logs() / "impressions_train.tsv"),)
-    infos = check_logs(logs, graph.schema)
+    infos = check_logs(logs, graph.schema, flag_of(Inputs, "log"))
     if test_logs:
         check_logs(test_logs, graph.schema, what=flag_of(TrainJob, "test_log"))
     cfg = ExtractConfig.build(graph, logs, options, data_dir=inputs.data_dir, tables=inputs.tables,

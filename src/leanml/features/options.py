@@ -38,12 +38,12 @@ class PipelineOptions:
 
     batch_rows: int = option(BATCH_ROWS, "rows per chunk / training batch")
     threads: int = option(1, "threads for the CPU ops of one level")
-    arena: bool = option(True, "reuse one memory arena per batch (--no-arena: plain allocation)")
+    arena: bool = option(True, "reuse one memory arena per batch (off: plain allocation)")
     reader: Engine = option(
         "arrow", "log parser: arrow (native) or python (the line-by-line reference); same rows and quarantine "
                  "records")
     entity: bool = option(True, "run the ops of a joined table's features once per user/item "
-                                "(--no-entity: every op per log row)")
+                                "(off: every op per log row)")
     torch_threads: int = option(1, "torch threads of a producer worker process", cli=False)
     arena_bytes: int = option(8 << 20, "initial arena size in bytes", cli=False)
     device: str | None = option(None, "where GPU-capable ops run (default: CUDA when present)", cli=False)
@@ -62,7 +62,7 @@ class ProducerOptions:
                    "one thread of the training process")
     workers: int = option(1, "producer processes (on 2 cores one trains, one extracts)")
     prefetch: int = option(2, "batches made ahead per worker (thread producer: queue depth)")
-    plans: bool = option(True, "build the embedding lookup plans in the producers (--no-plans: in the training "
+    plans: bool = option(True, "build the embedding lookup plans in the producers (off: in the training "
                                "step, when extraction, not training, is the bottleneck)")
 
     def __post_init__(self) -> None:

@@ -76,7 +76,8 @@ class Op:
         if self.placement not in ("cpu", "gpu"):
             raise LeanmlError(f"op {self.name or self.kind}: placement {self.placement!r} must be cpu or gpu")
         if self.placement == "gpu" and not self.has_torch:
-            raise LeanmlError(f"op {self.name or self.kind} ({self.kind}) has no GPU implementation; use placement: cpu")
+            raise LeanmlError(f"op {self.name or self.kind} ({self.kind}) has no GPU implementation; "
+                              "use placement: cpu")
         if not self.name:
             self.name = self.outputs[0]
 

@@ -73,9 +73,11 @@ def _gzip_size(path: Path) -> int:
         return int.from_bytes(fh.read(4), "little")
 
 
-def check_log(path: str | os.PathLike, schema: Schema, what: str = "--log", sep: str = "\t") -> LogInfo:
+def check_log(path: str | os.PathLike, schema: Schema, what: str = "the log", sep: str = "\t") -> LogInfo:
     """Raise unless ``path`` is a readable, non-empty log with the fields of ``schema``, of which at least one
-    of the first rows can be read (a log whose first rows all go to quarantine is the wrong file)."""
+    of the first rows can be read (a log whose first rows all go to quarantine is the wrong file). The errors
+    begin with ``what``: the flag that gave the log on the command line (``flag_of``: a field name would also
+    match in ``*.log``)."""
     from leanml.features.read.linelogs import parse_lines
     from leanml.features.read.logschema import Quarantine
     from leanml.features.read.readers import detect_format
@@ -179,8 +181,8 @@ def _check_parquet(path: Path, names: Sequence[str], what: str) -> int:
     return pf.metadata.num_rows
 
 
-def check_logs(paths: Sequence[str | os.PathLike], schema: Schema, what: str = "--log") -> list[LogInfo]:
-    """:func:`check_log` for every path (at least one)."""
+def check_logs(paths: Sequence[str | os.PathLike], schema: Schema, what: str) -> list[LogInfo]:
+    """:func:`check_log` for every path (at least one); ``what``: the flag that gives them."""
     if not paths:
         raise LeanmlError(f"no log files given; pass at least one {what} PATH")
     return [check_log(p, schema, what) for p in paths]

@@ -153,10 +153,10 @@ def check_generate_target(out_dir: str | Path, overwrite: bool) -> Path:
     """Refuse to write generated logs over a file, or over a folder with files in it unless ``overwrite``."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise LeanmlError(f"--out {out} is a file; give a folder for the generated logs")
+        raise LeanmlError(f"out {out} is a file; give a folder for the generated logs", fields=("out",))
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise LeanmlError(f"--out {out} already has files; choose an empty or new folder, or pass --overwrite "
-                          "to replace it as a whole")
+        raise LeanmlError(f"out {out} already has files; choose an empty or new folder, or pass overwrite "
+                          "to replace it as a whole", fields=("out", "overwrite"))
     return out
 
 

@@ -111,7 +111,8 @@ def parse_json_lines(lines: Sequence[bytes], schema: Schema, quarantine: Quarant
         vals = [obj.get(n, _MISSING) for n in names]
         missing = [n for n, v in zip(names, vals) if v is _MISSING or v is None]
         if missing:
-            quarantine.add(source, first_line + i, f"missing:{missing[0]}", text, f"field {missing[0]!r} absent or null")
+            quarantine.add(source, first_line + i, f"missing:{missing[0]}", text,
+                           f"field {missing[0]!r} absent or null")
             continue
         for c, v in zip(cols, vals):
             c.append(v)

@@ -145,8 +145,9 @@ def typed_columns(columns: list[Sequence[Any]], schema: Schema, quarantine: Quar
     if bad_any.any():
         for k, reason in sorted(reasons.items()):
             name = reason.split(":", 1)[1]
+            value = columns[schema.names.index(name)][k]
             quarantine.add(source, first_line + idx[k], reason, raw_rows[k],
-                           f"field {name!r} value {columns[schema.names.index(name)][k]!r} is not {reason[4:].split(':')[0]}")
+                           f"field {name!r} value {value!r} is not {reason[4:].split(':')[0]}")
         keep = ~bad_any
         out = {k: v[keep] for k, v in out.items()}
     return out

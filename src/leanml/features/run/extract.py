@@ -83,8 +83,9 @@ class Extractor:
                                 quarantine=self.quarantine, shard=tuple(cfg.shard), engine=cfg.options.reader,
                                 yield_empty=True)
         arena: Arena | NoArena = Arena(cfg.options.arena_bytes) if cfg.options.arena else NoArena()
-        self.executor = LayerwiseExecutor(self.graph, device=cfg.options.device, threads=cfg.options.threads, arena=arena,
-                                          data_dir=cfg.data_dir, tables=cfg.tables, entity=cfg.options.entity)
+        self.executor = LayerwiseExecutor(self.graph, device=cfg.options.device, threads=cfg.options.threads,
+                                          arena=arena, data_dir=cfg.data_dir, tables=cfg.tables,
+                                          entity=cfg.options.entity)
         self.read_s = 0.0
         self.extract_s = 0.0
         self.cpu_s = 0.0

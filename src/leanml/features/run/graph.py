@@ -75,7 +75,8 @@ class FeatureGraph:
         for op in self.ops:
             for c in op.outputs:
                 if c in self.schema.names:
-                    raise LeanmlError(f"graph {self.name}: op {op.name} writes {c!r}, a raw log field; rename the output")
+                    raise LeanmlError(f"graph {self.name}: op {op.name} writes {c!r}, a raw log field; "
+                                      "rename the output")
                 if c in produced:
                     raise LeanmlError(f"graph {self.name}: column {c!r} is written by both {produced[c]} and {op.name}")
                 produced[c] = op.name

@@ -90,7 +90,8 @@ def train_on(model: FeatureDNN, batches: Iterable[FeatureBatch], opt: CTROptimiz
 
 
 @torch.no_grad()
-def evaluate(model: FeatureDNN, batches: Iterable[FeatureBatch], device: torch.device | str = "cpu") -> dict[str, float]:
+def evaluate(model: FeatureDNN, batches: Iterable[FeatureBatch],
+             device: torch.device | str = "cpu") -> dict[str, float]:
     """AUC and logloss of the model on ``batches``."""
     model.eval()
     ps, ys = [], []
