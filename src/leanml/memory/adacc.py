@@ -120,7 +120,8 @@ class Adacc:
         self.history: list[dict[str, Any]] = []
         self.step_peaks: list[int] = []
         self.step_budgets: list[float] = []  # the budget in bytes each measured step ran under
-        self.step_cuda_peaks: list[int] = []  # CUDA: max_memory_allocated over each step's forward+backward, above its start
+        # CUDA: max_memory_allocated over each step's forward+backward, above its start
+        self.step_cuda_peaks: list[int] = []
         self.step_cuda_max_allocated: list[int] = []  # the same, absolute
         self.replan_s = 0.0  # all time spent profiling, solving and calibrating (initial plan included)
         self.last_step_replan_s = 0.0  # of that, what the most recent training step spent
@@ -203,9 +204,9 @@ class Adacc:
         lossy = self.plan.lossy()
         if lossy:
             raise LeanmlError(
-                f"the training loss became {loss.flatten()[0].item()} at step {self._steps} under a plan that compresses "
-                f"activations ({', '.join(lossy)}); lower max_error, drop those compressors (compressors=...), or check "
-                "that the unoptimized run stays finite")
+                f"the training loss became {loss.flatten()[0].item()} at step {self._steps} under a plan that "
+                f"compresses activations ({', '.join(lossy)}); lower max_error, drop those compressors "
+                "(compressors=...), or check that the unoptimized run stays finite")
 
     def _run(self, args: tuple, kwargs: dict) -> torch.Tensor:
         return self.loss_fn(self.model(*args, **kwargs))
@@ -278,7 +279,8 @@ class Adacc:
     def _plan_from(self, profile: Profile, sig: str, reason: str, t0: float) -> None:
         budget = self.budget.to_bytes(profile.peak_bytes)
         problem, names, post_names = build_problem(pool_timings(profile) if self.options.pool_layers else profile,
-                                                   self.options.max_error, self.options.error_caps or {}, self.options.compress_head)
+                                                   self.options.max_error, self.options.error_caps or {},
+                                                   self.options.compress_head)
         entry = ShapePlan(profile, None, problem, names, post_names, min_peak(problem))  # type: ignore[arg-type]
         entry.record = self._calibration().plan(entry, budget)
         self._plans[sig] = entry
@@ -298,8 +300,8 @@ class Adacc:
             args, kwargs = self._inputs  # type: ignore[misc]
             return self.measure(*args, **kwargs)
 
-        return Calibration(self._install, self.remove_plan, measure, self.options.time_limit, self.options.max_calibrations,
-                           self.options.calibrate)
+        return Calibration(self._install, self.remove_plan, measure, self.options.time_limit,
+                           self.options.max_calibrations, self.options.calibrate)
 
     def _install(self, record: PlanRecord, profile: Profile) -> None:
         self.remove_plan()
@@ -318,7 +320,8 @@ class Adacc:
 
     def _reset_monitor(self) -> None:
         assert self.profile is not None and self.plan is not None
-        self.monitor.reset(*self.plan.drift_references(self.profile, self.options.error_caps or {}, self.options.max_error))
+        self.monitor.reset(*self.plan.drift_references(self.profile, self.options.error_caps or {},
+                                                       self.options.max_error))
 
     # ------------------------------------------------------------------ measuring
     def measure(self, *args: Any, **kwargs: Any) -> int:

@@ -38,7 +38,8 @@ class Budget:
         if isinstance(spec, str):
             m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", spec)
             if not m or m.group(2).lower() not in _UNITS:
-                raise LeanmlError(f"cannot read memory budget {spec!r}; use a fraction like 0.5, bytes, or a size like 2GB")
+                raise LeanmlError(f"cannot read memory budget {spec!r}; use a fraction like 0.5, bytes, or a size "
+                                  "like 2GB")
             value, unit = float(m.group(1)), m.group(2).lower()
             if unit == "":
                 if value > 1:

@@ -71,7 +71,8 @@ class Calibration:
                     f"{model_budget / MIB:.1f} MiB{lowered} got no plan because {exc.reason}; the smallest "
                     f"{'feasible peak is' if exc.proven else 'peak of a plan found is'} {exc.floor / MIB:.1f} MiB; "
                     f"raise the budget above {max(budget, exc.floor) / MIB:.1f} MiB"
-                    + ("" if exc.proven else f" or give the solver more time (time_limit, now {self.time_limit:g} s)")) from None
+                    + ("" if exc.proven
+                       else f" or give the solver more time (time_limit, now {self.time_limit:g} s)")) from None
             if sol.status == "greedy":
                 log.warning("planner: MILP time limit reached without a solution, using the greedy plan")
             sol = broadcast_plan(sol)

@@ -285,7 +285,8 @@ class Compressor:
 
 def make_compressor(name: str, outlier_frac: float = 0.01) -> Compressor:
     """Build a compressor by name: ``bf16``, ``fp8-e4m3``, ``fp8-e5m2``, ``int8-channel``, ``int8-token``,
-    ``int4-channel``, ``int4-token`` or ``bitpack``. ``outlier_frac`` is the fraction of channels kept in full precision."""
+    ``int4-channel``, ``int4-token`` or ``bitpack``. ``outlier_frac`` is the fraction of channels kept in full
+    precision."""
     if name == "bf16":
         return Compressor(name, _bf16_pack, _bf16_unpack, min_element_size=4)
     if name in _FP8:

@@ -36,8 +36,8 @@ def run_demo() -> None:
         base = lm_unoptimized_peak(model().train(), data[0])
         runners = []
         for strategy, budget in [("none", 1.0), ("checkpoint", 1.0), ("sac", 1.0), ("adacc", 0.5)]:
-            r = StrategyRunner(model(), TrainConfig(strategy=strategy, budget=Budget.parse(budget), steps=len(data), lr=1e-3,
-                                                    warmup=2, progress=False), unoptimized_peak=base)
+            r = StrategyRunner(model(), TrainConfig(strategy=strategy, budget=Budget.parse(budget), steps=len(data),
+                                                    lr=1e-3, warmup=2, progress=False), unoptimized_peak=base)
             r.setup(data[0])
             runners.append(r)
         for x in data:

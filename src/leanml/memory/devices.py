@@ -15,11 +15,12 @@ OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
      if isinstance(e, type)})
 
 
-def out_of_memory(what: str, exc: BaseException, fix: str) -> LeanmlError:
-    """One-line error for a device out-of-memory ``exc`` raised while doing ``what``, naming ``fix``."""
+def out_of_memory(what: str, exc: BaseException, fix: str, fields: tuple[str, ...] = ()) -> LeanmlError:
+    """One-line error for a device out-of-memory ``exc`` raised while doing ``what``, naming ``fix``
+    (``fields``: the options it names, shown as their flags on the command line)."""
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     first = ". ".join(first.split(". ")[:2])[:160]
-    return LeanmlError(f"the device ran out of memory {what} ({first}); {fix}")
+    return LeanmlError(f"the device ran out of memory {what} ({first}); {fix}", fields=fields)
 
 
 def max_over_ranks(value: float) -> float:

@@ -71,7 +71,8 @@ class AdaccCallback(TrainerCallback):
 
     def __init__(self, budget: BudgetLike = DEFAULT_BUDGET, report_name: str | None = "adacc.json",
                  check_finite: bool = True, **adacc_kwargs: Any) -> None:
-        check_argument(budget, "budget", (Budget, float, int, str), "a fraction in (0, 1], a size like '2GB' or a Budget")
+        check_argument(budget, "budget", (Budget, float, int, str),
+                       "a fraction in (0, 1], a size like '2GB' or a Budget")
         check_argument(report_name, "report_name", (str, type(None)), "a file name or None")
         check_argument(check_finite, "check_finite", bool, "True or False")
         if report_name is not None and (not report_name.strip() or "/" in report_name or "\\" in report_name):

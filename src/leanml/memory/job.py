@@ -56,7 +56,7 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
     dtype = getattr(torch, job.dtype)
     check_dtype(dtype, device)
     check_model_input(job.model, job.seqlen)
-    check_corpus(job.data, "train", "--data")
+    check_corpus(job.data, "train", "data")
     model, tokenizer = load_model(job.model, dtype=dtype, device=device)
     windows = token_windows(tokenizer, load_text(job.data, "train"), job.seqlen)
     torch.manual_seed(job.train.seed)

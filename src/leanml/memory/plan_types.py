@@ -101,7 +101,8 @@ def layer_cost(spec: LayerSpec, w: bool | int, ch: list[int]) -> tuple[float, fl
             sum(o.time for o in chosen))
 
 
-def evaluate(problem: Problem, whole: list[bool] | list[int], choices: list[list[int]], post: int) -> tuple[float, float]:
+def evaluate(problem: Problem, whole: list[bool] | list[int], choices: list[list[int]],
+             post: int) -> tuple[float, float]:
     """Peak bytes and added seconds of a plan under the memory model (the definition, no solver).
 
     ``whole[l]``: ``True``/``False`` (layer checkpointed or not) or an index into the layer's

@@ -83,6 +83,7 @@ def build_problem(profile: Profile, max_error: float, caps: dict[str, float] | N
         if compress_head:
             for name, st in post.compress.items():
                 if (name == BITPACK or st.error <= caps.get(name, max_error)) and st.payload_bytes < post.bytes:
-                    post_opts.append(Option(name, st.payload_bytes, st.max_out_bytes, st.pack_s + st.unpack_s, st.error))
+                    post_opts.append(Option(name, st.payload_bytes, st.max_out_bytes, st.pack_s + st.unpack_s,
+                                            st.error))
                     post_names.append(name)
     return Problem(layers, float(pre.bytes if pre else 0), post_opts), names, post_names

@@ -306,7 +306,8 @@ def _block_pass(block: nn.Module, layer: int, args: tuple, kwargs: dict, ctx: _M
     def on_enter(key: GroupKey, mod: nn.Module, a: tuple, kw: dict) -> None:
         owners.group(key)
         if key.child != SELF:
-            inputs[key] = [t.detach() for t in tensors_in((a, kw)) if t.untyped_storage().data_ptr() not in owners.params]
+            inputs[key] = [t.detach() for t in tensors_in((a, kw))
+                           if t.untyped_storage().data_ptr() not in owners.params]
         starts[key] = timer.now()
 
     def on_exit(key: GroupKey, mod: nn.Module, output: object) -> None:
@@ -396,7 +397,8 @@ def _split_self_time(groups: dict[GroupKey, GroupStats], n_layers: int) -> list[
     layer_fwd = [groups[GroupKey(i, SELF)].fwd_s if GroupKey(i, SELF) in groups else 0.0 for i in range(n_layers)]
     for key, g in groups.items():
         if key.child == SELF and key.layer is not None:
-            g.fwd_s = max(0.0, g.fwd_s - sum(c.fwd_s for k, c in groups.items() if k.layer == key.layer and k.child != SELF))
+            g.fwd_s = max(0.0, g.fwd_s - sum(c.fwd_s for k, c in groups.items()
+                                             if k.layer == key.layer and k.child != SELF))
     return layer_fwd
 
 

@@ -227,7 +227,7 @@ class StrategyRunner:
             self.model.zero_grad(set_to_none=True)
             self.objective.finish()
             raise out_of_memory(f"in a training step of {self.cfg.label} on a batch of shape "
-                                f"{'x'.join(map(str, x.shape))}", exc, self._oom_fix()) from None
+                                f"{'x'.join(map(str, x.shape))}", exc, *self._oom_fix()) from None
         self.times.append(self.timer.now() - t0)
         self.cpu_times.append(time.process_time() - c0)
         self.replan_times.append(self.adacc.take_replan_seconds() if self.adacc is not None else 0.0)
@@ -247,12 +247,13 @@ class StrategyRunner:
         """Whether our meter runs on step ``index`` (never under Adacc, which meters every step itself)."""
         return self.adacc is None and (index % self.measure_every == 0 or not self.measured_steps)
 
-    def _oom_fix(self) -> str:
+    def _oom_fix(self) -> tuple[str, tuple[str, ...]]:
+        """What to change after an out-of-memory step, and the option fields it names."""
         if self.cfg.strategy in ("adacc", "compile"):
             return (f"use a smaller batch (now {self.cfg.batch_size}) or a smaller memory budget "
-                    f"(now {self.budget.label()})")
-        return (f"use a smaller batch (now {self.cfg.batch_size}), or a memory strategy that holds less "
-                "(--memory adacc with a budget, or checkpoint)")
+                    f"(now {self.budget.label()})"), ()
+        return (f"use a smaller batch (now {self.cfg.batch_size}), or a memory setting that holds less "
+                "(strategy adacc with a budget, or checkpoint)"), ("strategy",)
 
     def allocator_step(self, x: torch.Tensor) -> int:
         """One more optimizer step on ``x``, untimed, under :class:`~leanml.memory.meter.AllocatorPeak`:
