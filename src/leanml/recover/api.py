@@ -212,7 +212,7 @@ class _Recovery:
             state = torch.load(path, map_location=self.device, weights_only=False)
         except Exception as exc:  # a truncated or foreign file
             raise CheckpointError(f"the checkpoint in {path.parent} cannot be resumed: its state.pt is corrupt or "
-                                  f"truncated; pass --overwrite instead of --resume to clear it") from exc
+                                  f"truncated; pass overwrite instead of resume to clear it") from exc
         check_settings(path.parent, state.get("settings") if isinstance(state, dict) else None, self.meta)
         self.model.load_state_dict(state["model"])
         self.optim.load_state_dict(state["optim"])
@@ -403,10 +403,11 @@ def _state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
 def divergence_hint(cfg: RecoverConfig, distils: bool) -> str:
     """The options that likely made a recovery diverge: the learning rate, then a weight decay and a
     distillation temperature when they act."""
-    extra = [f"--weight-decay {cfg.weight_decay:g}"] if cfg.weight_decay else []
+    extra, fields = ([f"weight_decay {cfg.weight_decay:g}"], ["weight_decay"]) if cfg.weight_decay else ([], [])
     if distils and cfg.kd_weight:
-        extra.append(f"--kd-temperature {cfg.temperature:g}")
-    return lr_hint(cfg.train.lr, ", ".join(extra))
+        extra.append(f"temperature {cfg.temperature:g}")
+        fields.append("temperature")
+    return lr_hint(cfg.train.lr, ", ".join(extra), tuple(fields))
 
 
 def _save_state(path: Path, state: dict[str, Any]) -> None:

@@ -48,7 +48,8 @@ distillation:
   that reuses them reports the seconds the sampling took where it was done.
 
 --memory-budget (--memory adacc only; default 0.5) is a fraction of the unoptimized activation peak of
-one step in (0, 1], or a size with its unit (2GB, 3000000B); a budget below the smallest feasible plan is refused before training.
+one step in (0, 1], or a size with its unit (2GB, 3000000B); a budget below the smallest feasible plan is
+refused before training.
 
 output: DIR (model + tokenizer, report.json, losses.csv), written atomically. Training keeps float32
 weights and optimizer state; the model is saved in --dtype (default: the input's dtype; a kept weight
@@ -98,5 +99,6 @@ def print_summary(report: dict[str, Any], out: str) -> None:
           + (f" (unoptimized {mem['unoptimized_peak_bytes'] / mib:.1f} MiB)" if mem["unoptimized_peak_bytes"] else "")
           + (f", budget {budget / mib:.1f} MiB, {'within' if mem['within_budget'] else 'OVER'}" if budget else ""))
     print(f"loss {report['loss_first']:.4f} -> {report['loss_last10']:.4f} (mean of last 10); "
-          f"{len(report['losses']['loss'])} steps in {tm['train_seconds']:.1f} s (median {tm['median_step_s']:.2f} s/step)")
+          f"{len(report['losses']['loss'])} steps in {tm['train_seconds']:.1f} s "
+          f"(median {tm['median_step_s']:.2f} s/step)")
     print(f"saved {save['weights_bytes'] / mib:.1f} MiB ({save['format']}, {save['dtype']}) -> {out}")

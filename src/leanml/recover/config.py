@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from leanml.config import Bounds, Form, default, given, option, require
+from leanml.flags import to_argv
 from leanml.train import TrainConfig
 
 #: the memory strategies recovery offers
@@ -33,11 +34,11 @@ class RecoverConfig:
     min_lr_ratio: float = option(0.1, "final learning rate / peak", bounds=Bounds(ge=0, le=1))
     weight_decay: float = option(0.0, "AdamW weight decay", bounds=Bounds(ge=0))
     max_grad_norm: float = option(1.0, "gradient clipping (0: off)", bounds=Bounds(ge=0))
-    kd_weight: float = option(default(0.5), "weight of the distillation term, in [0, 1] (needs --teacher)",
+    kd_weight: float = option(default(0.5), "weight of the distillation term, in [0, 1] (needs a teacher)",
                               bounds=Bounds(ge=0, le=1))
-    temperature: float = option(default(1.0), "distillation temperature (needs --teacher)", flag="--kd-temperature",
+    temperature: float = option(default(1.0), "distillation temperature (needs a teacher)", flag="--kd-temperature",
                                 bounds=Bounds(gt=0))
-    keep_masks: bool = option(True, "keep the model's zeros exactly (--no-mask: train every weight, a dense "
+    keep_masks: bool = option(True, "keep the model's zeros exactly (off: train every weight, a dense "
                                     "fine-tune; sparsity is not kept)", flag="--mask")
     checkpoint_every: int = option(50, "steps between checkpoints (DIR.ckpt)", bounds=Bounds(ge=1))
     measure_every: int = option(10, "steps between activation-peak measurements", cli=False,
@@ -61,6 +62,18 @@ class RecoverConfig:
         if teacher is None and set_:
             raise ValueError(f"teacher is None, but {' and '.join(set_)} set a distillation from a teacher: pass "
                              "teacher=the dense model, or leave kd_weight and temperature at their defaults")
+
+
+def negative_flag(cls: type, name: str, **required: Any) -> str:
+    """The flag that turns the boolean field ``name`` of the options class ``cls`` off (``--no-mask``), as
+    the command line the options generate spells it, for a message that suggests it; ``required``: values
+    for the fields without a default (left out of the answer)."""
+    return " ".join(to_argv(cls(**required, **{name: False}), skip=tuple(required)))
+
+
+def no_mask_flag() -> str:
+    """The flag that trains every weight (``keep_masks`` off)."""
+    return negative_flag(RecoverConfig, "keep_masks")
 
 
 def lr_factor(step: int, cfg: RecoverConfig) -> float:

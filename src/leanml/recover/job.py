@@ -19,7 +19,8 @@ from leanml.device import parse_device
 from leanml.errors import LeanmlError
 from leanml.eval.job import check_seqlen
 from leanml.finite import NonFiniteError
-from leanml.recover.config import RecoverConfig
+from leanml.flags import flag_of
+from leanml.recover.config import RecoverConfig, negative_flag, no_mask_flag
 from leanml.recover.source import parse_nm
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -37,7 +38,7 @@ class RecoverJob:
     seqlen: int = option(256, "tokens per training window")
     recover: RecoverConfig = option(default_factory=RecoverConfig, form=Form(prefix=""))
     teacher_samples: float = option(0.0, "share of the training windows sampled from the teacher instead of read "
-                                         "from --data, in [0, 1] (needs --teacher)")
+                                         "from the training corpus, in [0, 1] (needs a teacher)")
     teacher_samples_cache: str | None = option(
         None, "keep the teacher's samples in DIR and reuse them in later runs with the same teacher weights, window "
         "count, length, seed and start token (the report keeps the sampling time)", form=Form(metavar="DIR"))
@@ -46,7 +47,7 @@ class RecoverJob:
                                                             "perplexity before/after")
     eval_seqlen: int = option(default(512), "tokens per evaluation window")
     eval_windows: int | None = option(None, "evaluate the first N test windows of each corpus")
-    evaluate: bool = option(True, "measure the perplexities (--no-eval: skip them)", flag="--eval")
+    evaluate: bool = option(True, "measure the perplexities (off: skip them)", flag="--eval")
     resume: bool = option(False, "continue from the checkpoint of an interrupted run")
     device: str | None = option(None, "cpu or cuda (default: cuda when present)")
     save_format: Literal["safetensors", "compressed"] = option(
@@ -63,11 +64,13 @@ class RecoverJob:
         require(self, self.eval_seqlen >= 2, "eval_seqlen", f"must be at least 2, got {self.eval_seqlen}")
         require(self, self.eval_windows is None or self.eval_windows >= 1, "eval_windows",
                 f"must be at least 1, got {self.eval_windows}")
-        require(self, self.eval_windows is None or self.evaluate, ("eval_windows", "evaluate"),
-                "eval_windows sets the perplexity's windows, which --no-eval skips: drop one of them")
-        for name in ("eval_data", "eval_seqlen"):
-            require(self, self.evaluate or not given(getattr(self, name)), (name, "evaluate"),
-                    f"{name} sets the perplexity, which --no-eval skips: drop one of them")
+        if not self.evaluate and (self.eval_windows is not None or given(self.eval_data) or given(self.eval_seqlen)):
+            no_eval = _no_eval()  # the flag that turned it off, looked up from a RecoverJob: only when refused
+            require(self, self.eval_windows is None, ("eval_windows", "evaluate"),
+                    f"eval_windows sets the perplexity's windows, which {no_eval} skips: drop one of them")
+            for name in ("eval_data", "eval_seqlen"):
+                require(self, not given(getattr(self, name)), (name, "evaluate"),
+                        f"{name} sets the perplexity, which {no_eval} skips: drop one of them")
         require(self, self.threads is None or self.threads >= 1, "threads", f"must be at least 1, got {self.threads}")
         require(self, 0.0 <= self.teacher_samples <= 1.0, "teacher_samples",
                 f"is a share of the training windows in [0, 1], got {self.teacher_samples}")
@@ -76,17 +79,24 @@ class RecoverJob:
         require(self, self.teacher_samples_cache is None or self.teacher_samples > 0,
                 ("teacher_samples_cache", "teacher_samples"),
                 "teacher_samples_cache keeps the samples of teacher_samples: pass teacher_samples too")
-        require(self, self.teacher is not None or not (given(self.recover.kd_weight) or given(self.recover.temperature)),
-                ("kd_weight", "temperature", "teacher"),
+        distils = given(self.recover.kd_weight) or given(self.recover.temperature)
+        require(self, self.teacher is not None or not distils, ("kd_weight", "temperature", "teacher"),
                 "kd_weight and temperature set the distillation from a teacher: pass teacher too, or drop them")
-        require(self, self.recover.keep_masks or self.pattern is None, "pattern",
-                "pattern cannot be kept while every weight trains (keep_masks=False, --no-mask); drop one of them")
+        if not self.recover.keep_masks and self.pattern is not None:
+            require(self, False, "pattern",
+                    f"pattern cannot be kept while every weight trains (keep_masks=False, {no_mask_flag()}); drop "
+                    "one of them")
         parse_nm(self.pattern)
 
     @property
     def eval_names(self) -> list[str]:
         """The corpora evaluated before and after (none with ``evaluate`` off)."""
         return [c.strip() for c in self.eval_data.split(",") if c.strip()] if self.evaluate else []
+
+
+def _no_eval() -> str:
+    """The flag that skips the perplexities (``evaluate`` off)."""
+    return negative_flag(RecoverJob, "evaluate", model="", out="")
 
 
 def input_dtype(spec: str) -> str:
@@ -113,9 +123,10 @@ def run_recover_job(job: RecoverJob) -> dict[str, Any]:
 
     cache = job.teacher_samples_cache
     if cache is not None and Path(cache).is_file():
-        raise LeanmlError(f"--teacher-samples-cache {cache} is a file; it must be a directory")
+        raise LeanmlError(f"teacher_samples_cache {cache} is a file; it must be a directory",
+                          fields=("teacher_samples_cache",))
     if cache is not None:
-        check_writable(cache, "--teacher-samples-cache")
+        check_writable(cache, "teacher_samples_cache")
     if job.save_format == "compressed":
         require_compressed()
     out = check_output_dir(job.out, job.overwrite)
@@ -146,16 +157,16 @@ def _check_inputs(job: RecoverJob) -> None:
 
     check_model_input(job.model, job.seqlen)
     if job.eval_names:
-        check_model_input(job.model, job.eval_seqlen, "--eval-seqlen")
+        check_model_input(job.model, job.eval_seqlen, "eval_seqlen")
     report = read_report(job.model)  # a report.json of the wrong shape is refused before any loading
     teacher = job.teacher
     if teacher == "source":
         teacher = declaration(report).source_model  # none: refused after loading, as before
     if teacher:
-        check_model_spec(teacher, flag="--teacher")
-    check_corpus(job.data, "train", "--data")
+        check_model_spec(teacher, flag="teacher")
+    check_corpus(job.data, "train", "data")
     for name in job.eval_names:
-        check_corpus(name, "test", "--eval-data")
+        check_corpus(name, "test", "eval_data")
 
 
 @dataclass
@@ -212,7 +223,7 @@ def _load(job: RecoverJob) -> _Loaded:
 
     model, tokenizer = load_model(job.model)
     report_in = read_report(job.model)
-    decl = declaration(report_in, job.pattern)
+    decl = declaration(report_in, job.pattern, flag_of(RecoverJob, "pattern"))
     loaded = _Loaded(model, tokenizer, report_in, decl, {"source": None, **decl.to_json()})
     if job.recover.keep_masks:
         loaded.keeper = MaskKeeper.from_zeros(model)
@@ -223,8 +234,8 @@ def _load(job: RecoverJob) -> _Loaded:
     teacher_spec = job.teacher
     if teacher_spec == "source":
         if not decl.source_model:
-            raise LeanmlError(f"--teacher source: {job.model} has no report.json naming the model it was pruned "
-                              f"from; pass the dense model itself as --teacher")
+            raise LeanmlError(f"teacher source: {job.model} has no report.json naming the model it was pruned "
+                              f"from; pass the dense model itself as teacher", fields=("teacher",))
         teacher_spec = decl.source_model
     if teacher_spec is not None:
         teacher, teacher_tok = load_model(teacher_spec)

@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from leanml.errors import LeanmlError
+from leanml.recover.config import no_mask_flag
 from leanml.recover.masks import MaskKeeper
 
 #: tolerance on the declared unstructured sparsity (fraction of all linear weights)
@@ -47,7 +48,7 @@ def parse_nm(text: str | None) -> tuple[int, int] | None:
 
 @dataclass
 class MaskDeclaration:
-    """What the input says its mask is. ``by`` names where it came from (``report.json``, ``--pattern``)."""
+    """What the input says its mask is. ``by`` names where it came from (``report.json``, the pattern option)."""
 
     by: str | None = None
     method: str | None = None
@@ -109,9 +110,9 @@ def check_report_types(report: Any, path: Path) -> None:
                               f"expected {wanted}; repair or delete it")
 
 
-def declaration(report: dict[str, Any] | None, pattern: str | None = None) -> MaskDeclaration:
-    """The mask declaration of a ``leanml prune`` (or ``leanml recover``) report; ``pattern`` (from
-    ``--pattern``) overrides the report's pattern."""
+def declaration(report: dict[str, Any] | None, pattern: str | None = None, by: str = "pattern") -> MaskDeclaration:
+    """The mask declaration of a ``leanml prune`` (or ``leanml recover``) report; ``pattern`` (from the
+    option ``by`` names: the job passes its flag) overrides the report's pattern."""
     decl = MaskDeclaration()
     if report is not None:
         mask = report.get("mask") or {}
@@ -128,7 +129,7 @@ def declaration(report: dict[str, Any] | None, pattern: str | None = None) -> Ma
         decl.source_model = model.get("source") or (report.get("config") or {}).get("model")
     if pattern is not None:
         decl.pattern = parse_nm(pattern)
-        decl.by = "--pattern"
+        decl.by = by
         if decl.pattern is not None:
             decl.sparsity = None
     return decl
@@ -150,7 +151,7 @@ def check_masks(keeper: MaskKeeper, decl: MaskDeclaration, where: str) -> dict[s
         raise LeanmlError(
             f"{where} has no pruned weights ({measured:.2%} exact zeros in its linear layers, no report.json "
             f"declaring a mask); recover a model written by `leanml prune`, declare its pattern with "
-            f"--pattern N:M, or pass --no-mask to fine-tune every weight"
+            f"pattern N:M, or pass {no_mask_flag()} to fine-tune every weight", fields=("pattern",)
         )
     if decl.pattern is not None:
         n, m = decl.pattern
@@ -160,12 +161,12 @@ def check_masks(keeper: MaskKeeper, decl: MaskDeclaration, where: str) -> dict[s
             raise LeanmlError(
                 f"{where}: {count} groups of {m} inputs of {name} (and {len(bad) - 1} more linears) hold more than "
                 f"{n} weights, so the zeros do not follow the {n}:{m} pattern its {decl.by} declares; "
-                f"re-prune it with --pattern {n}:{m}"
+                "re-prune it to that pattern"
             )
     if decl.sparsity is not None and measured < decl.sparsity - SPARSITY_TOLERANCE:
         raise LeanmlError(
             f"{where} has {measured:.1%} zeros in its linear layers but its {decl.by} declares "
-            f"{decl.sparsity:.0%} sparsity: the weights changed after pruning; re-prune it, or pass --no-mask"
+            f"{decl.sparsity:.0%} sparsity: the weights changed after pruning; re-prune it, or pass {no_mask_flag()}"
         )
     return facts
 
@@ -185,7 +186,7 @@ def check_teacher(student: nn.Module, student_tok: Any, teacher: nn.Module, teac
     if vs != vt:
         raise LeanmlError(
             f"{where} outputs {vt} logits per token, the student {vs}: distillation needs the same vocabulary; "
-            f"pass the dense model the student was pruned from as --teacher"
+            f"pass the dense model the student was pruned from as teacher", fields=("teacher",)
         )
     if student_tok is not None and teacher_tok is not None:
         a, b = student_tok.get_vocab(), teacher_tok.get_vocab()
@@ -193,5 +194,6 @@ def check_teacher(student: nn.Module, student_tok: Any, teacher: nn.Module, teac
             differ = len(set(a.items()) ^ set(b.items())) // 2 or abs(len(a) - len(b))
             raise LeanmlError(
                 f"{where} has another tokenizer than the student ({differ} tokens differ of {len(a)}): "
-                f"distillation needs the same tokens; pass the dense model the student was pruned from as --teacher"
+                f"distillation needs the same tokens; pass the dense model the student was pruned from as teacher",
+                fields=("teacher",)
             )

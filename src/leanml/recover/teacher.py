@@ -110,7 +110,8 @@ def mix_teacher_samples(windows: torch.Tensor, teacher: nn.Module, teacher_name:
     n_corpus = total - n_teacher
     if n_corpus > windows.shape[0]:
         raise LeanmlError(f"{n_corpus} corpus windows wanted beside the teacher's samples but the corpus has "
-                          f"{windows.shape[0]}; lower --steps or raise --teacher-samples")
+                          f"{windows.shape[0]}; lower steps or raise teacher_samples",
+                          fields=("steps", "teacher_samples"))
     start = start_token(tokenizer)
     key = {"teacher": teacher_name, "n": n_teacher, "seqlen": int(windows.shape[1]), "seed": seed, "start": start}
     path = ckpt / "teacher_samples.pt"
