@@ -44,7 +44,8 @@ def read_json(path: Path, what: str = "") -> Any:
                           f"is cut or damaged: restore it{what}") from exc
 
 
-def safetensors_header(path: str | os.PathLike, fix: str = "copy or save the model again") -> tuple[int, dict[str, Any]]:
+def safetensors_header(path: str | os.PathLike,
+                       fix: str = "copy or save the model again") -> tuple[int, dict[str, Any]]:
     """The header length and JSON header of a safetensors file (``__metadata__`` included); raises
     :class:`LeanmlError` when the file is unreadable, cut inside its header, or its header is damaged."""
     path = Path(path)
@@ -360,7 +361,8 @@ def refuse_incomplete(where: str | os.PathLike, missing: Sequence[str], mismatch
     config, kind = ("metadata", "file") if gguf else ("config.json", "directory")
     if mismatched:
         name, stored, wanted = mismatched[0]
-        more = f" (and {len(mismatched) - 1} more: {_names([m[0] for m in mismatched[1:]])})" if len(mismatched) > 1 else ""
+        more = (f" (and {len(mismatched) - 1} more: {_names([m[0] for m in mismatched[1:]])})"
+                if len(mismatched) > 1 else "")
         raise LeanmlError(f"the {config} of {where} does not match its weights: tensor {name} has shape "
                           f"{tuple(stored)} in the files but {tuple(wanted)} by the config{more}; use the "
                           f"{config} saved with these weights")

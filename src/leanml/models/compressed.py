@@ -213,7 +213,8 @@ def load_compressed(path: str | os.PathLike, dtype: torch.dtype | None = None) -
                        if k in own and tuple(v.shape) != tuple(own[k].shape)])
     unexpected = [k for k in state if k not in own]
     if unexpected:
-        raise LeanmlError(f"{path}: the weights do not fit the model in config.json ({unexpected[0]} ...); save it again")
+        raise LeanmlError(f"{path}: the weights do not fit the model in config.json ({unexpected[0]} ...); "
+                          "save it again")
     model.load_state_dict(state, strict=False)
     if tied:
         model.tie_weights()

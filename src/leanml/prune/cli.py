@@ -78,7 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 class _Given(argparse.Action):
     """Mixed into an option's action: records on the namespace that the flag was typed (``_leanml_given``)."""
 
-    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
         super().__call__(parser, namespace, values, option_string)
         typed = (self.option_strings[0], option_string or self.option_strings[0])  # (its flag, as typed)
         namespace._leanml_given = (*getattr(namespace, "_leanml_given", ()), typed)

@@ -152,7 +152,8 @@ class PruneJob(ModelInput):
         super().__post_init__()
         require(self, self.eval_windows is None or self.eval_windows >= 1, "eval_windows",
                 f"must be at least 1, got {self.eval_windows}")
-        require(self, self.eval_windows is None or (self.eval and not self.streamed), ("eval_windows", "eval", "stream"),
+        require(self, self.eval_windows is None or (self.eval and not self.streamed),
+                ("eval_windows", "eval", "stream"),
                 "eval_windows sets the perplexity's windows, which stream and a run without eval skip: drop one of "
                 "them")
         require(self, not given(self.eval_data) or (self.eval and not self.streamed), ("eval_data", "eval", "stream"),

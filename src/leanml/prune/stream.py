@@ -307,8 +307,9 @@ def open_store(model_dir: str | os.PathLike, calib_ids: torch.Tensor, dtype: tor
     if max_memory is not None and max_memory < floor["total_bytes"]:
         raise ConfigError(
             f"max_memory {mb(max_memory)} is below this run's peak resident memory; the smallest cap that works "
-            f"is {suggested_cap_mib(floor['total_bytes'])}MiB (this process holds {mb(floor['process_bytes'])} already: libraries, "
-            f"tokenizer, calibration tokens; then {floor['phase']}); raise max_memory", None, ("max_memory",)
+            f"is {suggested_cap_mib(floor['total_bytes'])}MiB (this process holds {mb(floor['process_bytes'])} "
+            f"already: libraries, tokenizer, calibration tokens; then {floor['phase']}); raise max_memory",
+            None, ("max_memory",)
         )
     # what the activation streams may hold in memory beside one layer's step before they spill to disk
     budget = None if max_memory is None else max_memory - floor["process_bytes"] - floor["floor_bytes"]

@@ -202,8 +202,10 @@ def allocate(
     n_layers = (att if att is not None else mlp).shape[0]  # type: ignore[union-attr]
     n_groups = 0 if att is None else int(att.shape[1])
     n_units = 0 if mlp is None else int(mlp.shape[1])
-    att_cum = None if att is None else torch.cat([att.new_zeros(n_layers, 1), att.sort(dim=1).values.cumsum(1)], 1).sum(0)
-    mlp_cum = None if mlp is None else torch.cat([mlp.new_zeros(n_layers, 1), mlp.sort(dim=1).values.cumsum(1)], 1).sum(0)
+    att_cum = (None if att is None
+               else torch.cat([att.new_zeros(n_layers, 1), att.sort(dim=1).values.cumsum(1)], 1).sum(0))
+    mlp_cum = (None if mlp is None
+               else torch.cat([mlp.new_zeros(n_layers, 1), mlp.sort(dim=1).values.cumsum(1)], 1).sum(0))
     if att is None:
         ks = [0]
     elif groups is not None:

@@ -169,7 +169,8 @@ class LambdaTuner:
     # ------------------------------------------------------------ steps on one block of rows (``s``)
     # Products are carried in the original variables: ``X @ Hs``. In the rescaled ones (V = W D,
     # Hp = D^-1 Hs D^-1) the product V @ Hp equals (W @ Hs) / d.
-    def refit(self, s: slice, Wr: torch.Tensor, mask: torch.Tensor, WrH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def refit(self, s: slice, Wr: torch.Tensor, mask: torch.Tensor,
+              WrH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept weights of rows ``s`` refit on their support (``refine`` iterations at most)."""
         o, d, C = self.o, self.d, self.C
         steps = Refit(o.refine, o.tol, self.used)
@@ -220,7 +221,8 @@ class LambdaTuner:
             scores[s] = prune_scores(Wx[s], WxH[s] - self.C[s])
         return keep_mask(scores, self.spec)
 
-    def solve(self, W0: torch.Tensor, W0H: torch.Tensor, lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+    def solve(self, W0: torch.Tensor, W0H: torch.Tensor,
+              lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
         """FISTA from ``W0`` at ``lam`` over every block: the iterate, its product, and counts."""
         o, d, C = self.o, self.d, self.C
         Wf, WfH = torch.empty_like(W0), torch.empty_like(W0)
@@ -399,8 +401,9 @@ def fista_prune(
     """Prune one weight matrix ``W`` (m x n) to ``spec`` with FISTAPruner at ``options``.
 
     ``H`` and ``problem``'s ``G``/``Hd`` are the token-averaged statistics (``G``/``Hd`` default to ``H``:
-    no dense/pruned distinction; see :class:`FistaProblem`). ``options.lam`` is *relative*: the initial per-row lambda is ``lam * max_j |C_rj|`` (the
-    smallest lambda whose solution is the zero row), the per-layer one ``lam`` times the mean of those.
+    no dense/pruned distinction; see :class:`FistaProblem`). ``options.lam`` is *relative*: the initial
+    per-row lambda is ``lam * max_j |C_rj|`` (the smallest lambda whose solution is the zero row), the
+    per-layer one ``lam`` times the mean of those.
     ``damp`` adds ``damp * mean(diag H) * I`` to ``H`` inside FISTA. Computes in float32 (or ``H``'s
     dtype if wider) and returns weights in ``W``'s dtype inside :class:`TuneResult`. ``problem.L`` may
     pass the Lipschitz constant of the (damped) ``H`` when several linears share it. ``problem.dense_const``

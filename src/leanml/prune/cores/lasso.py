@@ -168,16 +168,17 @@ def fista_solve(
 
     ``steps`` (:class:`FistaSteps`, default its defaults): step ``1/L`` with ``L = lambda_max(H)``
     (computed by :func:`power_iteration` when not given). With ``restart`` (default) a row whose
-    objective would rise keeps its previous iterate and its momentum is reset (``t = 1``), so the next step is a plain proximal-gradient step from there: the
-    per-row objective never rises. One ``n x n`` product per iteration (``Y H`` is carried as a linear
-    combination of ``W_k H``); ``W0H`` may pass ``W0 @ H``, and the result carries ``W @ H``. Stops
+    objective would rise keeps its previous iterate and its momentum is reset (``t = 1``), so the next
+    step is a plain proximal-gradient step from there: the per-row objective never rises. One ``n x n``
+    product per iteration (``Y H`` is carried as a linear combination of ``W_k H``); ``W0H`` may pass
+    ``W0 @ H``, and the result carries ``W @ H``. Stops
     after ``iters`` iterations or when the minimal subgradient (:func:`stationarity`) falls below ``tol``
     times the norm of ``C`` (:func:`~leanml.prune.cores.refine.converged`; over a block of rows: on CPU
     the rows run in blocks, see :func:`~leanml.prune.cores.refine.row_blocks`, and each block stops on
     its own). ``iters`` of the result: the most any block ran. ``col_weights`` (n,)
-    turns the penalty into the weighted ``lambda_r sum_j u_j |w_rj|`` (used by the diagonal preconditioner). ``H_low`` (``H`` in a narrower dtype, e.g. bfloat16) runs each
-    iteration's product in that dtype on the step ``W_k - W_{k-1}`` (see
-    :func:`~leanml.prune.cores.refine.gram_product`).
+    turns the penalty into the weighted ``lambda_r sum_j u_j |w_rj|`` (used by the diagonal
+    preconditioner). ``H_low`` (``H`` in a narrower dtype, e.g. bfloat16) runs each iteration's product
+    in that dtype on the step ``W_k - W_{k-1}`` (see :func:`~leanml.prune.cores.refine.gram_product`).
     """
     m, n = C.shape
     if H.shape != (n, n):
@@ -199,7 +200,8 @@ def fista_solve(
     if len(parts) == 1:
         return parts[0]
     length = max(len(p.objective) for p in parts)
-    objective = [sum(p.objective[min(i, len(p.objective) - 1)] for p in parts) for i in range(length)] if steps.track else []
+    objective = ([sum(p.objective[min(i, len(p.objective) - 1)] for p in parts) for i in range(length)]
+                 if steps.track else [])
     return FistaResult(
         W=torch.cat([p.W for p in parts]),
         objective=objective,

@@ -17,7 +17,8 @@ from leanml.prune.masks import MaskSpec, keep_mask
 def taylor_scores(W: torch.Tensor, H: torch.Tensor, second_order: bool = False) -> torch.Tensor:
     """Per weight of ``W`` (out x in), the Taylor score from ``H`` (in x in)."""
     if H.shape != (W.shape[1], W.shape[1]):
-        raise ValueError(f"H must be ({W.shape[1]}, {W.shape[1]}) for W with {W.shape[1]} columns, got {tuple(H.shape)}")
+        raise ValueError(f"H must be ({W.shape[1]}, {W.shape[1]}) for W with {W.shape[1]} columns, "
+                         f"got {tuple(H.shape)}")
     W = W.to(torch.float32)
     H = H.to(torch.float32)
     change = -W * (W @ H)

@@ -31,9 +31,10 @@ the same (pruned-path) inputs.
 Embeddings and ``lm_head`` are never touched.
 
 The package, one job per module: :mod:`.walk` (:class:`LayerWalk` with its :class:`WalkSettings`, and
-:func:`prune_model`, the walk as one call), :mod:`.layer` (one layer, :class:`~.layer.LayerPruning`), :mod:`.capture` (statistics), :mod:`.allocation` (uniform, OWL
-and custom profiles, exact per-linear counts), :mod:`.checkpoint` (resume), :mod:`.placement` (where
-the activation streams live), :mod:`.finished` (reuse of a layer's finished parts).
+:func:`prune_model`, the walk as one call), :mod:`.layer` (one layer, :class:`~.layer.LayerPruning`),
+:mod:`.capture` (statistics), :mod:`.allocation` (uniform, OWL and custom profiles, exact per-linear counts),
+:mod:`.checkpoint` (resume), :mod:`.placement` (where the activation streams live), :mod:`.finished` (reuse of a
+layer's finished parts).
 """
 
 from leanml.prune.engine.allocation import linear_specs

@@ -76,7 +76,8 @@ def check_profile(sparsity_profile: str | Sequence[float], spec: MaskSpec, prune
             raise ConfigError(f"sparsity_profile {sparsity_profile!r} is unknown; choose uniform or owl (or one "
                               "sparsity per layer)", None, ("sparsity_profile",))
     elif not (len(sparsity_profile) > 0 and all(0.0 < float(s) < 1.0 for s in sparsity_profile)):
-        raise ConfigError("sparsity_profile needs one sparsity in (0, 1) per decoder layer", None, ("sparsity_profile",))
+        raise ConfigError("sparsity_profile needs one sparsity in (0, 1) per decoder layer", None,
+                          ("sparsity_profile",))
     if sparsity_profile != "uniform" and (spec.pattern is not None or pruner.structured):
         name = sparsity_profile if isinstance(sparsity_profile, str) else "custom"
         what = f"the {spec.describe()} pattern" if spec.pattern is not None else f"structured {pruner.name}"
@@ -104,7 +105,8 @@ def layer_sparsities(
     n_layers = len(adapter.layers())
     layer_sparsity = [float(s) for s in sparsity_profile]
     if len(layer_sparsity) != n_layers:
-        raise LeanmlError(f"a sparsity profile needs one value per decoder layer ({n_layers}), got {len(layer_sparsity)}")
+        raise LeanmlError(f"a sparsity profile needs one value per decoder layer ({n_layers}), "
+                          f"got {len(layer_sparsity)}")
     return layer_sparsity, {"name": "custom"}
 
 

@@ -202,9 +202,10 @@ class Checkpointer:
 
     Each finished layer's weights are snapshotted to the host at once and written behind the walk; the
     activation streams (the big part) are snapshotted after the first layer, then every ``interval``
-    seconds (0: after every layer), and always after the last layer. Files are written in order, each atomically, so a kill leaves a
-    consistent checkpoint: ``state.pt`` names the next layer only after the layers before it are on
-    disk. :meth:`close` waits for every pending write and raises the first error one raised."""
+    seconds (0: after every layer), and always after the last layer. Files are written in order, each
+    atomically, so a kill leaves a consistent checkpoint: ``state.pt`` names the next layer only after
+    the layers before it are on disk. :meth:`close` waits for every pending write and raises the first
+    error one raised."""
 
     def __init__(self, ckpt: Path, interval: float) -> None:
         from concurrent.futures import ThreadPoolExecutor

@@ -171,7 +171,8 @@ class FinishedParts:
                 rec = self._recording.setdefault(name, [])
                 calls = [0]
 
-                def hook(module: nn.Module, args: Any, out: Any, rec: list[Any] = rec, calls: list[int] = calls) -> None:
+                def hook(module: nn.Module, args: Any, out: Any, rec: list[Any] = rec,
+                         calls: list[int] = calls) -> None:
                     calls[0] += 1
                     if calls[0] == 1:
                         rec.append(clone_tensors(out, self.home))

@@ -181,8 +181,8 @@ class StructuredPairPruner(Pruner):
         progress: bool = True,
     ) -> dict[str, Any]:
         """The score allocation's dense pre-pass (``alloc="score"``; nothing otherwise): walk the dense
-        model layer by layer on the first ``plan_samples`` calibration windows, score every attention group and MLP unit with
-        :meth:`unit_scores` on the dense inputs, and choose the units removed per layer
+        model layer by layer on the first ``plan_samples`` calibration windows, score every attention
+        group and MLP unit with :meth:`unit_scores` on the dense inputs, and choose the units removed per layer
         (:func:`leanml.prune.cores.fasp.allocate`). An infeasible budget fails before the pass."""
         if self.options.alloc != "score" or spec is None:
             return {}
@@ -196,7 +196,8 @@ class StructuredPairPruner(Pruner):
         dummy = {name: torch.zeros(len(layers), n) for name, n in n_units.items()}
         core.allocate(dummy.get("attn_out"), dummy.get("mlp_out"), costs.get("attn_out", 0),
                       costs.get("mlp_out", 0), budget, self.options.multiple, self.options.groups)
-        scores = self._dense_scores(model, adapter, calib_ids[: self.options.plan_samples], batch_size, device, progress)
+        scores = self._dense_scores(model, adapter, calib_ids[: self.options.plan_samples], batch_size, device,
+                                    progress)
         att, mlp = core.normalize_layer_scores(scores.get("attn_out"), scores.get("mlp_out"))
         choice = core.allocate(att, mlp, costs.get("attn_out", 0), costs.get("mlp_out", 0), budget,
                                self.options.multiple, self.options.groups)
@@ -289,7 +290,8 @@ class StructuredPairPruner(Pruner):
         if not self.touches(group):
             return {}
         if spec.pattern is not None:
-            raise ConfigError(f"{self.name} removes whole units and has no N:M pattern; drop pattern", None, ("pattern",))
+            raise ConfigError(f"{self.name} removes whole units and has no N:M pattern; drop pattern", None,
+                              ("pattern",))
         if len(group.linears) != 1:
             raise LeanmlError(f"group {group.name} has {len(group.linears)} consumers; expected one")
         cname, consumer = next(iter(group.linears.items()))
