@@ -123,7 +123,7 @@ def test_non_finite_options_are_refused_through_the_cli(argv: list[str], flag: s
 CONFLICTS = [
     (["prune", "--pattern", "2:4", "--sparsity", "0.7"], ("--pattern 2:4", "--sparsity 0.7")),
     (["prune", "--pattern", "2:4", "--scope", "row"], ("--scope row", "--pattern 2:4")),
-    (["prune", "--no-eval", "--eval-windows", "3"], ("--eval-windows", "--no-eval")),
+    (["prune", "--no-eval", "--eval-windows", "3"], ("--eval-windows", "without --eval")),
     (["prune", "--stream", "--eval-windows", "3"], ("--eval-windows", "--stream")),
     (["recover", "--no-eval", "--eval-windows", "3"], ("--eval-windows", "--no-eval")),
     (["recover", "--kd-weight", "0.9"], ("--kd-weight", "--teacher")),

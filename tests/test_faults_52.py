@@ -42,7 +42,7 @@ PRUNE_CONFLICTS = [
     (("--method", "sparsegpt", "--fasp-plan-samples", "8"),
      ("--fasp-plan-samples is read by --method fasp, magnitude-sp, wanda-sp or flap only",)),
     (("--method", "wanda", "--fista-no-precondition"), ("--fista-no-precondition is read by --method fista only",)),
-    (("--no-eval", "--eval-data", "shakespeare"), ("--eval-data sets the perplexity's corpus", "--no-eval")),
+    (("--no-eval", "--eval-data", "shakespeare"), ("--eval-data sets the perplexity's corpus", "without --eval")),
     (("--stream", "--no-eval", "--eval-data", "shakespeare"), ("--eval-data", "--stream")),
 ]
 
