@@ -304,7 +304,7 @@ def run_speed_job(job: Any) -> dict[str, Any]:
     models: dict[str, Any] = {}
     info: dict[str, dict[str, Any]] = {}
     for spec in job.models:
-        model, tok = load_model(spec, dtype=dtype, device=device)
+        model, tok = load_model(spec, dtype=dtype, device=device, flag="models")
         where = bundled_dir(spec) if spec in BUNDLED else Path(spec).expanduser()
         info[spec] = {"params": count_parameters(model),
                       "disk_bytes": dir_size_bytes(where) if where.exists() else None,

@@ -56,17 +56,18 @@ def _quiet_transformers() -> None:
 
 def load_model(
     spec: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-    sparse_kernels: bool = False,
+    sparse_kernels: bool = False, flag: str | None = None,
 ):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode
-    on ``device`` with weights in ``dtype`` (``float32``, ``bfloat16`` or ``float16``).
+    on ``device`` with weights in ``dtype`` (``float32``, ``bfloat16`` or ``float16``). ``flag``: the
+    option a refused ``spec`` is named by (see :func:`~leanml.models.check.check_model_spec`).
 
     ``sparse_kernels=True``: the model must be 2:4 sparse; its decoder linears then run on
     semi-structured sparse kernels (CUDA sm80+, float16/bfloat16; on the CPU the model stays dense with
     a one-line warning), see :func:`leanml.models.sparse.to_sparse_kernels`."""
     dtype = parse_dtype(dtype)
     if spec not in BUNDLED:
-        check_model_spec(spec)  # files complete and a decoder-only causal LM, before any weight is read
+        check_model_spec(spec, flag=flag)  # files complete and a decoder-only causal LM, before any weight is read
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
