@@ -267,13 +267,17 @@ def to_argv(obj: Any, prefix: str = "", skip: tuple[str, ...] = (), always: tupl
     return positional + argv
 
 
-def flag_of(cls: type, name: str, prefix: str = "") -> str:
+def flag_of(cls: type, name: str, prefix: str = "", *, negative: bool = False) -> str:
     """The flag that sets field ``name`` of ``cls`` (or of an options object nested in it), for a message
-    printed outside an error (a warning, a report note) that names the option."""
-    found = [flag for (_, field), flag in flags_of(cls, prefix).items() if field == name]
+    printed outside an error (a warning, a report note) that names the option; ``negative``: the flag that
+    turns a boolean field off (``--no-eval``, or the one its declaration names)."""
+    found = [(f, flag) for f, flag, _, _ in iter_flags(cls, prefix) if f.name == name]
     if len(found) != 1:
         raise ValueError(f"{cls.__name__} has {len(found)} command-line fields named {name!r}, not one")
-    return found[0]
+    f, flag = found[0]
+    if not negative:
+        return flag
+    return _meta(f)["negative"] or f"--no-{flag[2:]}"
 
 
 def flags_of(cls: type, prefix: str = "") -> dict[tuple[type, str], str]:

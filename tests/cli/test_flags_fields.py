@@ -102,3 +102,12 @@ def test_any_error_naming_fields_reads_as_flags_on_the_command_line(tmp_path) ->
     assert flag_of(PruneJob, "resume") == "--resume"
     with pytest.raises(ValueError, match="no_such"):
         flag_of(PruneJob, "no_such")
+
+
+def test_flag_of_names_the_negative_flag_of_a_boolean_field() -> None:
+    from leanml.flags import flag_of
+    from leanml.prune.methods.fista import FistaOptions
+    from leanml.recover.job import RecoverJob
+
+    assert flag_of(RecoverJob, "evaluate", negative=True) == "--no-eval"
+    assert flag_of(FistaOptions, "precondition", "fista-", negative=True) == "--fista-no-precondition"  # declared

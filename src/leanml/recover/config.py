@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from leanml.config import Bounds, Form, default, given, option, require
-from leanml.flags import to_argv
+from leanml.flags import flag_of
 from leanml.train import TrainConfig
 
 #: the memory strategies recovery offers
@@ -64,16 +64,9 @@ class RecoverConfig:
                              "teacher=the dense model, or leave kd_weight and temperature at their defaults")
 
 
-def negative_flag(cls: type, name: str, **required: Any) -> str:
-    """The flag that turns the boolean field ``name`` of the options class ``cls`` off (``--no-mask``), as
-    the command line the options generate spells it, for a message that suggests it; ``required``: values
-    for the fields without a default (left out of the answer)."""
-    return " ".join(to_argv(cls(**required, **{name: False}), skip=tuple(required)))
-
-
 def no_mask_flag() -> str:
     """The flag that trains every weight (``keep_masks`` off)."""
-    return negative_flag(RecoverConfig, "keep_masks")
+    return flag_of(RecoverConfig, "keep_masks", negative=True)
 
 
 def lr_factor(step: int, cfg: RecoverConfig) -> float:

@@ -20,7 +20,7 @@ from leanml.errors import LeanmlError
 from leanml.eval.job import check_seqlen
 from leanml.finite import NonFiniteError
 from leanml.flags import flag_of
-from leanml.recover.config import RecoverConfig, negative_flag, no_mask_flag
+from leanml.recover.config import RecoverConfig, no_mask_flag
 from leanml.recover.source import parse_nm
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -96,7 +96,7 @@ class RecoverJob:
 
 def _no_eval() -> str:
     """The flag that skips the perplexities (``evaluate`` off)."""
-    return negative_flag(RecoverJob, "evaluate", model="", out="")
+    return flag_of(RecoverJob, "evaluate", negative=True)
 
 
 def input_dtype(spec: str) -> str:
