@@ -138,7 +138,8 @@ def test_the_core_imports_no_extra(tmp_path: Path) -> None:
     # imported when the command runs: caught by the command line, named with the command's own extra
     (["pandas"], ["ctr", "train", "--model", "lr", "--out", "out"], ["leanml ctr", "pip install 'leanml[ctr]'"]),
     # the hub corpora need datasets
-    (["datasets"], ["eval", "--model", "model", "--data", "wikitext2", "--seqlen", "32"], ["pip install 'leanml[hub]'"]),
+    (["datasets"], ["eval", "--model", "model", "--data", "wikitext2", "--seqlen", "32"],
+     ["pip install 'leanml[hub]'"]),
 ])
 def test_a_command_without_its_extra_fails_in_one_line(tmp_path: Path, blocked: list[str], args: list[str],
                                                        needles: list[str]) -> None:

@@ -58,8 +58,10 @@ def test_targets_use_the_ad_bootstrap_only_from_the_same_seeds():
 def test_targets_combine_seed_and_row_errors():
     targets = load_bench("ctr").targets
     diffs = {0: 0.000, 1: 0.004, 2: 0.002, 3: 0.006}  # id+raw+visual - id+raw per seed: mean 0.003, std 0.00258
-    recs = [{"dataset": "fashion", "model": "dcnv2", "features": f, "seed": s, "auc_new": 0.7 + (d if f == "id+raw+visual" else 0),
-             "bytes_per_ad": 1.0} for s, d in diffs.items() for f in ("id", "raw", "visual", "id+raw", "id+visual", "id+raw+visual")]
+    feature_sets = ("id", "raw", "visual", "id+raw", "id+visual", "id+raw+visual")
+    recs = [{"dataset": "fashion", "model": "dcnv2", "features": f, "seed": s,
+             "auc_new": 0.7 + (d if f == "id+raw+visual" else 0), "bytes_per_ad": 1.0}
+            for s, d in diffs.items() for f in feature_sets]
     row_se = {"fashion": {"dcnv2|id+raw+visual|id+raw": {"se": 0.001, "seeds": [0, 1, 2, 3], "unit": "ad",
                                                          "n_boot": 1000}}}
     r = next(x for x in targets({"records": recs, "row_se": row_se}) if x["target"] == "id+raw+visual ≥ id+raw + 0.003")

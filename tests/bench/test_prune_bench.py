@@ -181,7 +181,8 @@ def test_targets_met_missed_pending():
     rs += [rec("llmc-sparsegpt", pattern="70%", corpus=c, ppl=400.0) for c in ("shakespeare", "reviews")]
     rs += [rec("wanda", pattern="70%", profile="owl", corpus=c, ppl=250.0) for c in ("shakespeare", "reviews")]
     rs += [rec("sparsegpt", pattern="70%", profile="owl", corpus=c, ppl=290.0) for c in ("shakespeare", "reviews")]
-    t = {(t["target"], t["corpus"]): t for t in H.targets(rs)}[("70% owl: best of ours <= 0.75 x llmc-sparsegpt uniform", "shakespeare")]
+    key = ("70% owl: best of ours <= 0.75 x llmc-sparsegpt uniform", "shakespeare")
+    t = {(t["target"], t["corpus"]): t for t in H.targets(rs)}[key]
     assert t["value"] == pytest.approx(250.0 / 400.0) and t["status"] == "met" and t["detail"].startswith("wanda owl")
 
 
@@ -195,7 +196,8 @@ def test_timing_targets_compare_common_seeds_only():
     rs = [rec("sparsegpt", seed=2), rec("llmc-sparsegpt", seed=0)]
     t = {t["target"]: t for t in H.targets(rs)}["sparsegpt prune wall s <= 1 x llmc-sparsegpt (50%)"]
     assert t["status"] == "pending" and t["detail"] == "needs sparsegpt and llmc-sparsegpt on a common calibration seed"
-    assert {t["target"]: t for t in H.targets(rs)}["fista prune wall s <= 2 x sparsegpt (50%)"]["detail"] == "needs fista"
+    fista = {t["target"]: t for t in H.targets(rs)}["fista prune wall s <= 2 x sparsegpt (50%)"]
+    assert fista["detail"] == "needs fista"
 
 
 def test_our_rows_run_with_the_cli_defaults():
@@ -292,7 +294,8 @@ def test_harness_runs_rows_and_records_a_failing_peer(tiny_model_dir, tmp_path):
     md = results.with_suffix(".md").read_text()
     assert f"{n_windows} windows x 32 tokens" in md and "error: LeanmlError: peer python" in md
     assert results.with_suffix(".png").exists()
-    assert "| fista | uniform | leanml prune --method fista defaults; preset=None, lam=0.001, iters=10" in md  # by field name
+    # by field name
+    assert "| fista | uniform | leanml prune --method fista defaults; preset=None, lam=0.001, iters=10" in md
     # a second chunk merges: the dense record is kept, a new seed and an owl row are added
     bp.main([*common, "--methods", "magnitude", "--patterns", "60%", "--seeds", "1", "--profiles", "uniform,owl"])
     recs = json.loads(results.read_text())
@@ -340,7 +343,8 @@ def test_peer_runner_leaves_the_tied_head_alone_unless_misconfigured(tiny_model_
     kinds = {}
     for name, extra in (("default", []), ("bare", ["--ignore", "lm_head"])):
         out = tmp_path / name
-        subprocess.run([str(PEERS_PY), str(script), "--model", str(tiny_model_dir), "--calib", str(tmp_path / "calib.pt"),
+        subprocess.run([str(PEERS_PY), str(script), "--model", str(tiny_model_dir),
+                        "--calib", str(tmp_path / "calib.pt"),
                         "--method", "wanda", "--mask", "2:4", "--threads", "1", "--out", str(out), *extra],
                        check=True, capture_output=True, timeout=300)
         report = json.loads((out / "run.json").read_text())

@@ -18,7 +18,8 @@ def ev(hamlet: float, reviews: float, sparsity: float = 0.5) -> dict:
 
 def train(teacher: str, peak_mib: float = 300, budget_mib: float = 300, kd: float | None = None) -> dict:
     settings = {"steps": 150, "memory": "adacc", "lr": 1e-4, "kd_weight": 0.5}
-    return {"settings": settings, "budget_fraction": 0.5, "peak_bytes": peak_mib * MIB, "budget_bytes": budget_mib * MIB,
+    return {"settings": settings, "budget_fraction": 0.5, "peak_bytes": peak_mib * MIB,
+            "budget_bytes": budget_mib * MIB,
             "unoptimized_peak_bytes": 2 * budget_mib * MIB, "within_budget": peak_mib <= budget_mib,
             "train_seconds": 100.0, "teacher_seconds": 0.0 if teacher == "none" else 20.0, "median_step_s": 1.0,
             "train_cpu_seconds": 190.0, "load_before": [1.0], "command": "leanml recover ...", "kd_weight": kd}
@@ -81,7 +82,8 @@ def test_teacher_samples_setting_counts_its_sampling_time() -> None:
     b = load_bench_recover()
     d = data(70)
     for model in ("dense", "sgpt50", "fasp30"):
-        d["chunks"][f"train:{model}:mix"] = {**train("mix", kd=1.0), "teacher_samples": {"seconds": 30.0, "windows": 150}}
+        d["chunks"][f"train:{model}:mix"] = {**train("mix", kd=1.0),
+                                             "teacher_samples": {"seconds": 30.0, "windows": 150}}
     d["chunks"]["eval:rec-dense-mix"] = ev(41, 41, 0.0)
     d["chunks"]["eval:rec-sgpt50-mix"] = ev(47, 55)
     d["chunks"]["eval:rec-fasp30-mix"] = ev(44, 60, 0.05)

@@ -145,7 +145,8 @@ def test_speed_command_sparse_kernels_convert_only_the_24_models(tmp_path, capsy
     out = tmp_path / "speed.json"
     args = ["--device", "cpu", "--prompt-len", "8", "--gen-len", "2", "--repeats", "1", "--json", str(out)]
     with pytest.warns(UserWarning, match="the 2:4 model runs dense"):  # on the CPU
-        assert main(["speed", "--model", str(tmp_path / "dense"), str(tmp_path / "s24"), "--sparse-kernels", *args]) == 0
+        models = [str(tmp_path / "dense"), str(tmp_path / "s24")]
+        assert main(["speed", "--model", *models, "--sparse-kernels", *args]) == 0
     dense_rec, sparse_rec = json.loads(out.read_text())["models"]
     assert dense_rec["sparse_kernels"] is None and sparse_rec["sparse_kernels"]["dense"] == 14
     assert "dense: not 2:4 sparse, runs dense" in capsys.readouterr().out

@@ -190,7 +190,8 @@ def test_truncate_pad(rows, max_len, keep):
 
 def test_dict_join_and_filter(tmp_path):
     (tmp_path / "users.jsonl").write_text(
-        '{"uid": 1, "age": 30, "city": "Oslo"}\n{"uid": 5, "age": 41, "city": "Rome"}\n{"uid": 9, "age": 22, "city": null}\n')
+        '{"uid": 1, "age": 30, "city": "Oslo"}\n{"uid": 5, "age": 41, "city": "Rome"}\n'
+        '{"uid": 9, "age": 22, "city": null}\n')
     op = DictJoin(input="u", table="users.jsonl", key="uid", columns={"age": "age", "city": "city"},
                   defaults={"age": -1, "city": "?"}, found="hit")
     keys = np.array([5, 2, 1, 9, 5], dtype=np.int64)
@@ -223,7 +224,8 @@ def test_content_id_lookup(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"ad_id": pa.array([1], pa.int64()), "visual_ids": pa.array([[1, 2]])}), tmp_path / "bad.parquet")
+    pq.write_table(pa.table({"ad_id": pa.array([1], pa.int64()), "visual_ids": pa.array([[1, 2]])}),
+                   tmp_path / "bad.parquet")
     with pytest.raises(LeanmlError, match="metadata key 'M'"):
         ContentIdLookup(input="ad", output="v", table="bad.parquet").forward([q], OpContext(data_dir=tmp_path))
 

@@ -141,12 +141,14 @@ def test_training_stops_at_the_first_non_finite_loss(logs):
 
 
 def test_errors_reach_the_consumer(logs):
-    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=512), tables={"users": "nope.jsonl"})
+    cfg = ExtractConfig.build("movielens", [logs / "log.tsv"], PipelineOptions(batch_rows=512),
+                              tables={"users": "nope.jsonl"})
     with pytest.raises(LeanmlError, match="table 'users' not found"):
         list(Prefetcher(cfg))
     with pytest.raises(LeanmlError, match="prefetch 0: use a number >= 1"):
         Prefetcher(cfg, ProducerOptions(prefetch=0))
-    assert len(list(Extractor(ExtractConfig.build("movielens", [logs / "test.tsv"], PipelineOptions(batch_rows=300))))) == 4
+    test_cfg = ExtractConfig.build("movielens", [logs / "test.tsv"], PipelineOptions(batch_rows=300))
+    assert len(list(Extractor(test_cfg))) == 4
 
 
 def test_visual_graph_with_content_id_table(logs, tmp_path):

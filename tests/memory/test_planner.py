@@ -25,12 +25,15 @@ def _random_problem(rng: random.Random, n_layers: int, n_groups: int, n_opts: in
                                    rng.uniform(0.1, 5.0)))
             groups.append(opts)
         total = sum(g[0].keep for g in groups)
-        ck = Option("checkpoint", rng.uniform(5, 20), total * 1.1, rng.uniform(2.0, 12.0)) if rng.random() < 0.8 else None
+        ck = (Option("checkpoint", rng.uniform(5, 20), total * 1.1, rng.uniform(2.0, 12.0))
+              if rng.random() < 0.8 else None)
         # whole-layer alternatives (compiled blocks): may be faster than eager (negative time)
-        alts = [Option(f"compiled{k}", total * rng.uniform(0.1, 0.9), total * rng.uniform(0.0, 0.5), rng.uniform(-1.0, 6.0))
+        alts = [Option(f"compiled{k}", total * rng.uniform(0.1, 0.9), total * rng.uniform(0.0, 0.5),
+                       rng.uniform(-1.0, 6.0))
                 for k in range(alternatives)]
         layers.append(LayerSpec(groups, ck, alts))
-    post_opts = [Option("retain", rng.uniform(20, 60)), Option("c", rng.uniform(5, 15), rng.uniform(0, 30), 1.0)] if post else []
+    post_opts = ([Option("retain", rng.uniform(20, 60)), Option("c", rng.uniform(5, 15), rng.uniform(0, 30), 1.0)]
+                 if post else [])
     return Problem(layers, rng.uniform(0, 10), post_opts)
 
 

@@ -74,8 +74,8 @@ def test_profiler_waits_for_the_device_before_reading_the_clock() -> None:
 def test_adacc_and_training_loop_time_through_the_device_timer() -> None:
     model = tiny_llama()
     dev = FakeDevice(1.0)
-    runner = StrategyRunner(model, TrainConfig(strategy="adacc", budget=Budget.parse(0.7), steps=3, warmup=0, progress=False),
-                            timer=dev.timer())
+    cfg = TrainConfig(strategy="adacc", budget=Budget.parse(0.7), steps=3, warmup=0, progress=False)
+    runner = StrategyRunner(model, cfg, timer=dev.timer())
     runner.setup(IDS)
     assert runner.adacc is not None and runner.adacc.timer is runner.timer
     n_before = dev.log.count("sync")
@@ -97,8 +97,8 @@ def _oom(*args: object, **kwargs: object) -> None:
 
 @pytest.mark.parametrize("strategy", ["adacc", "checkpoint"])
 def test_out_of_memory_in_a_step_is_one_line_naming_the_fix(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
-    runner = StrategyRunner(tiny_llama(), TrainConfig(strategy=strategy, budget=Budget.parse(0.7), batch_size=2, steps=2,
-                                                      progress=False))
+    cfg = TrainConfig(strategy=strategy, budget=Budget.parse(0.7), batch_size=2, steps=2, progress=False)
+    runner = StrategyRunner(tiny_llama(), cfg)
     runner.setup(IDS)
     monkeypatch.setattr(runner, "_train_step", _oom)
     with pytest.raises(LeanmlError) as err:

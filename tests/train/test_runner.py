@@ -71,7 +71,8 @@ def test_runner_new_shape_replans_with_its_own_budget() -> None:
     budget of its own plan, and the re-planning time is counted in tokens/s."""
     torch.set_num_threads(1)
     model = tiny_llama()
-    r = StrategyRunner(model, TrainConfig(strategy="adacc", budget=Budget.parse(0.6), steps=3, warmup=0, progress=False))
+    cfg = TrainConfig(strategy="adacc", budget=Budget.parse(0.6), steps=3, warmup=0, progress=False)
+    r = StrategyRunner(model, cfg)
     r.setup(IDS)
     r.step(IDS)
     r.step(IDS[:, :16])
