@@ -84,7 +84,8 @@ def test_parse_device() -> None:
 
 
 def test_the_estimate_line_comes_once_after_the_first_unit(monkeypatch) -> None:
-    assert announce_eta("prune", 1, 30, 2.0, "layer") == "prune: 1 layer took 2.0 s; estimated 58 s for the rest (29 layers)"
+    expected = "prune: 1 layer took 2.0 s; estimated 58 s for the rest (29 layers)"
+    assert announce_eta("prune", 1, 30, 2.0, "layer") == expected
     assert announce_eta("x", 5, 5, 1.0, "step") is None
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
