@@ -294,7 +294,8 @@ def test_a_ctr_run_with_too_little_space_is_refused_before_its_save(tmp_path, mo
     model, builder, rep = run_ctr(data, items, CTRConfig(model="deepfm", features="visual", epochs=1), progress=False)
     monkeypatch.setattr(faults, "free_bytes", lambda path: 999)
     with pytest.raises(LeanmlError, match=rf"^not enough disk space for the CTR run in {tmp_path}: it needs about "
-                                          r"[\d.,]+ kB, 999 bytes free; free space there or choose another output folder$"):
+                                          r"[\d.,]+ kB, 999 bytes free; "
+                                          r"free space there or choose another output folder$"):
         save_ctr_run(tmp_path / "run", model, builder, rep)
     assert list(tmp_path.iterdir()) == []
 
@@ -308,7 +309,8 @@ def test_a_content_id_model_with_too_little_space_is_refused_before_its_save(tmp
     model = ContentIDModel(ContentIDConfig(kind="cnn", dim=16, m=4, k=8, width=4))
     monkeypatch.setattr(faults, "free_bytes", lambda path: 999)
     with pytest.raises(LeanmlError, match=rf"^not enough disk space for the content-ID model in {tmp_path}: it needs "
-                                          r"about [\d.,]+ kB, 999 bytes free; free space there or choose another output folder$"):
+                                          r"about [\d.,]+ kB, 999 bytes free; "
+                                          r"free space there or choose another output folder$"):
         save_content_model(model, tmp_path / "cid", {"note": "test"})
     assert list(tmp_path.iterdir()) == []
 
