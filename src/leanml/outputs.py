@@ -46,10 +46,11 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, flag: str | None =
     option the error names, a field name (default ``out``, shown as its flag on the command line) or a flag."""
     path = Path(out).expanduser()
     name, fields = _named(flag)
+    shown = path.absolute()  # an absolute path: a relative one named like the option would read as its flag
     if path.exists() and not path.is_dir():
-        raise LeanmlError(f"{name} {path} is a file, not a directory; choose another {name}", fields=fields)
+        raise LeanmlError(f"{name} {shown} is a file, not a directory; choose another {name}", fields=fields)
     if path.exists() and not overwrite:
-        raise LeanmlError(f"output directory {path} already exists; choose another {name} or pass overwrite",
+        raise LeanmlError(f"output directory {shown} already exists; choose another {name} or pass overwrite",
                           fields=(*fields, "overwrite"))
     check_writable(path.parent, flag)
     clean_stale(path)

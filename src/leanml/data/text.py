@@ -156,7 +156,10 @@ def detect_encoding(data: bytes) -> tuple[str, str]:
 
 
 def read_utf8(path: Path) -> str:
-    """A text file's contents, refusing (:class:`LeanmlError`) a file that is empty or not UTF-8."""
+    """A text file's contents, refusing (:class:`LeanmlError`) a file that is empty or not UTF-8. The
+    errors name it by its absolute path (an option's name, which the command line turns into its flag,
+    then never reads as part of it)."""
+    path = path.absolute()
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -167,13 +170,13 @@ def read_utf8(path: Path) -> str:
         encoding, why = detect_encoding(data)
         raise LeanmlError(
             f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}{why}); convert it "
-            f"first, e.g. iconv -f {encoding} -t utf-8 {path} > {path.with_suffix('.utf8.txt').name}"
+            f"first, e.g. iconv -f {encoding} -t utf-8 {path} > {path.with_suffix('.utf8.txt')}"
         ) from exc
     if "\x00" in text:  # ASCII text in UTF-16 or UTF-32 without a mark decodes as UTF-8 full of NULs
         encoding, why = detect_encoding(data)
         raise LeanmlError(
             f"{path} is not UTF-8 text (NUL bytes, first at offset {data.index(0)}{why}); convert it first, "
-            f"e.g. iconv -f {encoding} -t utf-8 {path} > {path.with_suffix('.utf8.txt').name}"
+            f"e.g. iconv -f {encoding} -t utf-8 {path} > {path.with_suffix('.utf8.txt')}"
         )
     if not text.strip():
         raise LeanmlError(f"{path} is empty; pass a text file with the corpus")

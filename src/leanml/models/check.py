@@ -278,15 +278,16 @@ def check_model_spec(spec: str, *, flag: str | None = None) -> None:
         return
     name, fields = _named(flag, "model")
     path = Path(spec).expanduser()
+    shown = path.absolute()  # an absolute path: a relative one named like the option would read as its flag
     if path.suffix == ".gguf" and not path.is_dir():
         if not path.is_file():
-            raise LeanmlError(f"{name} {path} does not exist; pass an existing .gguf, a directory saved by "
+            raise LeanmlError(f"{name} {shown} does not exist; pass an existing .gguf, a directory saved by "
                               "save_pretrained, or smollm2-135m", fields=fields)
         check_gguf(path)
         return
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise LeanmlError(f"{name} {path} is not a directory saved by Hugging Face save_pretrained "
+            raise LeanmlError(f"{name} {shown} is not a directory saved by Hugging Face save_pretrained "
                               "(no config.json)", fields=fields)
         for json_name in JSON_FILES:
             if (path / json_name).is_file():
@@ -294,18 +295,18 @@ def check_model_spec(spec: str, *, flag: str | None = None) -> None:
         config = read_json(path / "config.json")
         if not isinstance(config, dict):
             raise LeanmlError(f"{path / 'config.json'} is not a model config (not a JSON object)")
-        check_decoder_config(config, f"{name} {path}", fields)
+        check_decoder_config(config, f"{name} {shown}", fields)
         for f in weight_files(path):
             if f.suffix == ".safetensors":
                 check_safetensors(f)
             elif f.suffix == ".bin":
                 check_torch_bin(f)
         if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise LeanmlError(f"{name} {path} has no tokenizer files; save the tokenizer next to the weights",
+            raise LeanmlError(f"{name} {shown} has no tokenizer files; save the tokenizer next to the weights",
                               fields=fields)
         return
     if path.exists():
-        raise LeanmlError(f"{name} {path} is a file; pass a directory saved by save_pretrained, a .gguf file, "
+        raise LeanmlError(f"{name} {shown} is a file; pass a directory saved by save_pretrained, a .gguf file, "
                           "a hub id, or smollm2-135m", fields=fields)
     if looks_like_path(spec):
         # "model path X" reads better than "--model path X": the default names no flag here
