@@ -172,53 +172,9 @@ FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)")
 #: another program's command line inside a message: its flags are not ours
 FOREIGN = re.compile(r"\b(pip (install|download)|torchrun)\b")
 
-#: hard-coded flags in library messages today, per module (a message should name its field, or derive the
-#: flag from it, as features/jobs.py ``_flag`` does): shrink a count when a module's messages are fixed; a
-#: module over its count, or not listed, fails
-FLAG_LITERALS_PENDING: dict[str, int] = {
-    "leanml/ctr/content.py": 1,
-    "leanml/ctr/content_ids/config.py": 2,
-    "leanml/ctr/content_ids/trainer.py": 2,
-    "leanml/ctr/fields.py": 1,
-    "leanml/ctr/jobs.py": 11,
-    "leanml/ctr/options.py": 4,
-    "leanml/ctr/runs.py": 3,
-    "leanml/data/sampling.py": 2,
-    "leanml/data/text.py": 3,
-    "leanml/demo.py": 2,
-    "leanml/device.py": 1,
-    "leanml/eval/config.py": 4,
-    "leanml/eval/job.py": 2,
-    "leanml/eval/speed.py": 3,
-    "leanml/eval/tasks/runner.py": 8,
-    "leanml/features/options.py": 3,
-    "leanml/features/read/checks.py": 2,
-    "leanml/features/read/data.py": 3,
-    "leanml/finite.py": 2,
-    "leanml/locks.py": 1,
-    "leanml/memory/job.py": 1,
-    "leanml/models/check.py": 4,
-    "leanml/models/shards.py": 5,
-    "leanml/models/sparse.py": 1,
-    "leanml/outputs.py": 3,
-    "leanml/prune/config.py": 10,
-    "leanml/prune/cores/fasp.py": 6,
-    "leanml/prune/engine/allocation.py": 1,
-    "leanml/prune/engine/checkpoint.py": 13,
-    "leanml/prune/engine/shard_store.py": 2,
-    "leanml/prune/engine/walk.py": 2,
-    "leanml/prune/job.py": 6,
-    "leanml/prune/methods/baselines.py": 1,
-    "leanml/prune/methods/fasp.py": 7,
-    "leanml/prune/methods/fista.py": 1,
-    "leanml/prune/stream.py": 2,
-    "leanml/recover/api.py": 4,
-    "leanml/recover/config.py": 3,
-    "leanml/recover/job.py": 13,
-    "leanml/recover/source.py": 7,
-    "leanml/recover/teacher.py": 2,
-    "leanml/train/runner.py": 1,
-}
+#: hard-coded flags allowed in library messages, per module: none (a message names its field, with
+#: ``fields=`` on the error, or derives the flag with ``flags.flag_of``)
+FLAG_LITERALS_PENDING: dict[str, int] = {}
 
 
 def _flag_literals(root: Path) -> list[tuple[str, int, str]]:

@@ -54,8 +54,9 @@ class ConfigError(LeanmlError):
 
 
 def _mention(name: str) -> re.Pattern[str]:
-    """``name`` as a word of a message, not part of a path or a quoted value (``/tmp/report/x``, ``'out'``)."""
-    return re.compile(rf"(?<![\w\-/'\"]){re.escape(name)}(?![\w\-/'\"])")
+    """``name`` as a word of a message, not part of a path, a file name or a quoted value (``/tmp/report/x``,
+    ``a.out``, ``model.bin``, ``'out'``); a sentence's full stop after it is still a mention."""
+    return re.compile(rf"(?<![\w\-/'\".]){re.escape(name)}(?![\w\-/'\"]|\.\w)")
 
 
 def require(obj: Any, ok: bool, fields: str | tuple[str, ...], message: str) -> None:

@@ -111,3 +111,11 @@ def test_flag_of_names_the_negative_flag_of_a_boolean_field() -> None:
 
     assert flag_of(RecoverJob, "evaluate", negative=True) == "--no-eval"
     assert flag_of(FistaOptions, "precondition", "fista-", negative=True) == "--fista-no-precondition"  # declared
+
+
+def test_a_field_name_inside_a_file_name_is_not_rewritten() -> None:
+    from leanml.errors import LeanmlError
+
+    exc = LeanmlError("cannot write /tmp/a.out or out.bin or model/out; choose another out.", fields=("out",))
+    assert cli_message(exc, _flags("leanml prune")) == (
+        "cannot write /tmp/a.out or out.bin or model/out; choose another --out.")
