@@ -43,7 +43,8 @@ def test_feeding_and_collecting_batches_on_one_device_makes_no_copies():
 def test_the_report_splits_wall_time_into_solver_and_engine():
     report = prune_model(tiny_llama(seed=1, layers=3), IDS, SparseGPTPruner(), MaskSpec(0.5), progress=False)
     for lay in report["layers"]:
-        assert lay["solver_seconds"] == pytest.approx(lay["stats_seconds"] + lay["prune_seconds"] + lay["forward_seconds"])
+        assert lay["solver_seconds"] == pytest.approx(
+            lay["stats_seconds"] + lay["prune_seconds"] + lay["forward_seconds"])
         assert lay["seconds"] >= lay["solver_seconds"] > 0 and lay["engine_seconds"] >= 0
     assert report["solver_seconds"] == pytest.approx(sum(lay["solver_seconds"] for lay in report["layers"]))
     assert report["engine_seconds"] == pytest.approx(report["prune_seconds"] - report["solver_seconds"])

@@ -19,7 +19,8 @@ def _problem(m: int = 37, n: int = 24, N: int = 400, seed: int = 0, dtype: torch
     """Float64 by default: the comparison then sees the blocking, not the products' rounding (in float32
     a different matrix-product kernel on a short block can tip a tie in the restart test)."""
     g = torch.Generator().manual_seed(seed)
-    X = torch.randn(N, n, generator=g, dtype=torch.float64) * torch.exp(torch.randn(n, generator=g, dtype=torch.float64))
+    X = torch.randn(N, n, generator=g, dtype=torch.float64) * torch.exp(
+        torch.randn(n, generator=g, dtype=torch.float64))
     W = torch.randn(m, n, generator=g, dtype=torch.float64) * 0.1
     return W.to(dtype), (X.T @ X / N).to(dtype)
 

@@ -54,7 +54,8 @@ def llama():
 def test_fista_layer_error_not_above_sparsegpt(llama, pattern, warm):
     ids = calib()
     sgpt = copy.deepcopy(llama)
-    rep_s = prune_model(sgpt, ids, SparseGPTPruner(), MaskSpec(0.5, pattern, SparseGPTPruner.default_scope), progress=False)
+    rep_s = prune_model(sgpt, ids, SparseGPTPruner(), MaskSpec(0.5, pattern, SparseGPTPruner.default_scope),
+                        progress=False)
     fista = copy.deepcopy(llama)
     rep_f = prune_model(fista, ids, FistaPruner(warm_start=warm), MaskSpec(0.5, pattern), progress=False)
     for ls, lf in zip(rep_s["layers"], rep_f["layers"]):

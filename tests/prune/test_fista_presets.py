@@ -46,7 +46,8 @@ def test_the_dense_pass_only_when_the_target_needs_it():
 
 def _problem(m: int = 12, n: int = 24, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    X = torch.randn(300, n, generator=g, dtype=torch.float64) * torch.exp(torch.randn(n, generator=g, dtype=torch.float64))
+    X = torch.randn(300, n, generator=g, dtype=torch.float64) * torch.exp(
+        torch.randn(n, generator=g, dtype=torch.float64))
     W = torch.randn(m, n, generator=g, dtype=torch.float64)
     return W, X.T @ X / 300
 

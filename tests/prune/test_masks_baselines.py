@@ -141,7 +141,8 @@ def test_hinv_upper_factor_and_dead_inputs():
         hinv_upper(H, damp=-1)
 
 
-@pytest.mark.parametrize("specs", [[MaskSpec(0.5, scope="layer"), MaskSpec(0.3, scope="layer"), MaskSpec(0.6, scope="row")],
+@pytest.mark.parametrize("specs", [[MaskSpec(0.5, scope="layer"), MaskSpec(0.3, scope="layer"),
+                                    MaskSpec(0.6, scope="row")],
                                    [MaskSpec(pattern=(2, 4))] * 3])
 def test_one_sweep_over_a_group_equals_separate_sweeps(specs):
     torch.manual_seed(5)

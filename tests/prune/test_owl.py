@@ -38,7 +38,8 @@ def test_outlier_ratio_counts_scores_above_m_times_the_mean():
 def test_pre_pass_ratios_equal_direct_hooks_on_the_dense_model():
     model = tiny_family("llama")
     sq: dict[str, torch.Tensor] = {}
-    hooks = [lin.register_forward_pre_hook(lambda m, a, n=name: sq.__setitem__(n, sq.get(n, 0) + a[0].pow(2).sum((0, 1))))
+    hooks = [lin.register_forward_pre_hook(
+                 lambda m, a, n=name: sq.__setitem__(n, sq.get(n, 0) + a[0].pow(2).sum((0, 1))))
              for name, lin in model.named_modules() if isinstance(lin, torch.nn.Linear) and "layers" in name]
     with torch.no_grad():
         for start in range(0, 4, 2):
@@ -50,7 +51,8 @@ def test_pre_pass_ratios_equal_direct_hooks_on_the_dense_model():
         scores = [lin.weight.abs() * sq[f"model.layers.{i}.{n}"].sqrt() for n, lin in layer.named_modules()
                   if isinstance(lin, torch.nn.Linear)]
         expect.append(outlier_ratio(scores, 2.0))
-    sparsities, info = owl_layer_sparsities(model, CALIB, 0.6, adapter=get_adapter(model), batch_size=2, progress=False, m=2.0)
+    sparsities, info = owl_layer_sparsities(model, CALIB, 0.6, adapter=get_adapter(model), batch_size=2,
+                                            progress=False, m=2.0)
     assert info["outlier_ratios"] == pytest.approx(expect, rel=1e-5)
     assert sparsities == pytest.approx(owl_allocation(expect, 0.6, 0.08))
 

@@ -98,6 +98,7 @@ def test_two_process_torchrun_equals_single_process_for_every_method(tmp_path):
             assert [layer["rank"] for layer in report["layers"]] == [0, 1, 0]
             assert report["finalize"] == ref["finalize"], method  # parameter counts, widths, bias flags
             for got, want in zip(report["layers"], ref["layers"]):
-                assert abs(got["rel_output_error"] - want["rel_output_error"]) <= 1e-5 * max(1.0, want["rel_output_error"])
+                assert (abs(got["rel_output_error"] - want["rel_output_error"])
+                        <= 1e-5 * max(1.0, want["rel_output_error"]))
     finally:
         torch.set_num_threads(threads)
