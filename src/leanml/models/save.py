@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import nn
 
 from leanml.config import ConfigError
@@ -44,6 +45,14 @@ def save_model(
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return sizes
+
+
+def saved_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of ``model``'s tensors as saved: a tensor shared by several names (tied embeddings) once, the
+    floating ones at ``dtype`` when given (the save's dtype), else at their own."""
+    seen = {(t.data_ptr(), t.numel()): t for t in model.state_dict().values()}
+    return sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+               for t in seen.values())
 
 
 def decoder_linear_names(model: nn.Module) -> list[str]:

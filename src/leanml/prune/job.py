@@ -36,12 +36,6 @@ def measured_sparsity(model: torch.nn.Module, adapter: Any) -> float:
     return zeros / max(total, 1)
 
 
-def weights_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's tensors as saved (shared ones, e.g. tied embeddings, once)."""
-    seen = {(t.data_ptr(), t.numel()): t for t in model.state_dict().values()}
-    return sum(t.numel() * t.element_size() for t in seen.values())
-
-
 def peek_config(spec: str) -> dict[str, Any]:
     """``config.json`` of a local model directory as a dict (empty when there is none)."""
     path = Path(spec).expanduser() / "config.json"
@@ -153,6 +147,7 @@ def run_job(job: PruneJob) -> dict[str, Any] | None:
     from leanml.eval.job import check_seqlen, evaluate_text
     from leanml.models import count_parameters, load_model, parse_dtype
     from leanml.models.layout import get_adapter
+    from leanml.models.save import saved_bytes
     from leanml.models.saving import SaveSpec, save_pruned
     from leanml.prune import prune
 
@@ -166,7 +161,7 @@ def run_job(job: PruneJob) -> dict[str, Any] | None:
         model, tokenizer = load_model(job.model, dtype=parse_dtype(job.dtype))  # stays on the CPU
     adapter = get_adapter(model)
     check_seqlen(model, c.seqlen, c)
-    need = weights_bytes(model)
+    need = saved_bytes(model)
     if job.save_format == "safetensors" and rank == 0:  # before the work: the save needs about the weights' bytes
         check_space(out.parent, need, "the pruned model", "free space there or choose another out", ("out",))
     with Timer() as t_calib:

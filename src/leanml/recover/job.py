@@ -207,10 +207,9 @@ def _check_save_space(model: Any, save_dtype: str, out: Path) -> None:
     """Refuse before training when ``out``'s file system cannot hold the model at ``save_dtype``."""
     from leanml.faults import check_space
     from leanml.models import parse_dtype
+    from leanml.models.save import saved_bytes
 
-    size = parse_dtype(save_dtype).itemsize
-    seen = {(t.data_ptr(), t.numel()): t for t in model.state_dict().values()}  # tied tensors once
-    need = sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in seen.values())
+    need = saved_bytes(model, parse_dtype(save_dtype))
     check_space(out.parent, need, "the recovered model", "free space there or choose another output folder")
 
 
