@@ -196,7 +196,8 @@ def test_dense_input_cache_gives_the_partial_pass_statistics():
         def prune_group(self, group, stats, spec):
             W = {n: lin.weight.data.clone() for n, lin in group.linears.items()}
             seen.setdefault(self.budget, []).append(
-                (stats.C is not None, stats.H, {n: (stats.cross(n, w), stats.dense_energy(n, w)) for n, w in W.items()}))
+                (stats.C is not None, stats.H,
+                 {n: (stats.cross(n, w), stats.dense_energy(n, w)) for n, w in W.items()}))
             return super().prune_group(group, stats, spec)
 
     for budget in (2**31, 0):
@@ -216,7 +217,8 @@ def test_dense_input_cache_gives_the_partial_pass_statistics():
 
 def test_output_error_from_cross_product_equals_the_one_from_G():
     g = torch.Generator().manual_seed(0)
-    X, Xs = torch.randn(200, 16, generator=g, dtype=torch.float64), torch.randn(200, 16, generator=g, dtype=torch.float64)
+    X = torch.randn(200, 16, generator=g, dtype=torch.float64)
+    Xs = torch.randn(200, 16, generator=g, dtype=torch.float64)
     W = torch.randn(5, 16, generator=g, dtype=torch.float64)
     Wn = W * (torch.rand(5, 16, generator=g) > 0.5)
     H, G = Xs.T @ Xs / 200, X.T @ Xs / 200
