@@ -149,7 +149,8 @@ class _Negatable(argparse.Action):
         super().__init__([*option_strings, negative], dest, nargs=0, **kwargs)
         self.negative = negative
 
-    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
         setattr(namespace, self.dest, option_string != self.negative)
 
     def format_usage(self) -> str:
