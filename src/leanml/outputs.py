@@ -61,18 +61,18 @@ def check_writable(folder: str | os.PathLike, flag: str | None = None) -> None:
     """Raise :class:`LeanmlError` unless a file can be created in ``folder`` (or, when it does not exist
     yet, in its nearest existing ancestor). Probes with a real temporary file, so read-only mounts and
     immutable folders are found too; nothing is left behind. ``flag`` as in :func:`check_output_dir`."""
-    name, fields = _named(flag)
+    option, fields = _named(flag)
     folder = Path(folder).expanduser().absolute()
     probe_dir = folder
     while not probe_dir.exists():
         probe_dir = probe_dir.parent
     if not probe_dir.is_dir():
-        raise LeanmlError(f"{name}: {probe_dir} is a file, so {folder} cannot be created; choose another {name}",
+        raise LeanmlError(f"{option}: {probe_dir} is a file, so {folder} cannot be created; choose another {option}",
                           fields=fields)
     try:
         fd, name = tempfile.mkstemp(prefix=".leanml-probe-", dir=probe_dir)
     except OSError as exc:
-        raise LeanmlError(f"{name}: cannot write in {probe_dir} ({exc.strerror}); choose a writable {name}",
+        raise LeanmlError(f"{option}: cannot write in {probe_dir} ({exc.strerror}); choose a writable {option}",
                           fields=fields) from exc
     os.close(fd)
     os.unlink(name)
