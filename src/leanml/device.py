@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from leanml.errors import LeanmlError
+from leanml.errors import LeanmlError, option_fields
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +30,7 @@ def parse_device(arg: str | None, flag: str | None = None) -> torch.device:
     if arg is None:
         return default_device()
     name = flag or "device"
-    fields = () if name.startswith("-") else (name,)
+    fields = option_fields(name)
     try:
         device = torch.device(arg)
     except (RuntimeError, ValueError):

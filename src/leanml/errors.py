@@ -18,3 +18,9 @@ class LeanmlError(Exception):
         super().__init__(message, **kwargs)  # kwargs: a second base's (ModuleNotFoundError's name=)
         self.owner = owner
         self.fields = (fields,) if isinstance(fields, str) else tuple(fields)
+
+
+def option_fields(option: str) -> tuple[str, ...]:
+    """The ``fields`` of an error that names ``option``: a field name (shown as its flag on the command line)
+    is a field; a flag already written out (``--out``, from :func:`leanml.flags.flag_of`) is none."""
+    return () if option.startswith("-") else (option,)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from leanml.errors import LeanmlError
+from leanml.errors import LeanmlError, option_fields
 
 __all__ = ["NonFiniteError", "check_finite_grads", "check_finite_loss", "check_finite_step",
            "check_finite_tensors", "check_finite_weights", "first_bad_grad", "first_non_finite", "lr_hint",
@@ -161,7 +161,7 @@ def solver_error(solver: str, option: str, value: float, stats: torch.Tensor | N
                               "use dtype float32", fields=("dtype",))
     return NonFiniteError(f"{solver} failed{at}: {option} {value:g} makes the damped matrix overflow or lose "
                           f"positive definiteness; use a moderate {option} (the default is 0.01)",
-                          owner=owner, fields=() if option.startswith("-") else (option,))
+                          owner=owner, fields=option_fields(option))
 
 
 def check_finite_weights(named_tensors: Iterable[tuple[str, Any]], where: str) -> None:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from leanml.errors import LeanmlError
+from leanml.errors import LeanmlError, option_fields
 
 
 def lock_path(out: str | os.PathLike) -> Path:
@@ -71,7 +71,7 @@ def _acquire(path: Path, flag: str | None) -> int:
             out = path.with_name(path.name[1 : -len(".lock")])
             name = flag or "out"
             raise LeanmlError(f"another leanml run (pid {_owner(path)}) is writing {out}; wait for it to end or "
-                              f"choose another {name}", fields=() if name.startswith("-") else (name,)) from None
+                              f"choose another {name}", fields=option_fields(name)) from None
         except BaseException:
             os.close(fd)
             raise

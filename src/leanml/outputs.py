@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from leanml.errors import LeanmlError
+from leanml.errors import LeanmlError, option_fields
 
 
 def cache_dir() -> Path:
@@ -36,7 +36,7 @@ def _named(flag: str | None) -> tuple[str, tuple[str, ...]]:
     """The option a message names (``flag``: a flag, or a field name the command line shows as its flag;
     default the field ``out``) and the fields to give the error."""
     name = flag or "out"
-    return name, (() if name.startswith("-") else (name,))
+    return name, option_fields(name)
 
 
 def check_output_dir(out: str | os.PathLike, overwrite: bool, flag: str | None = None) -> Path:

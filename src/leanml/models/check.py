@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from leanml.errors import LeanmlError
+from leanml.errors import LeanmlError, option_fields
 from leanml.hub import hub_offline, hub_reachable
 from leanml.models.specs import BUNDLED, looks_like_path
 
@@ -265,7 +265,7 @@ def _named(flag: str | None, field: str) -> tuple[str, tuple[str, ...]]:
     """The option a message names (``flag``: a flag, or a field name the command line shows as its flag;
     default ``field``) and the fields to give the error."""
     name = flag or field
-    return name, (() if name.startswith("-") else (name,))
+    return name, option_fields(name)
 
 
 def check_model_spec(spec: str, *, flag: str | None = None) -> None:
